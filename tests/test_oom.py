@@ -1,0 +1,83 @@
+"""Out of memory through a user-supplied backend that refuses memory."""
+import pytest
+
+from unimem import OutOfMemoryError, _core
+from unimem.backends.pluggable import PluggableAllocator
+
+MiB = 1 << 20
+
+
+class Refusing:
+    """A device of ``capacity`` bytes that answers like a real driver."""
+
+    def __init__(self, capacity, refuse_with="zero"):
+        self.capacity, self.used, self.next = capacity, 0, 1 << 40
+        self.refuse_with = refuse_with
+        self.calls = []
+
+    def malloc(self, size, device, stream):
+        self.calls.append(("malloc", size))
+        if self.used + size > self.capacity:
+            if self.refuse_with == "raise":
+                raise MemoryError("device is full")
+            return 0
+        self.used += size
+        ptr, self.next = self.next, self.next + size
+        return ptr
+
+    def free(self, ptr, size, device, stream):
+        self.calls.append(("free", size))
+        self.used -= size
+
+
+@pytest.mark.parametrize("refuse_with", ["zero", "raise"])
+def test_retry_then_out_of_memory(refuse_with):
+    device = Refusing(100 * MiB, refuse_with)
+    a = _core.CachingAllocator(PluggableAllocator(device.malloc, device.free), 0)
+    keep = a.malloc(50 * MiB)
+    cached = a.malloc(30 * MiB)
+    a.free(cached)                           # 30 MiB cached
+    device.calls.clear()
+    # 40 MiB fits only once the cache is released: one retry, no OOM
+    got = a.malloc(40 * MiB)
+    assert device.calls == [("malloc", 40 * MiB), ("free", 30 * MiB), ("malloc", 40 * MiB)]
+    s = a.memory_stats()
+    assert (s["num_alloc_retries"], s["num_ooms"], s["num_sync_all_streams"]) == (1, 0, 1)
+    # 20 MiB can never fit: retry, then OutOfMemoryError, counted once
+    device.calls.clear()
+    with pytest.raises(OutOfMemoryError) as info:
+        a.malloc(20 * MiB)
+    assert device.calls == [("malloc", 20 * MiB), ("malloc", 20 * MiB)]
+    s = a.memory_stats()
+    assert (s["num_alloc_retries"], s["num_ooms"]) == (2, 1)
+    assert s["allocated_bytes.all.current"] == 90 * MiB
+    assert "unknown capacity" in str(info.value)      # no memory_info_fn was given
+    a._check_invariants()
+    a.free(keep)
+    a.free(got)
+    a.empty_cache()
+    assert device.used == 0
+
+
+def test_observers_see_each_oom():
+    device = Refusing(10 * MiB)
+    backend = PluggableAllocator(device.malloc, device.free,
+                                 memory_info_fn=lambda d: (device.capacity - device.used, device.capacity))
+    a = _core.CachingAllocator(backend, 0)
+    seen = []
+    a.add_oom_observer(lambda *args: seen.append(args))
+    with pytest.raises(OutOfMemoryError, match="total capacity of 10.00 MiB"):
+        a.malloc(12 * MiB)
+    assert seen == [(0, 12 * MiB, 0, 0, 10 * MiB)]
+
+
+def test_a_failing_observer_is_reported_and_does_not_hide_the_oom(monkeypatch):
+    import sys
+    reported = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda args: reported.append(args.exc_type))
+    device = Refusing(MiB)
+    a = _core.CachingAllocator(PluggableAllocator(device.malloc, device.free), 0)
+    a.add_oom_observer(lambda *args: 1 / 0)
+    with pytest.raises(OutOfMemoryError):
+        a.malloc(4 * MiB)
+    assert reported == [ZeroDivisionError]

@@ -1,0 +1,2292 @@
+# distutils: language = c++
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+# cython: initializedcheck=False, embedsignature=True
+"""The caching core: a backend-agnostic caching allocator over integer addresses.
+
+One :class:`CachingAllocator` serves one device through one raw-memory backend.
+It implements PyTorch's CUDA caching policy (see ``shared/design.md``):
+
+* requests are rounded to 512 bytes (or to power-of-two divisions when
+  ``roundup_power2_divisions`` asks for it);
+* rounded sizes up to 1 MiB come from the small pool, carved out of 2 MiB
+  segments; larger ones from the large pool (20 MiB segments under 10 MiB,
+  2 MiB-rounded segments above);
+* the best fit among free blocks of the same pool and stream is taken
+  (smallest size, then lowest address) and split when the rest is worth keeping;
+* freeing merges a block with its free neighbours of the same segment;
+* a miss asks the backend, then frees cached memory and retries, and only then
+  raises :class:`OutOfMemoryError`.
+
+The hot path (a cache hit and a free) is plain C under one lock: no Python
+object is touched. Everything that has to talk to Python (a backend written in
+Python, stream events, history hooks) is on the miss path.
+
+Why the free-block index looks the way it does: PyTorch keeps free blocks in a
+``std::set`` ordered by (size, address). We keep, per stream and pool, one
+*size class* per distinct block size (a min-heap of blocks by address), found in
+O(1) through a hash table, plus an ordered map of the sizes for the best fit
+when the exact size is not cached. The answer is the same block PyTorch would
+pick; an exact-size hit, the common case in training loops, costs no tree walk
+however many different sizes are cached.
+"""
+
+from cpython.ref cimport PyObject
+from cpython.pycapsule cimport PyCapsule_IsValid, PyCapsule_GetPointer
+from libc.stdint cimport uint64_t, int64_t, uintptr_t, INT64_MAX
+from libc.stdlib cimport malloc as sys_malloc, free as sys_free, calloc
+from libc.string cimport memset
+from libcpp.vector cimport vector
+from libcpp.map cimport map as cmap
+from libcpp.utility cimport pair
+
+from unimem.backends._capi cimport RawAllocatorAPI, RAW_OK, RAW_OUT_OF_MEMORY
+
+import atexit
+import collections
+import os
+import sys
+import threading
+import weakref
+
+cdef extern from "_csupport.hpp" nogil:
+    cppclass UMLock:
+        bint try_lock()
+        void lock()
+        void unlock()
+        void reset_after_fork()
+    int64_t um_now_ns()
+    int um_floor_log2(uint64_t x)
+    int UM_MAX_REGISTRIES
+    int um_current_device[16]
+
+
+# ---------------------------------------------------------------------------
+# The policy's constants (PyTorch's CUDACachingAllocator values)
+# ---------------------------------------------------------------------------
+cdef extern from *:
+    """
+    #define K_MIN_BLOCK ((size_t)512)            /* every size is a multiple of this */
+    #define K_SMALL_SIZE ((size_t)1048576)       /* largest small request: 1 MiB */
+    #define K_SMALL_BUFFER ((size_t)2097152)     /* small segments: 2 MiB */
+    #define K_LARGE_BUFFER ((size_t)20971520)    /* requests under 10 MiB get 20 MiB */
+    #define K_MIN_LARGE_ALLOC ((size_t)10485760)
+    #define K_ROUND_LARGE ((size_t)2097152)      /* larger segments round to 2 MiB */
+    #define K_ROUNDUP_INTERVALS 16               /* 1 MiB .. 64 GiB, one per power of 2 */
+    /* A request above this can never be served by a real device; it skips the
+       arithmetic (which would overflow) and goes straight to out-of-memory. */
+    #define MAX_REQUEST ((size_t)1 << 62)
+    """
+    const size_t K_MIN_BLOCK
+    const size_t K_SMALL_SIZE
+    const size_t K_SMALL_BUFFER
+    const size_t K_LARGE_BUFFER
+    const size_t K_MIN_LARGE_ALLOC
+    const size_t K_ROUND_LARGE
+    enum: K_ROUNDUP_INTERVALS
+    const size_t MAX_REQUEST
+
+MIN_BLOCK_SIZE = K_MIN_BLOCK
+SMALL_SIZE = K_SMALL_SIZE
+SMALL_BUFFER = K_SMALL_BUFFER
+LARGE_BUFFER = K_LARGE_BUFFER
+MIN_LARGE_ALLOC = K_MIN_LARGE_ALLOC
+ROUND_LARGE = K_ROUND_LARGE
+ROUNDUP_INTERVALS = K_ROUNDUP_INTERVALS
+MAX_REQUEST_SIZE = MAX_REQUEST
+
+cdef size_t SIZE_UNSET = <size_t>-1
+
+
+class OutOfMemoryError(MemoryError):
+    """Raised when a device allocation cannot be satisfied, even after the cache
+    was released (the analogue of ``torch.OutOfMemoryError``).
+
+    Attributes: ``device`` (the device index), ``requested`` (bytes asked),
+    ``capacity``, ``free``, ``allocated``, ``reserved`` (bytes, as reported
+    when the error was raised).
+    """
+
+    def __init__(self, message, device=None, requested=0, capacity=0, free=0,
+                 allocated=0, reserved=0):
+        super().__init__(message)
+        self.device = device
+        self.requested = requested
+        self.capacity = capacity
+        self.free = free
+        self.allocated = allocated
+        self.reserved = reserved
+
+
+# ---------------------------------------------------------------------------
+# Statistics
+# ---------------------------------------------------------------------------
+cdef struct Stat:
+    int64_t current
+    int64_t peak
+    int64_t allocated
+    int64_t freed
+
+cdef struct DurationStat:
+    int64_t total
+    int64_t max
+    int64_t min
+    int64_t count
+
+# Indices of the core statistics; each exists for all/small/large pools.
+cdef enum:
+    S_ALLOCATION = 0
+    S_SEGMENT
+    S_ACTIVE
+    S_INACTIVE_SPLIT
+    S_ALLOCATED_BYTES
+    S_RESERVED_BYTES
+    S_ACTIVE_BYTES
+    S_INACTIVE_SPLIT_BYTES
+    S_REQUESTED_BYTES
+    N_STATS
+
+cdef enum:
+    POOL_ALL = 0
+    POOL_SMALL = 1
+    POOL_LARGE = 2
+
+cdef struct DeviceStats:
+    Stat core[N_STATS][3]
+    Stat oversize_allocations
+    Stat oversize_segments
+    int64_t num_alloc_retries
+    int64_t num_ooms
+    int64_t num_sync_all_streams
+    int64_t num_device_alloc
+    int64_t num_device_free
+    DurationStat device_alloc_time
+    DurationStat device_free_time
+
+cdef inline void stat_increase(Stat* s, int64_t amount) noexcept nogil:
+    s.current += amount
+    if s.current > s.peak:
+        s.peak = s.current
+    s.allocated += amount
+
+cdef inline void stat_decrease(Stat* s, int64_t amount) noexcept nogil:
+    s.current -= amount
+    s.freed += amount
+
+cdef inline void pool_increase(DeviceStats* st, int which, bint is_small, int64_t amount) noexcept nogil:
+    stat_increase(&st.core[which][POOL_ALL], amount)
+    stat_increase(&st.core[which][POOL_SMALL if is_small else POOL_LARGE], amount)
+
+cdef inline void pool_decrease(DeviceStats* st, int which, bint is_small, int64_t amount) noexcept nogil:
+    stat_decrease(&st.core[which][POOL_ALL], amount)
+    stat_decrease(&st.core[which][POOL_SMALL if is_small else POOL_LARGE], amount)
+
+cdef inline void duration_add(DurationStat* d, int64_t amount) noexcept nogil:
+    d.total += amount
+    d.count += 1
+    if amount > d.max:
+        d.max = amount
+    if d.min == 0 or amount < d.min:
+        d.min = amount
+
+cdef inline void stat_reset_peak(Stat* s) noexcept nogil:
+    s.peak = s.current
+
+cdef inline void stat_reset_accumulated(Stat* s) noexcept nogil:
+    s.allocated = 0
+    s.freed = 0
+
+
+# The flat key names of memory_stats(), in PyTorch's spelling. The order of
+# _STAT_KEYS is the order in which _stat_values() produces the numbers;
+# memory_stats() returns them sorted by key, as torch does.
+_CORE_STAT_NAMES = ("allocation", "segment", "active", "inactive_split",
+                    "allocated_bytes", "reserved_bytes", "active_bytes",
+                    "inactive_split_bytes", "requested_bytes")
+_POOL_NAMES = ("all", "small_pool", "large_pool")
+_METRICS = ("current", "peak", "allocated", "freed")
+
+
+def _build_stat_keys():
+    keys = []
+    for name in _CORE_STAT_NAMES:
+        for pool in _POOL_NAMES:
+            for metric in _METRICS:
+                keys.append(f"{name}.{pool}.{metric}")
+    for name in ("oversize_allocations", "oversize_segments"):
+        for metric in _METRICS:
+            keys.append(f"{name}.{metric}")
+    keys += ["num_alloc_retries", "num_ooms", "num_sync_all_streams",
+             "num_device_alloc", "num_device_free", "max_split_size"]
+    # The seeds (and torch's Python docs) call the allocation count
+    # "allocated"; PyTorch's C++ core emits "allocation". Both are served.
+    for pool in _POOL_NAMES:
+        for metric in _METRICS:
+            keys.append(f"allocated.{pool}.{metric}")
+    return tuple(keys)
+
+
+_STAT_KEYS = _build_stat_keys()
+_SORTED_ORDER = tuple(sorted(range(len(_STAT_KEYS)), key=lambda i: _STAT_KEYS[i]))
+_SORTED_KEYS = tuple(_STAT_KEYS[i] for i in _SORTED_ORDER)
+cdef int N_STAT_VALUES = len(_STAT_KEYS)
+cdef int N_CORE_VALUES = N_STATS * 3 * 4
+
+
+# ---------------------------------------------------------------------------
+# Blocks and segments
+# ---------------------------------------------------------------------------
+cdef struct Segment
+
+cdef struct Block:
+    uintptr_t ptr
+    size_t size
+    size_t requested_size
+    uintptr_t stream               # the stream the block was allocated on
+    Block* prev                    # neighbours inside the same segment
+    Block* next
+    Segment* segment
+    vector[uintptr_t]* stream_uses # other streams that used it (record_stream)
+    int64_t gc_count_base          # pool's get_free_block count when it was freed
+    size_t heap_pos                # position in its size class while free
+    int event_count                # outstanding stream events before reuse
+    bint allocated
+    bint is_small
+
+cdef struct Segment:
+    uintptr_t base
+    size_t size
+    uintptr_t stream
+    bint is_small
+    Block* head
+    Segment* prev_seg              # the allocator's list of all segments
+    Segment* next_seg
+
+
+# A pool of Block structs: splitting and merging on the hot path must not call
+# malloc/free. Blocks are recycled through a singly linked free list.
+cdef struct BlockSlab:
+    Block* free_list
+
+cdef inline Block* block_new(BlockSlab* slab) noexcept nogil:
+    cdef Block* b = slab.free_list
+    if b != NULL:
+        slab.free_list = b.next
+    else:
+        b = <Block*>sys_malloc(sizeof(Block))
+        if b == NULL:
+            return NULL
+    memset(b, 0, sizeof(Block))
+    return b
+
+cdef inline void block_delete(BlockSlab* slab, Block* b) noexcept nogil:
+    if b.stream_uses != NULL:
+        del b.stream_uses
+        b.stream_uses = NULL
+    b.next = slab.free_list
+    slab.free_list = b
+
+cdef void slab_destroy(BlockSlab* slab) noexcept nogil:
+    cdef Block* b = slab.free_list
+    cdef Block* n
+    while b != NULL:
+        n = b.next
+        sys_free(b)
+        b = n
+    slab.free_list = NULL
+
+
+# ---------------------------------------------------------------------------
+# An open-addressing hash table from non-zero 64-bit keys to pointers.
+# Used for address -> allocated block and size -> size class.
+# ---------------------------------------------------------------------------
+cdef struct U64Map:
+    uint64_t* keys
+    void** vals
+    size_t mask
+    size_t count
+    int shift
+
+cdef inline size_t um_slot(const U64Map* m, uint64_t key) noexcept nogil:
+    return <size_t>((key * <uint64_t>0x9E3779B97F4A7C15) >> m.shift)
+
+cdef int um_init(U64Map* m, size_t capacity_log2) noexcept nogil:
+    cdef size_t cap = (<size_t>1) << capacity_log2
+    m.keys = <uint64_t*>calloc(cap, sizeof(uint64_t))
+    m.vals = <void**>calloc(cap, sizeof(void*))
+    if m.keys == NULL or m.vals == NULL:
+        sys_free(m.keys)
+        sys_free(m.vals)
+        m.keys = NULL
+        m.vals = NULL
+        return -1
+    m.mask = cap - 1
+    m.count = 0
+    m.shift = 64 - <int>capacity_log2
+    return 0
+
+cdef void um_destroy(U64Map* m) noexcept nogil:
+    sys_free(m.keys)
+    sys_free(m.vals)
+    m.keys = NULL
+    m.vals = NULL
+    m.count = 0
+
+cdef inline void* um_find(const U64Map* m, uint64_t key) noexcept nogil:
+    cdef size_t i = um_slot(m, key)
+    cdef uint64_t k
+    while True:
+        k = m.keys[i]
+        if k == key:
+            return m.vals[i]
+        if k == 0:
+            return NULL
+        i = (i + 1) & m.mask
+
+cdef inline void um_put_unchecked(U64Map* m, uint64_t key, void* val) noexcept nogil:
+    cdef size_t i = um_slot(m, key)
+    while m.keys[i] != 0 and m.keys[i] != key:
+        i = (i + 1) & m.mask
+    if m.keys[i] == 0:
+        m.count += 1
+        m.keys[i] = key
+    m.vals[i] = val
+
+cdef int um_reserve(U64Map* m, size_t wanted) noexcept nogil:
+    """Make room for ``wanted`` entries at a load of at most one half."""
+    if wanted * 2 <= m.mask + 1:
+        return 0
+    cdef U64Map bigger
+    cdef size_t log2 = 64 - m.shift
+    while ((<size_t>1) << log2) < wanted * 2:
+        log2 += 1
+    if um_init(&bigger, log2) != 0:
+        return -1
+    cdef size_t i
+    for i in range(m.mask + 1):
+        if m.keys[i] != 0:
+            um_put_unchecked(&bigger, m.keys[i], m.vals[i])
+    um_destroy(m)
+    m[0] = bigger
+    return 0
+
+cdef inline int um_put(U64Map* m, uint64_t key, void* val) noexcept nogil:
+    if um_reserve(m, m.count + 1) != 0:
+        return -1
+    um_put_unchecked(m, key, val)
+    return 0
+
+cdef void* um_pop(U64Map* m, uint64_t key) noexcept nogil:
+    """Remove ``key`` and return its value (NULL when absent).
+
+    Backward-shift deletion keeps probe sequences intact without tombstones,
+    so lookups stay short however many frees happen.
+    """
+    cdef size_t i = um_slot(m, key)
+    cdef size_t j, home
+    cdef void* val
+    while True:
+        if m.keys[i] == key:
+            break
+        if m.keys[i] == 0:
+            return NULL
+        i = (i + 1) & m.mask
+    val = m.vals[i]
+    j = i
+    while True:
+        j = (j + 1) & m.mask
+        if m.keys[j] == 0:
+            break
+        home = um_slot(m, m.keys[j])
+        # Move the entry at j back to the hole at i unless its home lies
+        # cyclically in (i, j].
+        if (i <= j and (home <= i or home > j)) or (i > j and home <= i and home > j):
+            m.keys[i] = m.keys[j]
+            m.vals[i] = m.vals[j]
+            i = j
+    m.keys[i] = 0
+    m.vals[i] = NULL
+    m.count -= 1
+    return val
+
+
+# ---------------------------------------------------------------------------
+# The free-block index of one pool (small or large) of one stream.
+# ---------------------------------------------------------------------------
+cdef cppclass SizeClass:
+    size_t size
+    vector[Block*] heap            # a min-heap of free blocks by address
+
+cdef cppclass FreeIndex:
+    cmap[size_t, SizeClass*] classes   # every size class, ordered by size
+    U64Map by_size                     # size -> SizeClass*, for O(1) exact hits
+    size_t n_blocks
+    size_t n_empty_classes
+    int64_t get_free_blocks_call_count # for garbage collection ages
+    bint is_small
+
+cdef inline bint addr_less(Block* a, Block* b) noexcept nogil:
+    return a.ptr < b.ptr
+
+cdef void heap_sift_up(vector[Block*]* h, size_t i) noexcept nogil:
+    cdef Block* item = h[0][i]
+    cdef size_t parent
+    while i > 0:
+        parent = (i - 1) >> 1
+        if not addr_less(item, h[0][parent]):
+            break
+        h[0][i] = h[0][parent]
+        h[0][i].heap_pos = i
+        i = parent
+    h[0][i] = item
+    item.heap_pos = i
+
+cdef void heap_sift_down(vector[Block*]* h, size_t i) noexcept nogil:
+    cdef size_t n = h.size()
+    cdef Block* item = h[0][i]
+    cdef size_t child
+    while True:
+        child = 2 * i + 1
+        if child >= n:
+            break
+        if child + 1 < n and addr_less(h[0][child + 1], h[0][child]):
+            child += 1
+        if not addr_less(h[0][child], item):
+            break
+        h[0][i] = h[0][child]
+        h[0][i].heap_pos = i
+        i = child
+    h[0][i] = item
+    item.heap_pos = i
+
+cdef inline void heap_push(SizeClass* sc, Block* b) noexcept nogil:
+    sc.heap.push_back(b)
+    heap_sift_up(&sc.heap, sc.heap.size() - 1)
+
+cdef inline void heap_remove(SizeClass* sc, Block* b) noexcept nogil:
+    cdef size_t i = b.heap_pos
+    cdef Block* last = sc.heap.back()
+    sc.heap.pop_back()
+    if last == b:
+        return
+    sc.heap[i] = last
+    last.heap_pos = i
+    heap_sift_up(&sc.heap, i)
+    heap_sift_down(&sc.heap, last.heap_pos)
+
+cdef FreeIndex* fi_new(bint is_small) noexcept nogil:
+    cdef FreeIndex* fi = new FreeIndex()
+    if um_init(&fi.by_size, 6) != 0:
+        del fi
+        return NULL
+    fi.n_blocks = 0
+    fi.n_empty_classes = 0
+    fi.get_free_blocks_call_count = 0
+    fi.is_small = is_small
+    return fi
+
+cdef void fi_delete(FreeIndex* fi) noexcept nogil:
+    cdef pair[size_t, SizeClass*] entry
+    for entry in fi.classes:
+        del entry.second
+    um_destroy(&fi.by_size)
+    del fi
+
+cdef extern from *:
+    """
+    template <class It> static inline auto um_second(It it) { return it->second; }
+    template <class It> static inline It um_next(It it) { return ++it; }
+    """
+    SizeClass* um_second(cmap[size_t, SizeClass*].iterator it) nogil
+    cmap[size_t, SizeClass*].iterator um_next(cmap[size_t, SizeClass*].iterator it) nogil
+
+cdef void fi_sweep_empty(FreeIndex* fi) noexcept nogil:
+    """Drop size classes that have stayed empty (they are kept for a while so
+    that an alloc/free pair of one size does not create and destroy one)."""
+    cdef cmap[size_t, SizeClass*].iterator it = fi.classes.begin()
+    cdef SizeClass* sc
+    while it != fi.classes.end():
+        sc = um_second(it)
+        if sc.heap.empty():
+            um_pop(&fi.by_size, sc.size)
+            del sc
+            it = fi.classes.erase(it)
+        else:
+            it = um_next(it)
+    fi.n_empty_classes = 0
+
+cdef int fi_insert(FreeIndex* fi, Block* b) noexcept nogil:
+    """Add a free block. Returns -1 (and changes nothing) when out of host memory."""
+    cdef SizeClass* sc = <SizeClass*>um_find(&fi.by_size, b.size)
+    if sc == NULL:
+        if um_reserve(&fi.by_size, fi.by_size.count + 1) != 0:
+            return -1
+        sc = new SizeClass()
+        sc.size = b.size
+        fi.classes[b.size] = sc
+        um_put_unchecked(&fi.by_size, b.size, sc)
+    elif sc.heap.empty():
+        fi.n_empty_classes -= 1
+    heap_push(sc, b)
+    b.gc_count_base = fi.get_free_blocks_call_count
+    fi.n_blocks += 1
+    return 0
+
+cdef void fi_remove(FreeIndex* fi, Block* b) noexcept nogil:
+    cdef SizeClass* sc = <SizeClass*>um_find(&fi.by_size, b.size)
+    heap_remove(sc, b)
+    fi.n_blocks -= 1
+    if sc.heap.empty():
+        fi.n_empty_classes += 1
+        if fi.n_empty_classes > 64 and fi.n_empty_classes > 2 * (fi.classes.size() - fi.n_empty_classes):
+            fi_sweep_empty(fi)
+
+cdef Block* fi_best_fit(FreeIndex* fi, size_t size) noexcept nogil:
+    """The smallest free block of at least ``size`` bytes, lowest address first."""
+    cdef SizeClass* sc = <SizeClass*>um_find(&fi.by_size, size)
+    if sc != NULL and not sc.heap.empty():
+        return sc.heap[0]
+    if fi.n_blocks == 0:
+        return NULL
+    cdef cmap[size_t, SizeClass*].iterator it = fi.classes.upper_bound(size)
+    while it != fi.classes.end():
+        sc = um_second(it)
+        if not sc.heap.empty():
+            return sc.heap[0]
+        it = um_next(it)
+    return NULL
+
+
+# The free indexes of one stream.
+cdef struct StreamPools:
+    uintptr_t stream
+    FreeIndex* small
+    FreeIndex* large
+
+
+# ---------------------------------------------------------------------------
+# Trace events for memory history (recorded only while a hook is installed)
+# ---------------------------------------------------------------------------
+cdef enum TraceAction:
+    T_ALLOC = 0
+    T_FREE_REQUESTED
+    T_FREE_COMPLETED
+    T_SEGMENT_ALLOC
+    T_SEGMENT_FREE
+    T_OOM
+
+TRACE_ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc",
+                 "segment_free", "oom")
+
+cdef struct TraceEvent:
+    int action
+    uintptr_t addr
+    size_t size
+    uintptr_t stream
+    int64_t time_ns
+
+
+# Every allocator alive, so that fork handlers can repair their locks.
+_live_allocators = weakref.WeakSet()
+
+# C-level globals: module attributes are torn down during interpreter
+# finalization, when allocators may still be collected.
+cdef bint _exiting = False
+cdef object _is_finalizing = sys.is_finalizing
+
+
+def _mark_exiting():
+    global _exiting
+    _exiting = True
+
+
+atexit.register(_mark_exiting)
+
+
+cdef bint _interpreter_exiting():
+    if _exiting:
+        return True
+    try:
+        return _is_finalizing()
+    except BaseException:
+        return True
+
+
+cdef class CachingAllocator:
+    """A caching allocator for one device over a raw-memory backend.
+
+    Args:
+        backend: the raw memory provider (see :mod:`unimem.backends.base`).
+        device (int): the device index this allocator serves.
+        max_split_size (int, optional): blocks of at least this many bytes are
+            never split ("oversize"). Default: unlimited.
+        max_non_split_rounding (int): an oversize request may take a cached
+            block at most this much larger. Default: 20 MiB.
+        roundup_power2_divisions (sequence of 16 ints, optional): per
+            power-of-two interval from 1 MiB to 64 GiB, how many divisions a
+            request is rounded to (0 or 1: plain 512-byte rounding).
+        garbage_collection_threshold (float): with a memory fraction set, free
+            old cached blocks once reserved memory passes this share of it.
+    """
+
+    cdef readonly object backend
+    cdef readonly int device
+    cdef readonly str device_name
+    cdef object _py_malloc
+    cdef object _py_free
+    cdef RawAllocatorAPI _raw
+    cdef bint _has_raw
+
+    # policy
+    cdef size_t max_split_size
+    cdef size_t max_non_split_rounding
+    cdef size_t roundup_divisions[K_ROUNDUP_INTERVALS]
+    cdef double gc_threshold
+    cdef double fraction
+    cdef bint set_fraction
+    cdef size_t allowed_memory_maximum
+    cdef size_t capacity                  # the device's total memory, 0 if unknown
+
+    # state
+    cdef UMLock lock
+    cdef DeviceStats stats
+    cdef size_t total_allocated_memory    # bytes held from the backend
+    cdef U64Map active                    # address -> allocated Block
+    cdef vector[StreamPools] streams
+    cdef size_t last_stream_index
+    cdef Segment* segments                # doubly linked list of all segments
+    cdef size_t n_segments
+    cdef BlockSlab slab
+    cdef list pending_events              # [(event, block address)], stream-ordered frees
+    cdef size_t n_pending_events
+
+    # history and observers
+    cdef bint recording
+    cdef vector[TraceEvent] trace_buffer
+    cdef object trace_hook
+    cdef list oom_observers
+    cdef bint poisoned
+    cdef str poison_reason
+    cdef object __weakref__
+
+    def __cinit__(self):
+        self.segments = NULL
+        self.slab.free_list = NULL
+        self.active.keys = NULL
+        self.active.vals = NULL
+
+    def __init__(self, backend, int device=0, *, max_split_size=None,
+                 max_non_split_rounding=K_LARGE_BUFFER,
+                 roundup_power2_divisions=None,
+                 double garbage_collection_threshold=0.0):
+        if backend is None:
+            raise TypeError("a backend is required")
+        self.backend = backend
+        self.device = device
+        self.device_name = str(getattr(backend, "name", type(backend).__name__))
+        self._py_malloc = backend.malloc
+        self._py_free = backend.free
+        self._has_raw = False
+        raw = getattr(backend, "_raw_api", None)
+        if raw is not None and PyCapsule_IsValid(raw, b"unimem.RawAllocatorAPI"):
+            self._raw = (<RawAllocatorAPI*>PyCapsule_GetPointer(raw, b"unimem.RawAllocatorAPI"))[0]
+            self._has_raw = True
+
+        if max_split_size is None:
+            self.max_split_size = SIZE_UNSET
+        else:
+            if max_split_size < K_LARGE_BUFFER:
+                raise ValueError(f"max_split_size must be at least {K_LARGE_BUFFER} bytes (20 MiB), got {max_split_size}")
+            self.max_split_size = max_split_size
+        if max_non_split_rounding < K_LARGE_BUFFER:
+            raise ValueError(f"max_non_split_rounding must be at least {K_LARGE_BUFFER} bytes (20 MiB)")
+        self.max_non_split_rounding = max_non_split_rounding
+        cdef int i
+        if roundup_power2_divisions is None:
+            divisions = [0] * K_ROUNDUP_INTERVALS
+        else:
+            divisions = list(roundup_power2_divisions)
+            if len(divisions) != K_ROUNDUP_INTERVALS:
+                raise ValueError(f"roundup_power2_divisions needs {K_ROUNDUP_INTERVALS} values, got {len(divisions)}")
+        for i in range(K_ROUNDUP_INTERVALS):
+            d = divisions[i]
+            if d < 0 or (d & (d - 1)) != 0:
+                raise ValueError(f"roundup_power2_divisions must be powers of 2 (or 0), got {d}")
+            self.roundup_divisions[i] = d
+        if not (0.0 <= garbage_collection_threshold < 1.0):
+            raise ValueError("garbage_collection_threshold must be in [0.0, 1.0)")
+        self.gc_threshold = garbage_collection_threshold
+
+        self.fraction = 1.0
+        self.set_fraction = False
+        self.capacity = 0
+        memset(&self.stats, 0, sizeof(DeviceStats))
+        self.total_allocated_memory = 0
+        if um_init(&self.active, 10) != 0:
+            raise MemoryError("cannot allocate the allocator's tables")
+        self.last_stream_index = 0
+        self.n_segments = 0
+        self.pending_events = []
+        self.n_pending_events = 0
+        self.recording = False
+        self.trace_hook = None
+        self.oom_observers = []
+        self.poisoned = False
+        self.poison_reason = None
+        _live_allocators.add(self)
+
+    def __dealloc__(self):
+        # Wholly free segments go back to the backend. Segments with live
+        # blocks are left alone: raw addresses from malloc() may still be in
+        # use. At interpreter exit nothing is returned at all (the process is
+        # ending, and the device runtime may already be shutting down).
+        cdef Segment* seg = self.segments
+        cdef Segment* nxt
+        cdef Block* b
+        cdef Block* bn
+        cdef size_t k
+        cdef bint give_back = not self.poisoned and not _interpreter_exiting()
+        while seg != NULL:
+            nxt = seg.next_seg
+            if give_back and self._segment_is_free(seg):
+                try:
+                    self._backend_free(seg.base, seg.size, seg.stream)
+                except BaseException as exc:
+                    _report_unraisable(exc, "unimem allocator teardown")
+            b = seg.head
+            while b != NULL:
+                bn = b.next
+                if b.stream_uses != NULL:
+                    del b.stream_uses
+                sys_free(b)
+                b = bn
+            sys_free(seg)
+            seg = nxt
+        self.segments = NULL
+        for k in range(self.streams.size()):
+            fi_delete(self.streams[k].small)
+            fi_delete(self.streams[k].large)
+        self.streams.clear()
+        um_destroy(&self.active)
+        slab_destroy(&self.slab)
+
+    # ------------------------------------------------------------------
+    # locking: never wait for the allocator lock while holding the GIL
+    # ------------------------------------------------------------------
+    cdef inline void _lock(self):
+        if not self.lock.try_lock():
+            with nogil:
+                self.lock.lock()
+
+    cdef inline void _unlock(self) noexcept nogil:
+        self.lock.unlock()
+
+    # ------------------------------------------------------------------
+    # policy helpers (PyTorch's round_size / get_allocation_size / should_split)
+    # ------------------------------------------------------------------
+    cdef inline size_t _round_size(self, size_t size) noexcept nogil:
+        if size < K_MIN_BLOCK:
+            return K_MIN_BLOCK
+        cdef int log_size = um_floor_log2(size)
+        cdef int index = log_size - 20 if log_size > 20 else 0
+        if index > K_ROUNDUP_INTERVALS - 1:
+            index = K_ROUNDUP_INTERVALS - 1
+        cdef size_t divisions = self.roundup_divisions[index]
+        if divisions > 1 and size > K_MIN_BLOCK * divisions:
+            return roundup_power2_next_division(size, divisions)
+        return (size + K_MIN_BLOCK - 1) & ~(<size_t>(K_MIN_BLOCK - 1))
+
+    cdef inline bint _should_split(self, Block* b, size_t size) noexcept nogil:
+        cdef size_t remaining = b.size - size
+        if b.is_small:
+            return remaining >= K_MIN_BLOCK
+        return size < self.max_split_size and remaining > K_SMALL_SIZE
+
+    cdef inline bint _gc_enabled(self) noexcept nogil:
+        return self.set_fraction and self.gc_threshold > 0.0
+
+    # ------------------------------------------------------------------
+    # stream pools
+    # ------------------------------------------------------------------
+    cdef FreeIndex* _pool(self, uintptr_t stream, bint is_small) noexcept nogil:
+        """The free index of (stream, pool), created on first use; NULL when
+        host memory for it cannot be had."""
+        cdef size_t i = self.last_stream_index
+        cdef size_t n = self.streams.size()
+        if i < n and self.streams[i].stream == stream:
+            return self.streams[i].small if is_small else self.streams[i].large
+        for i in range(n):
+            if self.streams[i].stream == stream:
+                self.last_stream_index = i
+                return self.streams[i].small if is_small else self.streams[i].large
+        cdef StreamPools sp
+        sp.stream = stream
+        sp.small = fi_new(True)
+        sp.large = fi_new(False)
+        if sp.small == NULL or sp.large == NULL:
+            if sp.small != NULL:
+                fi_delete(sp.small)
+            if sp.large != NULL:
+                fi_delete(sp.large)
+            return NULL
+        self.streams.push_back(sp)
+        self.last_stream_index = n
+        return sp.small if is_small else sp.large
+
+    cdef inline FreeIndex* _pool_of(self, Block* b) noexcept nogil:
+        # The pool of a block that exists always exists.
+        return self._pool(b.stream, b.is_small)
+
+    # ------------------------------------------------------------------
+    # the hot path
+    # ------------------------------------------------------------------
+    cdef Block* _get_free_block(self, FreeIndex* fi, size_t size) noexcept nogil:
+        if self._gc_enabled():
+            fi.get_free_blocks_call_count += 1
+        cdef Block* b = fi_best_fit(fi, size)
+        if b == NULL:
+            return NULL
+        # An oversize block is never handed to a normal request, and an
+        # oversize request takes a cached block only if it wastes little.
+        if size < self.max_split_size and b.size >= self.max_split_size:
+            return NULL
+        if size >= self.max_split_size and b.size >= size + self.max_non_split_rounding:
+            return NULL
+        fi_remove(fi, b)
+        return b
+
+    cdef Block* _alloc_found_block(self, Block* block, FreeIndex* fi, size_t size,
+                                   size_t orig_size, Block* spare) noexcept nogil:
+        """Hand out ``block`` (already taken off the free index) for a request
+        of ``size`` rounded bytes. ``spare`` is a pre-allocated Block for the
+        split remainder; it is returned to the slab when not needed."""
+        cdef DeviceStats* st = &self.stats
+        cdef bint is_small = block.is_small
+        cdef bint already_split = block.prev != NULL or block.next != NULL
+        cdef Block* remaining
+        if self._should_split(block, size):
+            # The front part is handed out; the rest stays free.
+            remaining = spare
+            remaining.ptr = block.ptr + size
+            remaining.size = block.size - size
+            remaining.stream = block.stream
+            remaining.segment = block.segment
+            remaining.is_small = is_small
+            remaining.allocated = False
+            remaining.prev = block
+            remaining.next = block.next
+            if block.next != NULL:
+                block.next.prev = remaining
+            block.next = remaining
+            block.size = size
+            fi_insert(fi, remaining)   # cannot fail: the class map was reserved
+            if already_split:
+                pool_decrease(st, S_INACTIVE_SPLIT_BYTES, is_small, size)
+            else:
+                pool_increase(st, S_INACTIVE_SPLIT_BYTES, is_small, remaining.size)
+                pool_increase(st, S_INACTIVE_SPLIT, is_small, 1)
+        else:
+            block_delete(&self.slab, spare)
+            if already_split:
+                pool_decrease(st, S_INACTIVE_SPLIT_BYTES, is_small, block.size)
+                pool_decrease(st, S_INACTIVE_SPLIT, is_small, 1)
+        block.allocated = True
+        block.requested_size = orig_size
+        um_put_unchecked(&self.active, block.ptr, block)
+        pool_increase(st, S_ALLOCATION, is_small, 1)
+        pool_increase(st, S_ALLOCATED_BYTES, is_small, block.size)
+        pool_increase(st, S_ACTIVE, is_small, 1)
+        pool_increase(st, S_ACTIVE_BYTES, is_small, block.size)
+        pool_increase(st, S_REQUESTED_BYTES, is_small, orig_size)
+        if block.size >= self.max_split_size:
+            stat_increase(&st.oversize_allocations, 1)
+        if self.recording:
+            self._trace(T_ALLOC, block.ptr, block.size, block.stream)
+        return block
+
+    cdef int _reserve_for_alloc(self, FreeIndex* fi) noexcept nogil:
+        """Reserve what handing out one block may need, so that nothing can
+        fail half-way: one more active entry and one more size class."""
+        if um_reserve(&self.active, self.active.count + 1) != 0:
+            return -1
+        if um_reserve(&fi.by_size, fi.by_size.count + 1) != 0:
+            return -1
+        return 0
+
+    cdef Block* _malloc_cached(self, size_t orig_size, uintptr_t stream, int* status) noexcept nogil:
+        """A cache hit, or NULL. ``status`` is set to -1 when host memory for the
+        allocator's own bookkeeping ran out. Lock held."""
+        cdef size_t size = self._round_size(orig_size)
+        cdef bint is_small = size <= K_SMALL_SIZE
+        cdef FreeIndex* fi = self._pool(stream, is_small)
+        status[0] = 0
+        if fi == NULL or self._reserve_for_alloc(fi) != 0:
+            status[0] = -1
+            return NULL
+        cdef Block* spare = block_new(&self.slab)
+        if spare == NULL:
+            status[0] = -1
+            return NULL
+        cdef Block* b = self._get_free_block(fi, size)
+        if b == NULL:
+            block_delete(&self.slab, spare)
+            return NULL
+        return self._alloc_found_block(b, fi, size, orig_size, spare)
+
+    cdef inline void _trace(self, int action, uintptr_t addr, size_t size, uintptr_t stream) noexcept nogil:
+        cdef TraceEvent ev
+        ev.action = action
+        ev.addr = addr
+        ev.size = size
+        ev.stream = stream
+        ev.time_ns = um_now_ns()
+        self.trace_buffer.push_back(ev)
+
+    # ------------------------------------------------------------------
+    # the miss path (may call Python)
+    # ------------------------------------------------------------------
+    cdef int _backend_malloc(self, size_t size, uintptr_t stream, uintptr_t* out) except -1:
+        """Ask the backend for ``size`` bytes. 0: got it; 1: out of memory."""
+        cdef int rc
+        cdef int64_t t0 = um_now_ns()
+        out[0] = 0
+        if self._has_raw:
+            with nogil:
+                rc = self._raw.malloc(self._raw.ctx, size, self.device, stream, out)
+            if rc == RAW_OK and out[0] != 0:
+                duration_add(&self.stats.device_alloc_time, (um_now_ns() - t0) // 1000)
+                return 0
+            if rc == RAW_OUT_OF_MEMORY:
+                return 1
+            # Anything else: let the Python method explain itself below.
+        try:
+            ptr = self._py_malloc(size, self.device, stream)
+        except MemoryError:
+            return 1
+        if ptr is None or ptr == 0:
+            return 1
+        try:
+            out[0] = ptr
+        except (TypeError, OverflowError):
+            # The memory (if any) cannot be described, so it cannot be given back.
+            raise TypeError(f"backend malloc must return an address as a positive int, got {ptr!r}") from None
+        duration_add(&self.stats.device_alloc_time, (um_now_ns() - t0) // 1000)
+        return 0
+
+    cdef int _backend_free(self, uintptr_t ptr, size_t size, uintptr_t stream) except -1:
+        cdef int rc
+        cdef int64_t t0 = um_now_ns()
+        if self._has_raw:
+            with nogil:
+                rc = self._raw.free(self._raw.ctx, ptr, size, self.device, stream)
+            if rc == RAW_OK:
+                duration_add(&self.stats.device_free_time, (um_now_ns() - t0) // 1000)
+                return 0
+        self._py_free(ptr, size, self.device, stream)
+        duration_add(&self.stats.device_free_time, (um_now_ns() - t0) // 1000)
+        return 0
+
+    cdef Block* _alloc_block(self, size_t alloc_size, uintptr_t stream, bint is_small,
+                             bint is_retry) except? NULL:
+        """A new segment from the backend (PyTorch's alloc_block), or NULL."""
+        if is_retry:
+            self.stats.num_alloc_retries += 1
+        if self.set_fraction and self.total_allocated_memory + alloc_size > self.allowed_memory_maximum:
+            return NULL
+        cdef Segment* seg = <Segment*>sys_malloc(sizeof(Segment))
+        cdef Block* b = block_new(&self.slab)
+        if seg == NULL or b == NULL:
+            sys_free(seg)
+            if b != NULL:
+                block_delete(&self.slab, b)
+            raise MemoryError("host memory for the allocator's bookkeeping ran out")
+        cdef uintptr_t ptr = 0
+        cdef int rc
+        try:
+            rc = self._backend_malloc(alloc_size, stream, &ptr)
+        except BaseException:
+            sys_free(seg)
+            block_delete(&self.slab, b)
+            raise
+        if rc != 0:
+            sys_free(seg)
+            block_delete(&self.slab, b)
+            return NULL
+        seg.base = ptr
+        seg.size = alloc_size
+        seg.stream = stream
+        seg.is_small = is_small
+        seg.head = b
+        seg.prev_seg = NULL
+        seg.next_seg = self.segments
+        if self.segments != NULL:
+            self.segments.prev_seg = seg
+        self.segments = seg
+        self.n_segments += 1
+        b.ptr = ptr
+        b.size = alloc_size
+        b.stream = stream
+        b.segment = seg
+        b.is_small = is_small
+        self.total_allocated_memory += alloc_size
+        pool_increase(&self.stats, S_SEGMENT, is_small, 1)
+        pool_increase(&self.stats, S_RESERVED_BYTES, is_small, alloc_size)
+        if alloc_size >= self.max_split_size:
+            stat_increase(&self.stats.oversize_segments, 1)
+        self.stats.num_device_alloc += 1
+        if self.recording:
+            self._trace(T_SEGMENT_ALLOC, ptr, alloc_size, stream)
+        return b
+
+    cdef int _release_segment(self, Segment* seg) except -1:
+        """Give a wholly free, unsplit segment back to the backend (PyTorch's
+        release_block). It leaves the free index first, so that nothing can
+        take it while the backend (maybe Python) runs; if the backend fails it
+        goes back, unchanged, and the error propagates."""
+        cdef Block* b = seg.head
+        cdef FreeIndex* fi = self._pool_of(b)
+        fi_remove(fi, b)
+        try:
+            self._backend_free(seg.base, seg.size, seg.stream)
+        except BaseException:
+            fi_insert(fi, b)     # its size class still exists: cannot fail
+            raise
+        self.stats.num_device_free += 1
+        self.total_allocated_memory -= seg.size
+        pool_decrease(&self.stats, S_SEGMENT, seg.is_small, 1)
+        pool_decrease(&self.stats, S_RESERVED_BYTES, seg.is_small, seg.size)
+        if seg.size >= self.max_split_size:
+            stat_decrease(&self.stats.oversize_segments, 1)
+        if self.recording:
+            self._trace(T_SEGMENT_FREE, seg.base, seg.size, seg.stream)
+        if seg.prev_seg != NULL:
+            seg.prev_seg.next_seg = seg.next_seg
+        else:
+            self.segments = seg.next_seg
+        if seg.next_seg != NULL:
+            seg.next_seg.prev_seg = seg.prev_seg
+        self.n_segments -= 1
+        block_delete(&self.slab, b)
+        sys_free(seg)
+        return 0
+
+    cdef inline bint _segment_is_free(self, Segment* seg) noexcept nogil:
+        cdef Block* b = seg.head
+        return (b.next == NULL and not b.allocated and b.event_count == 0
+                and b.stream_uses == NULL)
+
+    cdef int _release_segments(self, bint only_large, bint has_stream, uintptr_t stream,
+                               size_t min_size) except -1:
+        """Release every wholly free segment matching the filter. The first
+        backend error is raised after the others were tried."""
+        cdef vector[Segment*] victims
+        cdef Segment* seg = self.segments
+        while seg != NULL:
+            if (self._segment_is_free(seg) and not (only_large and seg.is_small)
+                    and not (has_stream and seg.stream != stream) and seg.size >= min_size):
+                victims.push_back(seg)
+            seg = seg.next_seg
+        first_error = None
+        for seg in victims:
+            # A finalizer run by a Python backend may have re-used it meanwhile.
+            if not self._segment_is_free(seg):
+                continue
+            try:
+                self._release_segment(seg)
+            except Exception as exc:
+                if first_error is None:
+                    first_error = exc
+        if first_error is not None:
+            raise first_error
+        return 0
+
+    cdef bint _release_available_cached_blocks(self, size_t size, uintptr_t stream) except -1:
+        """With max_split_size set (PyTorch's release_available_cached_blocks):
+        free the smallest cached oversize block of the stream that is big
+        enough, or else the stream's oversize blocks, largest first, until
+        as much as was asked has been released."""
+        if self.max_split_size == SIZE_UNSET:
+            return False
+        cdef size_t key = size if size >= self.max_split_size else self.max_split_size
+        cdef Segment* seg = self.segments
+        cdef Segment* best = NULL
+        candidates = []
+        while seg != NULL:
+            if (not seg.is_small and seg.stream == stream and self._segment_is_free(seg)
+                    and seg.size >= self.max_split_size):
+                candidates.append((seg.size, seg.base, <uintptr_t>seg))
+                if seg.size >= key and (best == NULL or (seg.size, seg.base) < (best.size, best.base)):
+                    best = seg
+            seg = seg.next_seg
+        if best != NULL:
+            self._release_segment(best)
+            return True
+        cdef size_t released = 0
+        for seg_size, _, seg_addr in sorted(candidates, reverse=True):
+            if released >= key:
+                break
+            released += seg_size
+            self._release_segment(<Segment*><uintptr_t>seg_addr)
+        return released >= key
+
+    cdef int _garbage_collect(self) except -1:
+        """Free cached large blocks that have waited longest (PyTorch's
+        garbage_collect_cached_blocks), until reserved memory is back under
+        garbage_collection_threshold × the allowed maximum."""
+        cdef size_t gc_threshold = <size_t>(self.gc_threshold * <double>self.allowed_memory_maximum)
+        if self.total_allocated_memory <= gc_threshold:
+            return 0
+        cdef size_t target = self.total_allocated_memory - gc_threshold
+        cdef size_t reclaimed = 0
+        cdef double total_age = 0.0
+        cdef int64_t count = 0
+        cdef Segment* seg = self.segments
+        cdef vector[Segment*] freeable
+        while seg != NULL:
+            if not seg.is_small and self._segment_is_free(seg):
+                freeable.push_back(seg)
+                total_age += <double>self._gc_age(seg.head)
+                count += 1
+            seg = seg.next_seg
+        cdef bint freed_one = True
+        cdef double threshold
+        cdef size_t i
+        while reclaimed < target and freed_one and count > 0:
+            threshold = total_age / count
+            freed_one = False
+            for i in range(freeable.size()):
+                seg = freeable[i]
+                if seg == NULL:
+                    continue
+                if <double>self._gc_age(seg.head) >= threshold:
+                    freed_one = True
+                    reclaimed += seg.size
+                    total_age -= <double>self._gc_age(seg.head)
+                    count -= 1
+                    freeable[i] = NULL
+                    self._release_segment(seg)
+        return 0
+
+    cdef inline int64_t _gc_age(self, Block* b) noexcept nogil:
+        return self._pool_of(b).get_free_blocks_call_count - b.gc_count_base
+
+    cdef Block* _malloc_slow(self, size_t orig_size, uintptr_t stream, bint* oom) except? NULL:
+        """Everything after a cache miss, in PyTorch's order. Lock held."""
+        cdef size_t size = self._round_size(orig_size)
+        cdef bint is_small = size <= K_SMALL_SIZE
+        cdef size_t alloc_size
+        if is_small:
+            alloc_size = K_SMALL_BUFFER
+        elif size < K_MIN_LARGE_ALLOC:
+            alloc_size = K_LARGE_BUFFER
+        else:
+            alloc_size = (size + K_ROUND_LARGE - 1) // K_ROUND_LARGE * K_ROUND_LARGE
+        cdef FreeIndex* fi = self._pool(stream, is_small)
+        cdef Block* b
+        cdef Block* spare
+        oom[0] = False
+        # Reserve the bookkeeping first, so that nothing fails after the
+        # backend handed memory over.
+        if fi == NULL or self._reserve_for_alloc(fi) != 0:
+            raise MemoryError("host memory for the allocator's bookkeeping ran out")
+        # A request no device of this size can ever hold does not flush the cache.
+        if (self.capacity and alloc_size > self.capacity) or (
+                self.set_fraction and alloc_size > self.allowed_memory_maximum):
+            oom[0] = True
+            return NULL
+        spare = block_new(&self.slab)
+        if spare == NULL:
+            raise MemoryError("host memory for the allocator's bookkeeping ran out")
+        try:
+            if self._gc_enabled():
+                self._garbage_collect()
+            b = self._alloc_block(alloc_size, stream, is_small, False)
+            if b == NULL and self._release_available_cached_blocks(size, stream):
+                b = self._alloc_block(alloc_size, stream, is_small, False)
+            if b == NULL:
+                self._synchronize_and_free_events()
+                self._release_segments(False, False, 0, 0)
+                b = self._alloc_block(alloc_size, stream, is_small, True)
+        except BaseException:
+            block_delete(&self.slab, spare)
+            raise
+        if b == NULL:
+            block_delete(&self.slab, spare)
+            oom[0] = True
+            return NULL
+        # A Python backend may have run finalizers that freed blocks and grew
+        # the tables meanwhile; the reservation is cheap to repeat.
+        if self._reserve_for_alloc(fi) != 0:
+            fi_insert(fi, b)
+            block_delete(&self.slab, spare)
+            raise MemoryError("host memory for the allocator's bookkeeping ran out")
+        return self._alloc_found_block(b, fi, size, orig_size, spare)
+
+    # ------------------------------------------------------------------
+    # freeing
+    # ------------------------------------------------------------------
+    cdef size_t _try_merge(self, Block* dst, Block* src, FreeIndex* fi) noexcept nogil:
+        if src == NULL or src.allocated or src.event_count > 0 or src.stream_uses != NULL:
+            return 0
+        fi_remove(fi, src)
+        if dst.prev == src:
+            dst.ptr = src.ptr
+            dst.prev = src.prev
+            if dst.prev != NULL:
+                dst.prev.next = dst
+            else:
+                dst.segment.head = dst
+        else:
+            dst.next = src.next
+            if dst.next != NULL:
+                dst.next.prev = dst
+        cdef size_t subsumed = src.size
+        dst.size += subsumed
+        block_delete(&self.slab, src)
+        return subsumed
+
+    cdef void _free_block(self, Block* b) noexcept nogil:
+        """Return a block whose uses are over to its pool, merged with free
+        neighbours (PyTorch's free_block)."""
+        cdef DeviceStats* st = &self.stats
+        cdef FreeIndex* fi = self._pool_of(b)
+        cdef size_t original_size = b.size
+        cdef size_t requested = b.requested_size
+        cdef int64_t net_blocks = 0
+        cdef int64_t net_bytes = 0
+        cdef size_t subsumed
+        cdef bint is_small = b.is_small
+        if self.recording:
+            self._trace(T_FREE_COMPLETED, b.ptr, b.size, b.stream)
+        subsumed = self._try_merge(b, b.prev, fi)
+        if subsumed:
+            net_blocks -= 1
+            net_bytes -= <int64_t>subsumed
+        subsumed = self._try_merge(b, b.next, fi)
+        if subsumed:
+            net_blocks -= 1
+            net_bytes -= <int64_t>subsumed
+        b.requested_size = 0
+        fi_insert(fi, b)   # the block's size class was reserved or exists
+        if b.prev != NULL or b.next != NULL:
+            net_blocks += 1
+            net_bytes += <int64_t>b.size
+        if net_blocks > 0:
+            pool_increase(st, S_INACTIVE_SPLIT, is_small, net_blocks)
+        elif net_blocks < 0:
+            pool_decrease(st, S_INACTIVE_SPLIT, is_small, -net_blocks)
+        if net_bytes > 0:
+            pool_increase(st, S_INACTIVE_SPLIT_BYTES, is_small, net_bytes)
+        elif net_bytes < 0:
+            pool_decrease(st, S_INACTIVE_SPLIT_BYTES, is_small, -net_bytes)
+        pool_decrease(st, S_ACTIVE, is_small, 1)
+        pool_decrease(st, S_ACTIVE_BYTES, is_small, original_size)
+        pool_decrease(st, S_REQUESTED_BYTES, is_small, requested)
+
+    cdef inline int _reserve_class(self, Block* b) noexcept nogil:
+        """Room for the size class a freed (merged) block may need."""
+        cdef FreeIndex* fi = self._pool_of(b)
+        return um_reserve(&fi.by_size, fi.by_size.count + 1)
+
+    cdef int _free_fast(self, uintptr_t ptr) noexcept nogil:
+        """Free an allocated block without stream uses. 0: done; 1: unknown
+        pointer; 2: the block needs the slow path (stream events); 3: no host
+        memory for the bookkeeping. Lock held."""
+        cdef Block* b = <Block*>um_find(&self.active, ptr)
+        if b == NULL:
+            return 1
+        if b.stream_uses != NULL:
+            return 2
+        if self._reserve_class(b) != 0:
+            return 3
+        um_pop(&self.active, ptr)
+        self._account_free_request(b)
+        self._free_block(b)
+        return 0
+
+    cdef inline void _account_free_request(self, Block* b) noexcept nogil:
+        b.allocated = False
+        pool_decrease(&self.stats, S_ALLOCATION, b.is_small, 1)
+        pool_decrease(&self.stats, S_ALLOCATED_BYTES, b.is_small, b.size)
+        if b.size >= self.max_split_size:
+            stat_decrease(&self.stats.oversize_allocations, 1)
+        if self.recording:
+            self._trace(T_FREE_REQUESTED, b.ptr, b.size, b.stream)
+
+    cdef int _free_with_events(self, uintptr_t ptr) except -1:
+        """Free a block used on other streams: record an event on each, and
+        keep the block out of the pool until all of them have completed."""
+        cdef Block* b = <Block*>um_find(&self.active, ptr)
+        cdef size_t i
+        events = []
+        try:
+            for i in range(b.stream_uses.size()):
+                events.append(self.backend.record_event(b.stream_uses[0][i], self.device))
+        except BaseException:
+            # Nothing was committed: the block stays allocated, the caller may retry.
+            raise
+        um_pop(&self.active, ptr)
+        self._account_free_request(b)
+        del b.stream_uses
+        b.stream_uses = NULL
+        b.event_count = len(events)
+        for ev in events:
+            self.pending_events.append((ev, <uintptr_t>b))
+        self.n_pending_events = len(self.pending_events)
+        if b.event_count == 0:
+            self._free_block(b)
+        return 0
+
+    cdef int _process_events(self) except -1:
+        """Blocks whose recorded stream work has finished go back to the pool."""
+        cdef Block* b
+        query = self.backend.event_done
+        pending = self.pending_events
+        still_pending = []
+        try:
+            for i in range(len(pending)):
+                ev, addr = pending[i]
+                if not query(ev):
+                    still_pending.append(pending[i])
+                    continue
+                b = <Block*><uintptr_t>addr
+                if b.event_count == 1 and self._reserve_class(b) != 0:
+                    still_pending.append(pending[i])
+                    continue
+                b.event_count -= 1
+                if b.event_count == 0:
+                    self._free_block(b)
+        except BaseException:
+            still_pending.extend(pending[i + 1:])
+            raise
+        finally:
+            self.pending_events = still_pending
+            self.n_pending_events = len(still_pending)
+        return 0
+
+    cdef int _synchronize_and_free_events(self) except -1:
+        """Wait for every recorded stream event, then free their blocks
+        (PyTorch's synchronize_and_free_events; counted in num_sync_all_streams)."""
+        cdef Block* b
+        cdef size_t done = 0
+        self.stats.num_sync_all_streams += 1
+        pending = self.pending_events
+        if not pending:
+            return 0
+        sync = self.backend.event_synchronize
+        try:
+            for ev, addr in pending:
+                sync(ev)
+                b = <Block*><uintptr_t>addr
+                if b.event_count == 1 and self._reserve_class(b) != 0:
+                    raise MemoryError("host memory for the allocator's bookkeeping ran out")
+                done += 1
+                b.event_count -= 1
+                if b.event_count == 0:
+                    self._free_block(b)
+        finally:
+            self.pending_events = pending[done:]
+            self.n_pending_events = len(self.pending_events)
+        return 0
+
+    # ------------------------------------------------------------------
+    # after the lock: history and out-of-memory reporting
+    # ------------------------------------------------------------------
+    cdef void _flush_trace(self):
+        """Hand recorded events to the history hook, outside the lock."""
+        if self.trace_buffer.empty():
+            return
+        cdef vector[TraceEvent] events
+        self._lock()
+        events.swap(self.trace_buffer)
+        hook = self.trace_hook
+        self._unlock()
+        if hook is None:
+            return
+        try:
+            hook([(TRACE_ACTIONS[e.action], e.addr, e.size, e.stream, e.time_ns) for e in events])
+        except BaseException as exc:
+            _report_unraisable(exc, "unimem history hook")
+
+    cdef object _out_of_memory(self, object requested):
+        """Build (and report) the OutOfMemoryError for a failed request."""
+        self._lock()
+        self.stats.num_ooms += 1
+        allocated = self.stats.core[S_ALLOCATED_BYTES][POOL_ALL].current
+        reserved = self.stats.core[S_RESERVED_BYTES][POOL_ALL].current
+        if self.recording:
+            self._trace(T_OOM, 0, min(requested, <object>INT64_MAX), 0)
+        observers = list(self.oom_observers)
+        fraction_info = ""
+        if self.set_fraction:
+            fraction_info = f" {format_size(self.allowed_memory_maximum)} allowed by the memory fraction;"
+        self._unlock()
+        self._flush_trace()
+        try:
+            free, total = self.backend.memory_info(self.device)
+        except Exception:
+            free, total = None, (self.capacity or None)
+        capacity_text = (f"has a total capacity of {format_size(total)} of which "
+                         f"{format_size(free)} is free." if total is not None and free is not None
+                         else "has an unknown capacity.")
+        message = (
+            f"{self.device_name} out of memory. Tried to allocate {format_size(requested)}. "
+            f"{self.device_name} device {self.device} {capacity_text}{fraction_info} "
+            f"Of the allocated memory {format_size(allocated)} is allocated by unimem, "
+            f"and {format_size(reserved - allocated)} is reserved by unimem but unallocated "
+            f"(cached; {format_size(reserved)} reserved in all)."
+        )
+        error = OutOfMemoryError(message, device=self.device, requested=requested,
+                                 capacity=total or 0, free=free or 0,
+                                 allocated=allocated, reserved=reserved)
+        for observer in observers:
+            try:
+                observer(self.device, requested, allocated, reserved, free)
+            except BaseException as exc:
+                _report_unraisable(exc, "unimem out-of-memory observer")
+        return error
+
+    cdef int _check_usable(self) except -1:
+        if self.poisoned:
+            raise RuntimeError(self.poison_reason)
+        return 0
+
+    # ------------------------------------------------------------------
+    # the typed entry points (every Python-facing call ends here)
+    # ------------------------------------------------------------------
+    cdef uintptr_t c_malloc(self, size_t size, uintptr_t stream) except? 0:
+        """Allocate ``size`` bytes on ``stream``; 0 for size 0. Raises on failure."""
+        cdef Block* b
+        cdef int status
+        cdef bint oom = False
+        if size == 0:
+            return 0
+        if self.poisoned:
+            self._check_usable()
+        if self.n_pending_events:
+            self.process_events()
+        self._lock()
+        b = self._malloc_cached(size, stream, &status)
+        if b != NULL:
+            self._unlock()
+            if self.recording:
+                self._flush_trace()
+            return b.ptr
+        try:
+            if status != 0:
+                raise MemoryError("host memory for the allocator's bookkeeping ran out")
+            b = self._malloc_slow(size, stream, &oom)
+        finally:
+            self._unlock()
+            if self.recording:
+                self._flush_trace()
+        if oom:
+            raise self._out_of_memory(size)
+        return b.ptr
+
+    cdef int _try_free(self, uintptr_t ptr) except -1:
+        """Free a live block. Returns 1 (changing nothing) for an address this
+        allocator does not hold."""
+        cdef int rc
+        self._lock()
+        rc = self._free_fast(ptr)
+        if rc >= 2:
+            try:
+                if rc == 3:
+                    raise MemoryError("host memory for the allocator's bookkeeping ran out")
+                self._free_with_events(ptr)
+                rc = 0
+            finally:
+                self._unlock()
+                if self.recording:
+                    self._flush_trace()
+            return rc
+        self._unlock()
+        if self.recording:
+            self._flush_trace()
+        return rc
+
+    cdef int c_free(self, uintptr_t ptr) except -1:
+        """Free a pointer from c_malloc. Unknown pointers raise ValueError."""
+        if ptr == 0:
+            return 0
+        if self._try_free(ptr) == 1:
+            raise ValueError(
+                f"pointer {ptr:#x} was not allocated by this {self.device_name} "
+                f"allocator (device {self.device}), or was already freed")
+        return 0
+
+    cdef bint c_owns(self, uintptr_t ptr) noexcept:
+        self._lock()
+        cdef bint found = um_find(&self.active, ptr) != NULL
+        self._unlock()
+        return found
+
+    def _time_hot_path(self, size, Py_ssize_t pairs, stream=0):
+        """Time ``pairs`` malloc+free pairs of ``size`` bytes through the typed
+        entry points, with no Python in between; returns nanoseconds per pair.
+        (For the benchmarks: the cost of the core itself.)"""
+        cdef size_t n = _check_size(size)
+        cdef uintptr_t s = _check_stream(stream)
+        cdef Py_ssize_t i
+        cdef uintptr_t p
+        self.c_free(self.c_malloc(n, s))          # make sure the size is cached
+        cdef int64_t t0 = um_now_ns()
+        for i in range(pairs):
+            p = self.c_malloc(n, s)
+            self.c_free(p)
+        return (um_now_ns() - t0) / <double>pairs
+
+    # ------------------------------------------------------------------
+    # Python API
+    # ------------------------------------------------------------------
+    def malloc(self, size, stream=0):
+        """Allocate ``size`` bytes on ``stream`` and return the address (0 for
+        size 0). Raises :class:`OutOfMemoryError` when the device is full."""
+        cdef object n = _check_size(size)
+        if n > MAX_REQUEST:
+            if self.poisoned:
+                self._check_usable()
+            raise self._out_of_memory(n)
+        return self.c_malloc(n, _check_stream(stream))
+
+    def free(self, ptr):
+        """Free the block at ``ptr``. Raises ValueError for an address this
+        allocator did not hand out or that was already freed."""
+        if ptr is None:
+            raise TypeError("ptr must be an int address, not None")
+        cdef uintptr_t p
+        try:
+            p = ptr
+        except (TypeError, OverflowError):
+            raise ValueError(f"invalid pointer {ptr!r}: not an address") from None
+        self.c_free(p)
+
+    def allocate(self, size, stream=0):
+        """Allocate and return an :class:`Allocation` that frees its block when
+        it is garbage collected (what array libraries hold on to)."""
+        cdef object n = _check_size(size)
+        if n > MAX_REQUEST:
+            raise self._out_of_memory(n)
+        cdef uintptr_t p = self.c_malloc(n, _check_stream(stream))
+        return _make_allocation(self, p, n)
+
+    def owns(self, ptr):
+        """Whether ``ptr`` is a live allocation of this allocator."""
+        try:
+            return self.c_owns(ptr)
+        except (TypeError, OverflowError):
+            return False
+
+    def record_stream(self, ptr, stream):
+        """Mark the block at ``ptr`` as used on ``stream``: when freed, it is
+        reused only after the work queued on ``stream`` by then has completed."""
+        cdef uintptr_t p = ptr
+        cdef uintptr_t s = _check_stream(stream)
+        cdef Block* b
+        self._lock()
+        try:
+            b = <Block*>um_find(&self.active, p)
+            if b == NULL:
+                raise ValueError(f"pointer {p:#x} is not a live allocation of this allocator")
+            if s == b.stream:
+                return
+            if b.stream_uses == NULL:
+                b.stream_uses = new vector[uintptr_t]()
+            for i in range(b.stream_uses.size()):
+                if b.stream_uses[0][i] == s:
+                    return
+            b.stream_uses.push_back(s)
+        finally:
+            self._unlock()
+
+    def empty_cache(self):
+        """Release all unoccupied cached memory (whole free segments) back to
+        the backend. Waits for pending stream events first."""
+        self._check_usable()
+        self._lock()
+        try:
+            self._synchronize_and_free_events()
+            self._release_segments(False, False, 0, 0)
+        finally:
+            self._unlock()
+            self._flush_trace()
+
+    def process_events(self):
+        """Move blocks whose stream events completed back to the pool."""
+        self._lock()
+        try:
+            if self.n_pending_events:
+                self._process_events()
+        finally:
+            self._unlock()
+            self._flush_trace()
+
+    def set_memory_fraction(self, double fraction):
+        """Limit this allocator to ``fraction`` of the device's total memory."""
+        if not (0.0 <= fraction <= 1.0):
+            raise ValueError(f"Invalid fraction value: {fraction}. Allowed range: 0~1")
+        free, total = self.backend.memory_info(self.device)
+        self._lock()
+        self.capacity = total
+        self.fraction = fraction
+        self.set_fraction = True
+        self.allowed_memory_maximum = <size_t>(fraction * total)
+        self._unlock()
+
+    def get_memory_fraction(self):
+        """The memory fraction set with :meth:`set_memory_fraction` (1.0 if none)."""
+        return self.fraction
+
+    def set_capacity(self, size_t capacity):
+        """Tell the allocator how much memory its device has (0: unknown).
+
+        A request whose segment would not fit even an empty device fails at
+        once, without releasing the cache."""
+        self._lock()
+        self.capacity = capacity
+        self._unlock()
+
+    @property
+    def capacity(self):
+        return self.capacity
+
+    @property
+    def settings(self):
+        """The allocation policy in force, as PyTorch's option names."""
+        return {
+            "max_split_size": -1 if self.max_split_size == SIZE_UNSET else self.max_split_size,
+            "max_non_split_rounding": self.max_non_split_rounding,
+            "roundup_power2_divisions": [self.roundup_divisions[i] for i in range(K_ROUNDUP_INTERVALS)],
+            "garbage_collection_threshold": self.gc_threshold,
+            "memory_fraction": self.fraction if self.set_fraction else None,
+        }
+
+    def round_size(self, size):
+        """The size a request of ``size`` bytes is rounded to."""
+        cdef object n = _check_size(size)
+        if n == 0:
+            return 0
+        if n > MAX_REQUEST:
+            raise ValueError("size too large")
+        return self._round_size(n)
+
+    # statistics ---------------------------------------------------------
+    cdef list _stat_values(self):
+        cdef DeviceStats st
+        self._lock()
+        st = self.stats
+        self._unlock()
+        cdef list values = [0] * N_STAT_VALUES
+        cdef int k, p, n = 0
+        cdef Stat* s
+        for k in range(N_STATS):
+            for p in (POOL_ALL, POOL_SMALL, POOL_LARGE):
+                s = &st.core[k][p]
+                values[n] = s.current
+                values[n + 1] = s.peak
+                values[n + 2] = s.allocated
+                values[n + 3] = s.freed
+                n += 4
+        for k in range(2):
+            s = &st.oversize_allocations if k == 0 else &st.oversize_segments
+            values[n] = s.current
+            values[n + 1] = s.peak
+            values[n + 2] = s.allocated
+            values[n + 3] = s.freed
+            n += 4
+        values[n] = st.num_alloc_retries
+        values[n + 1] = st.num_ooms
+        values[n + 2] = st.num_sync_all_streams
+        values[n + 3] = st.num_device_alloc
+        values[n + 4] = st.num_device_free
+        values[n + 5] = -1 if self.max_split_size == SIZE_UNSET else <int64_t>self.max_split_size
+        n += 6
+        for k in range(12):      # the "allocated.*" alias of "allocation.*"
+            values[n + k] = values[k]
+        return values
+
+    def memory_stats(self):
+        """All statistics as a flat ``OrderedDict`` sorted by key, with
+        PyTorch's key names (see ``torch.cuda.memory_stats``)."""
+        values = self._stat_values()
+        return collections.OrderedDict(zip(_SORTED_KEYS, [values[i] for i in _SORTED_ORDER]))
+
+    cpdef int64_t stat(self, int which, int pool, int metric):
+        """One core statistic by index (see ``_CORE_STAT_NAMES``); used by the
+        fast facade getters."""
+        if not (0 <= which < N_STATS and 0 <= pool < 3 and 0 <= metric < 4):
+            raise IndexError("no such statistic")
+        cdef Stat* s = &self.stats.core[which][pool]
+        if metric == 0:
+            return s.current
+        if metric == 1:
+            return s.peak
+        if metric == 2:
+            return s.allocated
+        return s.freed
+
+    def memory_allocated(self):
+        """Bytes currently handed out (``allocated_bytes.all.current``)."""
+        return self.stats.core[S_ALLOCATED_BYTES][POOL_ALL].current
+
+    def max_memory_allocated(self):
+        return self.stats.core[S_ALLOCATED_BYTES][POOL_ALL].peak
+
+    def memory_reserved(self):
+        """Bytes held from the backend (``reserved_bytes.all.current``)."""
+        return self.stats.core[S_RESERVED_BYTES][POOL_ALL].current
+
+    def max_memory_reserved(self):
+        return self.stats.core[S_RESERVED_BYTES][POOL_ALL].peak
+
+    def backend_timing(self):
+        """Time spent in the backend's malloc and free, in microseconds:
+        ``{"alloc": {total,max,min,count,avg}, "free": {...}}``."""
+        self._lock()
+        a = self.stats.device_alloc_time
+        f = self.stats.device_free_time
+        self._unlock()
+        return {"alloc": _duration_dict(a), "free": _duration_dict(f)}
+
+    def reset_peak_stats(self):
+        """Reset every "peak" statistic to its current value."""
+        cdef int k, p
+        self._lock()
+        for k in range(N_STATS):
+            for p in range(3):
+                stat_reset_peak(&self.stats.core[k][p])
+        stat_reset_peak(&self.stats.oversize_allocations)
+        stat_reset_peak(&self.stats.oversize_segments)
+        self.stats.device_alloc_time.max = 0
+        self.stats.device_alloc_time.min = 0
+        self.stats.device_free_time.max = 0
+        self.stats.device_free_time.min = 0
+        self._unlock()
+
+    def reset_accumulated_stats(self):
+        """Reset the "allocated"/"freed" histories and the event counters."""
+        cdef int k, p
+        self._lock()
+        for k in range(N_STATS):
+            for p in range(3):
+                stat_reset_accumulated(&self.stats.core[k][p])
+        stat_reset_accumulated(&self.stats.oversize_allocations)
+        stat_reset_accumulated(&self.stats.oversize_segments)
+        self.stats.num_alloc_retries = 0
+        self.stats.num_ooms = 0
+        self.stats.num_sync_all_streams = 0
+        self.stats.num_device_alloc = 0
+        self.stats.num_device_free = 0
+        self.stats.device_alloc_time.total = 0
+        self.stats.device_alloc_time.count = 0
+        self.stats.device_free_time.total = 0
+        self.stats.device_free_time.count = 0
+        self._unlock()
+
+    # state -------------------------------------------------------------
+    def snapshot(self):
+        """The segments and their blocks, in PyTorch's snapshot layout."""
+        cdef Segment* seg
+        cdef Block* b
+        segments = []
+        self._lock()
+        try:
+            seg = self.segments
+            while seg != NULL:
+                blocks = []
+                allocated_size = active_size = requested_size = 0
+                b = seg.head
+                while b != NULL:
+                    if b.allocated:
+                        state = "active_allocated"
+                    elif b.event_count > 0 or b.stream_uses != NULL:
+                        state = "active_pending_free"
+                    else:
+                        state = "inactive"
+                    blocks.append({"address": b.ptr, "size": b.size,
+                                   "requested_size": b.requested_size,
+                                   "state": state, "frames": []})
+                    if b.allocated:
+                        allocated_size += b.size
+                        requested_size += b.requested_size
+                    if state != "inactive":
+                        active_size += b.size
+                    b = b.next
+                segments.append({
+                    "device": self.device, "address": seg.base, "total_size": seg.size,
+                    "allocated_size": allocated_size, "active_size": active_size,
+                    "requested_size": requested_size, "stream": seg.stream,
+                    "segment_type": "small" if seg.is_small else "large",
+                    "segment_pool_id": (0, 0), "is_expandable": False,
+                    "frames": [], "blocks": blocks,
+                })
+                seg = seg.next_seg
+        finally:
+            self._unlock()
+        segments.sort(key=lambda s: s["address"])
+        return segments
+
+    def live_allocations(self):
+        """``{address: (size, requested_size, stream)}`` of every live block."""
+        cdef size_t i
+        cdef Block* b
+        out = {}
+        self._lock()
+        for i in range(self.active.mask + 1):
+            if self.active.keys[i] != 0:
+                b = <Block*>self.active.vals[i]
+                out[b.ptr] = (b.size, b.requested_size, b.stream)
+        self._unlock()
+        return out
+
+    def set_trace_hook(self, hook):
+        """Install ``hook(events)`` to receive the allocator's actions as
+        ``(action, address, size, stream, time_ns)`` tuples, or None to stop."""
+        self._lock()
+        self.trace_hook = hook
+        self.recording = hook is not None
+        if hook is None:
+            self.trace_buffer.clear()
+        self._unlock()
+
+    def add_oom_observer(self, observer):
+        """Call ``observer(device, requested, allocated, reserved, free)`` on
+        every out-of-memory error, before it is raised."""
+        self.oom_observers.append(observer)
+
+    def remove_oom_observer(self, observer):
+        self.oom_observers.remove(observer)
+
+    def _poison(self, reason):
+        """Refuse all further allocation (e.g. in a forked child whose device
+        context did not survive the fork)."""
+        self.poisoned = True
+        self.poison_reason = reason
+
+    def _reset_lock_after_fork(self):
+        self.lock.reset_after_fork()
+        self.trace_buffer.clear()
+
+    def _check_invariants(self):
+        """Verify the allocator's internal consistency (for tests): segments
+        tile their memory, the free index holds exactly the free blocks, and
+        every statistic equals what the blocks say. Raises AssertionError."""
+        cdef Segment* seg
+        cdef Block* b
+        cdef FreeIndex* fi
+        cdef SizeClass* sc
+        cdef Stat s
+        cdef size_t k
+        cdef int p
+        expect = {name: [0, 0, 0] for name in _CORE_STAT_NAMES}
+        n_free_blocks = 0
+        self._lock()
+        try:
+            seg = self.segments
+            reserved = 0
+            while seg != NULL:
+                assert seg.head.prev == NULL and seg.head.ptr == seg.base, "segment head"
+                p = POOL_SMALL if seg.is_small else POOL_LARGE
+                for pool in (POOL_ALL, p):
+                    expect["segment"][pool] += 1
+                    expect["reserved_bytes"][pool] += seg.size
+                reserved += seg.size
+                b = seg.head
+                cursor = seg.base
+                while b != NULL:
+                    assert b.ptr == cursor, "blocks must tile their segment"
+                    assert b.segment == seg and b.is_small == seg.is_small and b.stream == seg.stream
+                    assert b.size > 0 and b.size % K_MIN_BLOCK == 0
+                    if b.next != NULL:
+                        assert b.next.prev == b
+                    cursor += b.size
+                    split = seg.head.next != NULL
+                    for pool in (POOL_ALL, p):
+                        if b.allocated:
+                            expect["allocation"][pool] += 1
+                            expect["allocated_bytes"][pool] += b.size
+                        if b.allocated or b.event_count > 0:
+                            expect["active"][pool] += 1
+                            expect["active_bytes"][pool] += b.size
+                            expect["requested_bytes"][pool] += b.requested_size
+                        elif split:
+                            expect["inactive_split"][pool] += 1
+                            expect["inactive_split_bytes"][pool] += b.size
+                    if b.allocated:
+                        assert um_find(&self.active, b.ptr) == <void*>b, "allocated block is indexed"
+                    elif b.event_count == 0:
+                        n_free_blocks += 1
+                        fi = self._pool_of(b)
+                        sc = <SizeClass*>um_find(&fi.by_size, b.size)
+                        assert sc != NULL and b.heap_pos < sc.heap.size() and sc.heap[b.heap_pos] == b, \
+                            "free block is in its size class"
+                        assert b.prev == NULL or b.prev.allocated or b.prev.event_count > 0, "free neighbours merge"
+                    b = b.next
+                assert cursor == seg.base + seg.size, "blocks cover their segment"
+                seg = seg.next_seg
+            assert reserved == self.total_allocated_memory
+            indexed = 0
+            for k in range(self.streams.size()):
+                indexed += self.streams[k].small.n_blocks + self.streams[k].large.n_blocks
+            assert indexed == n_free_blocks, f"free index holds {indexed} blocks, segments {n_free_blocks}"
+            for k in range(N_STATS):
+                name = _CORE_STAT_NAMES[k]
+                for p in range(3):
+                    s = self.stats.core[k][p]
+                    assert s.current == expect[name][p], f"{name}[{p}] is {s.current}, blocks say {expect[name][p]}"
+                    assert s.peak >= s.current, f"{name}[{p}] peak below current"
+        finally:
+            self._unlock()
+
+
+cdef object _duration_dict(DurationStat d):
+    return {"total": d.total, "max": d.max, "min": d.min, "count": d.count,
+            "avg": d.total // d.count if d.count else 0}
+
+
+cdef inline size_t roundup_power2_next_division(size_t size, size_t divisions) noexcept nogil:
+    if (size & (size - 1)) == 0:
+        return size
+    cdef size_t power2_floor = (<size_t>1) << um_floor_log2(size)
+    cdef size_t power2_division = power2_floor >> um_floor_log2(divisions)
+    if power2_division == 0:
+        return power2_floor << 1
+    cdef size_t round_floor = size & ~(power2_division - 1)
+    return size if round_floor == size else round_floor + power2_division
+
+
+cdef object _check_size(object size):
+    """A request size as a non-negative Python int, or a clear error."""
+    if isinstance(size, int):
+        n = size
+    else:
+        if isinstance(size, (float, complex, str, bytes)) or size is None:
+            raise TypeError(f"size must be an integer number of bytes, not {type(size).__name__}")
+        try:
+            n = size.__index__()
+        except AttributeError:
+            raise TypeError(f"size must be an integer number of bytes, not {type(size).__name__}") from None
+    if n < 0:
+        raise ValueError(f"size must be non-negative, got {n}")
+    return n
+
+
+cdef uintptr_t _check_stream(object stream) except? 0:
+    if stream is None:
+        return 0
+    if not isinstance(stream, int):
+        try:
+            stream = stream.__index__()
+        except AttributeError:
+            raise TypeError(f"stream must be an int handle, not {type(stream).__name__}") from None
+    if stream < 0:
+        raise ValueError(f"stream handle must be non-negative, got {stream}")
+    try:
+        return stream
+    except OverflowError:
+        raise ValueError(f"stream handle {stream} does not fit in a pointer") from None
+
+
+cdef extern from "Python.h":
+    void PyErr_SetObject(object exc_type, object value)
+    void PyErr_WriteUnraisable(object where)
+
+
+cdef void _report_unraisable(BaseException exc, str where):
+    """Report an error from a callback that must not raise (a finalizer, an
+    observer) through sys.unraisablehook, as Python does for __del__."""
+    PyErr_SetObject(type(exc), exc)
+    PyErr_WriteUnraisable(where)
+
+
+def format_size(size):
+    """Bytes as PyTorch's OOM messages write them: 1.50 GiB, 20.00 MiB, 512 bytes."""
+    if size is None:
+        return "unknown"
+    size = int(size)
+    if size < 1024:
+        return f"{size} bytes"
+    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB", "EiB"):
+        size /= 1024.0
+        if size < 1024 or unit == "EiB":
+            return f"{size:.2f} {unit}"
+
+
+# ---------------------------------------------------------------------------
+# Allocation handles: a block that frees itself when its last user lets go
+# ---------------------------------------------------------------------------
+cdef class Allocation:
+    """A live block, freed when this object is garbage collected (or at
+    :meth:`release`). Array libraries keep one alive for as long as any array
+    views the memory.
+
+    Attributes: ``ptr`` (address), ``size`` (bytes requested), ``allocator``.
+    """
+
+    cdef readonly CachingAllocator allocator
+    cdef readonly uintptr_t ptr
+    cdef readonly size_t size
+
+    def __dealloc__(self):
+        cdef uintptr_t ptr = self.ptr
+        if ptr != 0 and self.allocator is not None:
+            self.ptr = 0
+            try:
+                self.allocator.c_free(ptr)
+            except BaseException as exc:
+                _report_unraisable(exc, "unimem Allocation finalizer")
+
+    def release(self):
+        """Free the block now; later calls do nothing."""
+        cdef uintptr_t ptr = self.ptr
+        if ptr != 0:
+            self.ptr = 0
+            self.allocator.c_free(ptr)
+
+    def __int__(self):
+        return self.ptr
+
+    def __index__(self):
+        return self.ptr
+
+    def __repr__(self):
+        return (f"<unimem.Allocation {self.size} bytes at {self.ptr:#x} on "
+                f"{self.allocator.device_name}:{self.allocator.device}>")
+
+
+cdef Allocation _make_allocation(CachingAllocator allocator, uintptr_t ptr, size_t size):
+    cdef Allocation a = Allocation.__new__(Allocation)
+    a.allocator = allocator
+    a.ptr = ptr
+    a.size = size
+    return a
+
+
+# ---------------------------------------------------------------------------
+# The per-device-type table behind the facade's fast functions
+# ---------------------------------------------------------------------------
+cdef int _n_registries = 0
+
+cdef class DeviceRegistry:
+    """The caching allocators of one kind of device (``cpu``, ``xpu``,
+    ``cuda``), one per device index, created on first use by ``factory``.
+
+    The current device index is per thread (as in PyTorch) unless
+    ``current_device_fn`` reports it (CUDA's current device, for instance).
+    ``current_stream_fn`` gives the stream a request without one uses, and
+    ``stream_handle_fn`` turns a stream object (a CuPy stream, a SYCL queue)
+    into the integer handle the core keys its pools by.
+    """
+
+    cdef readonly int slot
+    cdef readonly str device_type
+    cdef readonly int device_count
+    cdef object _factory
+    cdef list _allocators
+    cdef object _create_lock
+    cdef public object current_device_fn
+    cdef public object current_stream_fn
+    cdef public object stream_handle_fn
+
+    def __init__(self, str device_type, int device_count, factory, *,
+                 current_device_fn=None, current_stream_fn=None, stream_handle_fn=None):
+        global _n_registries
+        if _n_registries >= 16:
+            raise RuntimeError("too many device registries")
+        self.slot = _n_registries
+        _n_registries += 1
+        self.device_type = device_type
+        self.device_count = device_count
+        self._factory = factory
+        self._allocators = [None] * device_count
+        self._create_lock = threading.Lock()
+        self.current_device_fn = current_device_fn
+        self.current_stream_fn = current_stream_fn
+        self.stream_handle_fn = stream_handle_fn
+
+    cdef int check_index(self, int index) except -1:
+        if index < 0 or index >= self.device_count:
+            raise ValueError(
+                f"device index {index} is out of range: {self.device_type} has "
+                f"{self.device_count} device{'s' if self.device_count != 1 else ''}")
+        return 0
+
+    cpdef int current_index(self) except -1:
+        if self.current_device_fn is not None:
+            return self.current_device_fn()
+        return um_current_device[self.slot]
+
+    def set_current_index(self, int index):
+        self.check_index(index)
+        um_current_device[self.slot] = index
+
+    cpdef CachingAllocator get(self, int index):
+        """The allocator of device ``index``, created if needed."""
+        self.check_index(index)
+        cdef CachingAllocator a = <CachingAllocator>self._allocators[index]
+        if a is not None:
+            return a
+        with self._create_lock:
+            if self._allocators[index] is None:
+                allocator = self._factory(index)
+                if not isinstance(allocator, CachingAllocator):
+                    raise TypeError("the registry's factory must return a CachingAllocator")
+                self._allocators[index] = allocator
+            return self._allocators[index]
+
+    def peek(self, int index):
+        """The allocator of device ``index`` if it was created, else None."""
+        self.check_index(index)
+        return self._allocators[index]
+
+    def initialized(self):
+        """The allocators created so far, by index."""
+        return {i: a for i, a in enumerate(self._allocators) if a is not None}
+
+    def is_initialized(self):
+        return any(a is not None for a in self._allocators)
+
+    cdef uintptr_t stream_handle(self, object stream) except? 0:
+        if stream is None:
+            if self.current_stream_fn is None:
+                return 0
+            return _check_stream(self.current_stream_fn())
+        if isinstance(stream, int) or self.stream_handle_fn is None:
+            return _check_stream(stream)
+        return _check_stream(self.stream_handle_fn(stream))
+
+    def stream_handle_of(self, stream):
+        """The integer handle the pools key ``stream`` by (None: the current stream)."""
+        return self.stream_handle(stream)
+
+    def alloc(self, size, device=None, stream=None):
+        """Allocate ``size`` bytes on ``device`` (an index; None: the current
+        one) and ``stream``; return the address (0 for size 0)."""
+        return self._alloc(size, device, stream)
+
+    cdef object _alloc(self, object size, object device, object stream):
+        cdef object n = _check_size(size)
+        cdef int index = self.current_index() if device is None else _device_int(device)
+        cdef CachingAllocator a = self.get(index)
+        if n > MAX_REQUEST:
+            raise a._out_of_memory(n)
+        return a.c_malloc(n, self.stream_handle(stream))
+
+    def delete(self, ptr):
+        """Free an address handed out by :meth:`alloc` on any device."""
+        self._delete(ptr)
+
+    cdef int _delete(self, object ptr) except -1:
+        if ptr is None:
+            raise TypeError("ptr must be an int address, not None")
+        cdef uintptr_t p
+        try:
+            p = ptr
+        except (TypeError, OverflowError):
+            raise ValueError(f"invalid pointer {ptr!r}: not an address") from None
+        if p == 0:
+            return 0
+        cdef int current = self.current_index() if self.device_count else 0
+        cdef CachingAllocator a
+        if 0 <= current < self.device_count:
+            a = <CachingAllocator>self._allocators[current]
+            if a is not None and a._try_free(p) == 0:
+                return 0
+        for a in self._allocators:
+            if a is not None and a._try_free(p) == 0:
+                return 0
+        raise ValueError(f"pointer {p:#x} was not allocated by the unimem "
+                         f"{self.device_type} allocator, or was already freed")
+
+    def find_owner(self, ptr):
+        """The allocator holding the live block at ``ptr``, or None."""
+        for a in self._allocators:
+            if a is not None and a.owns(ptr):
+                return a
+        return None
+
+    def memory_allocated(self, device=None):
+        cdef int index = self.current_index() if device is None else _device_int(device)
+        self.check_index(index)
+        cdef CachingAllocator a = <CachingAllocator>self._allocators[index]
+        return 0 if a is None else a.stats.core[S_ALLOCATED_BYTES][POOL_ALL].current
+
+
+cdef int _device_int(object device) except? -1:
+    if isinstance(device, bool) or not isinstance(device, int):
+        raise TypeError(f"device index must be an int, not {type(device).__name__}")
+    if device < 0:
+        raise ValueError(f"device index must be non-negative, got {device}")
+    if device > 1 << 20:
+        raise ValueError(f"device index {device} is out of range")
+    return device
+
+
+# ---------------------------------------------------------------------------
+# The current accelerator's registry, for the facade's fastest functions
+# ---------------------------------------------------------------------------
+cdef DeviceRegistry _current_registry = None
+_registry_resolver = None
+
+
+def set_current_registry_resolver(resolver):
+    """Install the function the fast facade calls once to learn the current
+    accelerator's registry (the front decides; the core only caches it)."""
+    global _registry_resolver, _current_registry
+    _registry_resolver = resolver
+    _current_registry = None
+
+
+cdef DeviceRegistry _current():
+    global _current_registry
+    if _current_registry is None:
+        if _registry_resolver is None:
+            raise RuntimeError("unimem's device registry is not set up (import unimem)")
+        _current_registry = _registry_resolver()
+    return _current_registry
+
+
+def caching_allocator_alloc(size, device=None, stream=None):
+    r"""Perform a memory allocation using the current accelerator's caching allocator.
+
+    Memory is allocated for a given device and a stream, this
+    function is intended to be used for interoperability with other
+    frameworks. Allocated memory is released through
+    :func:`~unimem.accelerator.caching_allocator_delete`.
+
+    Args:
+        size (int): number of bytes to be allocated.
+        device (int, optional): selected device. If it is
+            ``None`` the current device is used.
+        stream (int or stream object, optional): selected stream. If is ``None`` then
+            the default stream for the selected device is used.
+
+    Returns:
+        int: the address of the allocated memory (0 when ``size`` is 0).
+    """
+    return _current()._alloc(size, device, stream)
+
+
+def caching_allocator_delete(mem_ptr):
+    r"""Delete memory allocated using the current accelerator's caching allocator.
+
+    Memory allocated with :func:`~unimem.accelerator.caching_allocator_alloc`.
+    is freed here. The associated device and stream are tracked inside
+    the allocator.
+
+    Args:
+        mem_ptr (int): memory address to be freed by the allocator.
+    """
+    _current()._delete(mem_ptr)
+
+
+# ---------------------------------------------------------------------------
+# fork(): locks held by other threads would stay held in the child
+# ---------------------------------------------------------------------------
+def _after_fork_in_child():
+    for allocator in list(_live_allocators):
+        allocator._reset_lock_after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,0 +1,51 @@
+"""The raw-memory backend interface: what the caching core asks of a provider.
+
+A backend hands out and takes back whole segments of device memory. It knows
+nothing of caching or statistics (the core does that); it only allocates,
+frees, reports capacity, and - for devices with asynchronous queues - records
+and queries events so that memory used on a stream is not reused too early.
+
+Contract for ``malloc``: return the address of at least ``size`` bytes as a
+positive ``int``; signal "the device is full" by returning 0 or raising
+``MemoryError`` (the core then releases its cache and retries); any other
+exception is a real error and propagates to the caller unchanged.
+"""
+from __future__ import annotations
+
+from typing import Any, Tuple
+
+
+class Backend:
+    """Base class with the defaults of a backend without asynchronous work.
+
+    Subclasses implement :meth:`malloc` and :meth:`free`, and usually
+    :meth:`memory_info` and :meth:`device_count`.
+    """
+
+    #: What the device is called in messages and summaries ("CPU", "XPU", "GPU").
+    name: str = "device"
+
+    def malloc(self, size: int, device: int, stream: int) -> int:
+        raise NotImplementedError
+
+    def free(self, ptr: int, size: int, device: int, stream: int) -> None:
+        raise NotImplementedError
+
+    def device_count(self) -> int:
+        return 1
+
+    def memory_info(self, device: int) -> Tuple[int, int]:
+        """``(free, total)`` bytes of the device."""
+        raise NotImplementedError(f"the {self.name} backend does not report its memory")
+
+    # Stream events. Without asynchronous work, memory is reusable at once.
+    def record_event(self, stream: int, device: int) -> Any:
+        """Mark the current end of the work queued on ``stream``."""
+        return None
+
+    def event_done(self, event: Any) -> bool:
+        """Whether the work before ``event`` has completed (never blocks)."""
+        return True
+
+    def event_synchronize(self, event: Any) -> None:
+        """Block until the work before ``event`` has completed."""

@@ -1,0 +1,135 @@
+"""A simulated device: an address space with a capacity and no memory behind it.
+
+For tests and trace replays: the caching core runs exactly as on a real
+device, but a terabyte-sized workload costs nothing. Addresses never overlap
+(each device gets its own range), and the backend checks every free against
+what it handed out, so a core that frees twice or the wrong size is caught.
+
+Streams are simulated too: an event recorded on a stream stays pending until
+the test says the stream's work is done (:meth:`SimulatedBackend.complete`)
+or someone waits for it (:meth:`event_synchronize`), as work on a real GPU
+queue would.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Dict, List, Tuple
+
+from .base import Backend
+
+GiB = 1 << 30
+
+
+class SimulatedEvent:
+    """A point in a simulated stream's queue."""
+
+    __slots__ = ("stream", "device", "sequence")
+
+    def __init__(self, stream: int, device: int, sequence: int) -> None:
+        self.stream = stream
+        self.device = device
+        self.sequence = sequence
+
+    def __repr__(self) -> str:
+        return f"<SimulatedEvent stream={self.stream} #{self.sequence}>"
+
+
+class SimulatedBackend(Backend):
+    """Simulated device memory.
+
+    Args:
+        capacity: bytes each device holds.
+        devices: how many devices.
+        name: what the device is called in messages.
+        alignment: every address is a multiple of this.
+    """
+
+    def __init__(self, capacity: int = 16 * GiB, devices: int = 1, name: str = "SIM",
+                 alignment: int = 512) -> None:
+        if capacity <= 0 or devices <= 0 or alignment <= 0:
+            raise ValueError("capacity, devices and alignment must be positive")
+        self.name = name
+        self.capacity = int(capacity)
+        self.devices = int(devices)
+        self.alignment = int(alignment)
+        self._lock = threading.Lock()
+        self._next: List[int] = [self._base(d) for d in range(self.devices)]
+        self.live: List[Dict[int, int]] = [dict() for _ in range(self.devices)]
+        self.used: List[int] = [0] * self.devices
+        self.n_malloc = 0
+        self.n_free = 0
+        # stream -> (sequence recorded so far, sequence completed so far)
+        self._recorded: Dict[Tuple[int, int], int] = {}
+        self._completed: Dict[Tuple[int, int], int] = {}
+
+    @staticmethod
+    def _base(device: int) -> int:
+        # Disjoint, recognisable ranges: device d lives at (d + 1) * 2**44.
+        return (device + 1) << 44
+
+    def _check_device(self, device: int) -> None:
+        if not 0 <= device < self.devices:
+            raise ValueError(f"simulated device {device} does not exist ({self.devices} devices)")
+
+    def malloc(self, size: int, device: int = 0, stream: int = 0) -> int:
+        self._check_device(device)
+        with self._lock:
+            if self.used[device] + size > self.capacity:
+                return 0
+            ptr = self._next[device]
+            step = -(-size // self.alignment) * self.alignment
+            self._next[device] = ptr + step
+            self.live[device][ptr] = size
+            self.used[device] += size
+            self.n_malloc += 1
+            return ptr
+
+    def free(self, ptr: int, size: int, device: int = 0, stream: int = 0) -> None:
+        self._check_device(device)
+        with self._lock:
+            held = self.live[device].pop(ptr, None)
+            if held is None:
+                raise RuntimeError(f"simulated device {device}: free of {ptr:#x}, which is not allocated")
+            if held != size:
+                self.live[device][ptr] = held
+                raise RuntimeError(f"simulated device {device}: free of {ptr:#x} with size {size}, "
+                                   f"allocated with {held}")
+            self.used[device] -= size
+            self.n_free += 1
+
+    def device_count(self) -> int:
+        return self.devices
+
+    def memory_info(self, device: int = 0) -> Tuple[int, int]:
+        self._check_device(device)
+        return self.capacity - self.used[device], self.capacity
+
+    def held(self, device: int = 0) -> int:
+        """Bytes currently allocated from the simulated device."""
+        return self.used[device]
+
+    # streams -------------------------------------------------------------
+    def record_event(self, stream: int, device: int) -> SimulatedEvent:
+        with self._lock:
+            key = (device, stream)
+            seq = self._recorded.get(key, 0) + 1
+            self._recorded[key] = seq
+            return SimulatedEvent(stream, device, seq)
+
+    def event_done(self, event: SimulatedEvent) -> bool:
+        return self._completed.get((event.device, event.stream), 0) >= event.sequence
+
+    def event_synchronize(self, event: SimulatedEvent) -> None:
+        key = (event.device, event.stream)
+        with self._lock:
+            if self._completed.get(key, 0) < event.sequence:
+                self._completed[key] = event.sequence
+
+    def complete(self, stream: int, device: int = 0) -> None:
+        """Declare all work queued so far on ``stream`` finished."""
+        key = (device, stream)
+        with self._lock:
+            self._completed[key] = self._recorded.get(key, 0)
+
+    def __repr__(self) -> str:
+        return f"<SimulatedBackend {self.name} {self.devices}x{self.capacity} bytes>"
