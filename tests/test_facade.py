@@ -1,0 +1,264 @@
+"""unimem.accelerator: torch.accelerator's functions, names and semantics."""
+import collections
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import unimem
+from unimem import accelerator as acc
+
+MiB = 1 << 20
+
+
+def run_fresh(code, **env):
+    """Run ``code`` in a new interpreter (the facade's state is per process)."""
+    full_env = dict(os.environ, **env)
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=full_env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    # Nothing may go wrong at interpreter exit either (allocators are collected then).
+    for noise in ("Exception ignored", "Error in sys.excepthook", "Traceback"):
+        assert noise not in result.stderr, result.stderr
+    return result.stdout
+
+
+def current_type():
+    return acc.current_accelerator().type
+
+
+def test_the_issue_example():
+    before = acc.memory_stats(0)
+    p = acc.caching_allocator_alloc(1000)
+    s = acc.memory_stats(0)
+    assert s["allocated_bytes.all.current"] - before.get("allocated_bytes.all.current", 0) == 1024
+    assert s["requested_bytes.all.current"] - before.get("requested_bytes.all.current", 0) == 1000
+    acc.caching_allocator_delete(p)
+    assert acc.max_memory_allocated(0) >= 1024
+    assert acc.memory_reserved(0) >= 2 * MiB
+    acc.empty_cache()
+    assert isinstance(acc.memory_stats(0), collections.OrderedDict)
+
+
+def test_functions_agree_with_memory_stats():
+    p = acc.caching_allocator_alloc(3 * MiB)
+    s = acc.memory_stats()
+    assert acc.memory_allocated() == acc.memory_allocated(0) == s["allocated_bytes.all.current"]
+    assert acc.max_memory_allocated(0) == s["allocated_bytes.all.peak"]
+    assert acc.memory_reserved(0) == s["reserved_bytes.all.current"]
+    assert acc.max_memory_reserved(0) == s["reserved_bytes.all.peak"]
+    nested = acc.memory_stats_as_nested_dict(0)
+    assert nested["allocated_bytes"]["all"]["current"] == s["allocated_bytes.all.current"]
+    with pytest.warns(FutureWarning):
+        assert acc.memory_cached(0) == s["reserved_bytes.all.current"]
+    with pytest.warns(FutureWarning):
+        assert acc.max_memory_cached(0) == s["reserved_bytes.all.peak"]
+    acc.caching_allocator_delete(p)
+    acc.reset_peak_memory_stats(0)
+    assert acc.max_memory_allocated(0) == acc.memory_allocated(0)
+    acc.reset_accumulated_memory_stats(0)
+    assert acc.memory_stats(0)["allocation.all.allocated"] == 0
+    with pytest.warns(FutureWarning):
+        acc.reset_max_memory_allocated(0)
+    with pytest.warns(FutureWarning):
+        acc.reset_max_memory_cached(0)
+
+
+def test_device_arguments_as_torch_reads_them():
+    kind = current_type()
+    p = acc.caching_allocator_alloc(512)
+    expected = acc.memory_stats(0)
+    assert acc.memory_stats(f"{kind}:0") == expected
+    assert acc.memory_stats(unimem.device(kind, 0)) == expected
+    assert acc.memory_stats(kind) == expected                     # no index: the current device
+    other = "cuda" if kind != "cuda" else "xpu"
+    with pytest.raises(ValueError, match=f"{other} doesn't match the current accelerator {kind}"):
+        acc.memory_stats(f"{other}:0")
+    with pytest.raises(ValueError, match="out of range"):
+        acc.memory_stats(acc.device_count())
+    with pytest.raises(ValueError, match="Expected one of"):
+        acc.memory_stats("tpu:0")
+    with pytest.raises(TypeError):
+        acc.memory_stats(1.5)
+    with pytest.raises(TypeError):
+        acc.memory_stats(True)
+    with pytest.raises(TypeError):
+        acc.memory_stats(device=0)        # positional-only, as in torch.accelerator
+    assert acc.memory_stats(0) == expected
+    acc.caching_allocator_delete(p)
+
+
+def test_devices():
+    assert acc.device_count() >= 1 and acc.is_available()
+    assert acc.current_device_index() == 0
+    acc.set_device_index(0)
+    with acc.device_index(0):
+        assert acc.current_device_index() == 0
+    with pytest.raises(ValueError):
+        acc.set_device_index(acc.device_count())
+    assert str(acc.current_accelerator()) == current_type()
+    assert acc.current_accelerator(check_available=True) is not None
+
+
+def test_bad_input_changes_nothing():
+    p = acc.caching_allocator_alloc(4096)
+    before = acc.memory_stats(0)
+    for bad, error in ((-1, ValueError), (2.5, TypeError), ("10", TypeError), (None, TypeError)):
+        with pytest.raises(error):
+            acc.caching_allocator_alloc(bad)
+    for bad_ptr, error in ((p + 512, ValueError), (12345, ValueError), ("p", ValueError),
+                           (None, TypeError), (-1, ValueError)):
+        with pytest.raises(error):
+            acc.caching_allocator_delete(bad_ptr)
+    for fraction, error in ((1.5, ValueError), (-0.1, ValueError), (float("nan"), ValueError),
+                            ("0.5", TypeError), (None, TypeError)):
+        with pytest.raises(error):
+            acc.set_per_process_memory_fraction(fraction)
+    with pytest.raises(ValueError):
+        acc.caching_allocator_alloc(16, device=99)
+    with pytest.raises(TypeError):
+        acc.caching_allocator_alloc(16, stream="default")
+    assert acc.memory_stats(0) == before
+    acc.caching_allocator_delete(p)
+    with pytest.raises(ValueError, match="already freed"):
+        acc.caching_allocator_delete(p)
+
+
+def test_size_beyond_the_device_is_an_oom_counted_once():
+    before = acc.memory_stats(0)
+    total = acc.get_memory_info(0)[1]
+    with pytest.raises(unimem.OutOfMemoryError) as info:
+        acc.caching_allocator_alloc(total * 4)
+    assert isinstance(info.value, MemoryError)
+    after = acc.memory_stats(0)
+    assert after["num_ooms"] == before.get("num_ooms", 0) + 1
+    assert after["reserved_bytes.all.current"] == before["reserved_bytes.all.current"]
+
+
+def test_size_zero_gives_null():
+    assert acc.caching_allocator_alloc(0) == 0
+    acc.caching_allocator_delete(0)
+
+
+def test_memory_info():
+    free, total = acc.get_memory_info()
+    assert 0 <= free <= total and total > 0
+
+
+def test_summary_and_snapshot_run():
+    p = acc.caching_allocator_alloc(5000)
+    text = acc.memory_summary()
+    assert "Allocated memory" in text and text.count("\n") > 30
+    segments = acc.memory_snapshot()
+    assert any(b["address"] == p and b["state"] == "active_allocated"
+               for seg in segments for b in seg["blocks"])
+    acc.caching_allocator_delete(p)
+
+
+def test_memory_stats_is_empty_before_the_first_allocation():
+    out = run_fresh("""
+        import unimem
+        acc = unimem.accelerator
+        print(len(acc.memory_stats(0)), acc.memory_allocated(0), acc.max_memory_reserved(0))
+        acc.reset_peak_memory_stats(0); acc.empty_cache()
+        p = acc.caching_allocator_alloc(1)
+        print(len(acc.memory_stats(0)) > 100)
+    """)
+    assert out.split() == ["0", "0", "0", "True"]
+
+
+def test_the_cpu_pool_when_asked_for():
+    out = run_fresh("""
+        import unimem
+        p = unimem.accelerator.caching_allocator_alloc(100)
+        print(unimem.accelerator.current_accelerator(), unimem.cpu.memory_allocated(0))
+    """, UNIMEM_DEVICE="cpu")
+    assert out.split() == ["cpu", "512"]
+
+
+def test_malformed_alloc_conf_is_a_clear_value_error():
+    out = run_fresh("""
+        import unimem
+        try:
+            unimem.accelerator.caching_allocator_alloc(100)
+        except ValueError as e:
+            print("ValueError", e)
+        print(len(unimem.accelerator.memory_stats(0)))
+    """, UNIMEM_ALLOC_CONF="max_split_size_mb:abc")
+    assert "ValueError UNIMEM_ALLOC_CONF='max_split_size_mb:abc'" in out
+    assert out.strip().endswith("0")
+
+
+def test_alloc_conf_applies_to_the_allocators():
+    out = run_fresh("""
+        import unimem
+        p = unimem.accelerator.caching_allocator_alloc(100)
+        print(unimem.accelerator.memory_stats(0)["max_split_size"] >> 20)
+    """, UNIMEM_ALLOC_CONF="max_split_size_mb:64")
+    assert out.split() == ["64"]
+
+
+def test_pluggable_allocator_gets_caching_and_statistics():
+    out = run_fresh("""
+        import ctypes, unimem
+        calls = []
+        libc = ctypes.CDLL(None)
+        libc.malloc.restype = ctypes.c_void_p
+        libc.malloc.argtypes = [ctypes.c_size_t]
+        libc.free.argtypes = [ctypes.c_void_p]
+        def my_malloc(size, device, stream):
+            calls.append(("malloc", size, device, stream))
+            return libc.malloc(size)
+        def my_free(ptr, size, device, stream):
+            calls.append(("free", size))
+            libc.free(ptr)
+        unimem.change_current_allocator(unimem.PluggableAllocator(my_malloc, my_free))
+        acc = unimem.accelerator
+        for _ in range(100):
+            acc.caching_allocator_delete(acc.caching_allocator_alloc(1000))
+        s = acc.memory_stats(0)
+        print(len(calls), calls[0], s["num_device_alloc"], s["allocation.all.allocated"])
+        try:
+            unimem.change_current_allocator(unimem.PluggableAllocator(my_malloc, my_free))
+        except RuntimeError as e:
+            print("RuntimeError:", e)
+        acc.empty_cache()
+        print(calls[-1])
+    """, UNIMEM_DEVICE="cpu")
+    lines = out.strip().splitlines()
+    assert lines[0] == "1 ('malloc', 2097152, 0, 0) 1 100"
+    assert lines[1] == "RuntimeError: Can't swap an already initialized allocator"
+    assert lines[2] == "('free', 2097152)"
+
+
+def test_change_current_allocator_wants_a_backend():
+    with pytest.raises(TypeError):
+        unimem.change_current_allocator(lambda size: 0)
+    with pytest.raises(TypeError):
+        unimem.PluggableAllocator("malloc", "free")
+
+
+def test_host_memory_stats_keys():
+    from unimem import host
+    ptr = host.caching_host_alloc(10_000)
+    s = unimem.host_memory_stats()
+    for name in ("allocated", "allocated_bytes", "segment", "reserved_bytes",
+                 "active_requests", "active_bytes", "allocations"):
+        for metric in ("current", "peak", "allocated", "freed"):
+            assert f"{name}.{metric}" in s
+    for name in ("host_alloc_time", "host_free_time"):
+        for field in ("total", "max", "min", "count", "avg"):
+            assert f"{name}.{field}" in s
+    assert s["allocated_bytes.current"] >= 10_240 and s["num_host_alloc"] >= 1
+    assert s["host_alloc_time.count"] == s["num_host_alloc"]
+    assert list(s) == sorted(s)
+    host.caching_host_delete(ptr)
+    unimem.reset_peak_host_memory_stats()
+    unimem.reset_accumulated_host_memory_stats()
+    s = unimem.host_memory_stats()
+    assert s["allocated_bytes.peak"] == s["allocated_bytes.current"] and s["num_host_alloc"] == 0
+    acc.empty_host_cache()
+    assert unimem.host_memory_stats()["reserved_bytes.current"] == 0
+    assert host.backend_name() in ("cuda", "sycl", "page-aligned")

@@ -1,0 +1,63 @@
+"""unimem: PyTorch-grade caching allocation and memory statistics for CuPy,
+dpctl/dpnp and host memory.
+
+Layers, as the package is laid out::
+
+    unimem.backends.*     raw memory: host, simulated, pluggable, xpu (SYCL USM), cuda
+    unimem._core          the caching allocator and its statistics (Cython)
+    unimem.accelerator    the torch.accelerator-shaped facade, by device index
+    unimem.cpu/xpu/cuda   per-device-type namespaces;  unimem.host: the pinned pool
+
+Quick start::
+
+    import unimem
+    p = unimem.accelerator.caching_allocator_alloc(1000)
+    unimem.accelerator.memory_stats(0)["allocated_bytes.all.current"]   # 1024
+    unimem.accelerator.caching_allocator_delete(p)
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from . import _devices, accelerator, cpu, host
+from ._core import Allocation, CachingAllocator, OutOfMemoryError
+from ._devices import device
+from .backends.base import Backend
+from .backends.pluggable import PluggableAllocator
+from .host import host_memory_stats, reset_accumulated_host_memory_stats, reset_peak_host_memory_stats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "accelerator", "cpu", "host", "xpu", "cuda", "device", "OutOfMemoryError",
+    "CachingAllocator", "Allocation", "Backend", "PluggableAllocator",
+    "change_current_allocator", "host_memory_stats", "reset_peak_host_memory_stats",
+    "reset_accumulated_host_memory_stats",
+]
+
+
+def change_current_allocator(allocator: Backend) -> None:
+    r"""Change the raw memory source of the current accelerator.
+
+    ``allocator`` (usually a :class:`PluggableAllocator`) becomes the backend
+    under the caching allocator: it is asked for memory only on a cache miss,
+    and gets caching, statistics and the out-of-memory retry on top.
+
+    .. note::
+        Call it before the first allocation on the current accelerator:
+        swapping an initialized allocator raises ``RuntimeError``, as in PyTorch.
+    """
+    if not callable(getattr(allocator, "malloc", None)) or not callable(getattr(allocator, "free", None)):
+        raise TypeError("change_current_allocator expects a backend such as unimem.PluggableAllocator, "
+                        f"got {type(allocator).__name__}")
+    _devices.replace_backend(_devices.current_type_name(), allocator)
+
+
+def __getattr__(name: str) -> Any:
+    # unimem.xpu and unimem.cuda import dpctl / CuPy: only when asked for.
+    if name in ("xpu", "cuda"):
+        module = importlib.import_module(f".{name}", __name__)
+        globals()[name] = module
+        return module
+    raise AttributeError(f"module 'unimem' has no attribute '{name}'")

@@ -1,0 +1,230 @@
+"""Allocator options: ``UNIMEM_ALLOC_CONF``, in ``PYTORCH_CUDA_ALLOC_CONF``'s syntax.
+
+Example::
+
+    UNIMEM_ALLOC_CONF="max_split_size_mb:256,roundup_power2_divisions:[256:1,512:2,>:8],garbage_collection_threshold:0.6"
+
+Options (PyTorch's names and rules):
+
+- ``max_split_size_mb`` (>= 20): blocks of this size or more are never split.
+- ``max_non_split_rounding_mb`` (>= 20): how much larger a cached block an
+  oversize request may take (default 20).
+- ``roundup_power2_divisions``: either one power of two for every size, or a
+  list ``[boundary_mb:divisions, ..., >:divisions]`` per power-of-two
+  interval from 1 MiB to 64 GiB.
+- ``garbage_collection_threshold`` in (0, 1): with a memory fraction set,
+  reclaim old cached blocks once reserved memory passes this share of it.
+- ``per_process_memory_fraction`` in [0, 1] (unimem's addition): the share of
+  each device's memory this process may reserve, as
+  ``set_per_process_memory_fraction`` sets it.
+- ``expandable_segments:False`` and ``backend:native`` are accepted (they are
+  what unimem does); their alternatives are not supported.
+
+A malformed value raises :class:`ValueError` naming the option.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+ENV_VAR = "UNIMEM_ALLOC_CONF"
+MiB = 1 << 20
+ROUNDUP_INTERVALS = 16           # 1 MiB, 2 MiB, ... 32 GiB and above
+MIN_SPLIT_SIZE_MB = 20           # kLargeBuffer / 1 MiB
+
+SUPPORTED_KEYS = ("max_split_size_mb", "max_non_split_rounding_mb", "roundup_power2_divisions",
+                  "garbage_collection_threshold", "per_process_memory_fraction",
+                  "expandable_segments", "backend")
+
+
+@dataclass(frozen=True)
+class AllocatorSettings:
+    """The parsed options, as the core's constructor takes them."""
+
+    max_split_size: Optional[int] = None
+    max_non_split_rounding: int = 20 * MiB
+    roundup_power2_divisions: List[int] = field(default_factory=lambda: [0] * ROUNDUP_INTERVALS)
+    garbage_collection_threshold: float = 0.0
+    per_process_memory_fraction: Optional[float] = None
+    source: str = ""
+
+    def core_kwargs(self) -> Dict[str, object]:
+        return {
+            "max_split_size": self.max_split_size,
+            "max_non_split_rounding": self.max_non_split_rounding,
+            "roundup_power2_divisions": list(self.roundup_power2_divisions),
+            "garbage_collection_threshold": self.garbage_collection_threshold,
+        }
+
+
+def _tokenize(text: str) -> List[str]:
+    """Split like PyTorch's lexArgs: ``, : [ ]`` are tokens, spaces vanish."""
+    tokens: List[str] = []
+    word: List[str] = []
+    for ch in text:
+        if ch in ",:[]":
+            if word:
+                tokens.append("".join(word))
+                word = []
+            tokens.append(ch)
+        elif not ch.isspace():
+            word.append(ch)
+    if word:
+        tokens.append("".join(word))
+    return tokens
+
+
+class _Parser:
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.tokens = _tokenize(text)
+        self.i = 0
+
+    def fail(self, message: str) -> ValueError:
+        return ValueError(f"{ENV_VAR}={self.text!r}: {message}")
+
+    def peek(self) -> Optional[str]:
+        return self.tokens[self.i] if self.i < len(self.tokens) else None
+
+    def take(self) -> str:
+        token = self.peek()
+        if token is None:
+            raise self.fail("unexpected end of options")
+        self.i += 1
+        return token
+
+    def expect(self, token: str) -> None:
+        got = self.take()
+        if got != token:
+            raise self.fail(f"expected '{token}', found '{got}'")
+
+    def integer(self, what: str) -> int:
+        token = self.take()
+        if not token.isdigit():
+            raise self.fail(f"{what} must be a non-negative integer, got '{token}'")
+        return int(token)
+
+    def number(self, what: str) -> float:
+        token = self.take()
+        try:
+            value = float(token)
+        except ValueError:
+            raise self.fail(f"{what} must be a number, got '{token}'") from None
+        if value != value:
+            raise self.fail(f"{what} must be a number, got NaN")
+        return value
+
+    def boolean(self, what: str) -> bool:
+        token = self.take()
+        if token in ("True", "true", "1"):
+            return True
+        if token in ("False", "false", "0"):
+            return False
+        raise self.fail(f"{what} must be True or False, got '{token}'")
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _parse_divisions(p: _Parser) -> List[int]:
+    divisions = [0] * ROUNDUP_INTERVALS
+    if p.peek() != "[":
+        value = p.integer("roundup_power2_divisions")
+        if not _is_power_of_two(value):
+            raise p.fail("roundup_power2_divisions must be a power of 2")
+        return [value] * ROUNDUP_INTERVALS
+    p.take()
+    first = True
+    last_index = 0
+    while p.peek() != "]":
+        if p.peek() is None:
+            raise p.fail("missing ']' at the end of roundup_power2_divisions")
+        boundary = p.take()
+        p.expect(":")
+        value = p.integer("roundup_power2_divisions")
+        if value != 0 and not _is_power_of_two(value):
+            raise p.fail("for roundups, the divisions have to be a power of 2 or 0 (no roundup)")
+        if boundary == ">":
+            for j in range(last_index + 1, ROUNDUP_INTERVALS):
+                divisions[j] = value
+        else:
+            if not boundary.isdigit() or not _is_power_of_two(int(boundary)):
+                raise p.fail(f"for roundups, the intervals have to be powers of 2 (MiB), got '{boundary}'")
+            index = min(int(boundary).bit_length() - 1, ROUNDUP_INTERVALS - 1)
+            if first:
+                for j in range(index):
+                    divisions[j] = value
+                first = False
+            divisions[index] = value
+            last_index = index
+        if p.peek() == ",":
+            p.take()
+        elif p.peek() is None:
+            raise p.fail("missing ']' at the end of roundup_power2_divisions")
+        elif p.peek() != "]":
+            raise p.fail("expected ',' or ']' in roundup_power2_divisions")
+    p.expect("]")
+    return divisions
+
+
+def parse_alloc_conf(text: Optional[str]) -> AllocatorSettings:
+    """Parse an option string; ``None`` or empty gives the defaults."""
+    if not text:
+        return AllocatorSettings(source=text or "")
+    p = _Parser(text)
+    values: Dict[str, object] = {}
+    while p.peek() is not None:
+        key = p.take()
+        if key in values:
+            raise p.fail(f"option '{key}' is given twice")
+        if key not in SUPPORTED_KEYS:
+            raise p.fail(f"unrecognized option '{key}' (supported: {', '.join(SUPPORTED_KEYS)})")
+        p.expect(":")
+        if key == "max_split_size_mb":
+            mb = p.integer(key)
+            if mb < MIN_SPLIT_SIZE_MB:
+                raise p.fail(f"max_split_size_mb too small, must be >= {MIN_SPLIT_SIZE_MB}")
+            values[key] = mb * MiB
+        elif key == "max_non_split_rounding_mb":
+            mb = p.integer(key)
+            if mb < MIN_SPLIT_SIZE_MB:
+                raise p.fail(f"max_non_split_rounding_mb too small, must be >= {MIN_SPLIT_SIZE_MB}")
+            values[key] = mb * MiB
+        elif key == "roundup_power2_divisions":
+            values[key] = _parse_divisions(p)
+        elif key == "garbage_collection_threshold":
+            value = p.number(key)
+            if not 0.0 < value < 1.0:
+                raise p.fail("garbage_collection_threshold is invalid, set it in (0.0, 1.0)")
+            values[key] = value
+        elif key == "per_process_memory_fraction":
+            value = p.number(key)
+            if not 0.0 <= value <= 1.0:
+                raise p.fail("per_process_memory_fraction must be in [0.0, 1.0]")
+            values[key] = value
+        elif key == "expandable_segments":
+            if p.boolean(key):
+                raise p.fail("expandable_segments:True is not supported by unimem")
+        elif key == "backend":
+            backend = p.take()
+            if backend != "native":
+                raise p.fail(f"backend '{backend}' is not supported (only 'native')")
+        if p.peek() is not None:
+            p.expect(",")
+            if p.peek() is None:
+                raise p.fail("trailing ','")
+    return AllocatorSettings(
+        max_split_size=values.get("max_split_size_mb"),  # type: ignore[arg-type]
+        max_non_split_rounding=values.get("max_non_split_rounding_mb", 20 * MiB),  # type: ignore[arg-type]
+        roundup_power2_divisions=values.get("roundup_power2_divisions", [0] * ROUNDUP_INTERVALS),  # type: ignore[arg-type]
+        garbage_collection_threshold=values.get("garbage_collection_threshold", 0.0),  # type: ignore[arg-type]
+        per_process_memory_fraction=values.get("per_process_memory_fraction"),  # type: ignore[arg-type]
+        source=text,
+    )
+
+
+def settings_from_env() -> AllocatorSettings:
+    """The settings ``UNIMEM_ALLOC_CONF`` asks for (read each time it is called)."""
+    return parse_alloc_conf(os.environ.get(ENV_VAR))

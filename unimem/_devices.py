@@ -1,0 +1,299 @@
+"""Device types: which backend serves ``cpu``, ``xpu`` and ``cuda``, which one is
+the current accelerator, and how a ``device`` argument names a device.
+
+Each device type owns a :class:`unimem._core.DeviceRegistry` (one caching
+allocator per device index, created on first use with the options of
+``UNIMEM_ALLOC_CONF``). Backends are probed lazily: importing unimem neither
+imports CuPy or dpctl nor touches a GPU.
+
+The current accelerator is, in order: ``UNIMEM_DEVICE`` if set (``cuda``,
+``xpu`` or ``cpu``), else CUDA if CuPy sees a GPU, else XPU if dpctl sees a
+SYCL device, else ``cpu`` (plain host memory).
+"""
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any, Callable, Dict, List, Optional, Union
+
+from . import _core
+from ._config import AllocatorSettings, settings_from_env
+from .backends.base import Backend
+
+KNOWN_TYPES = ("cuda", "xpu", "cpu")
+DEVICE_ENV_VAR = "UNIMEM_DEVICE"
+
+
+class device:
+    """A device: a type (``"cpu"``, ``"xpu"``, ``"cuda"``) and an optional index,
+    like ``torch.device``. ``device("xpu:1")`` and ``device("xpu", 1)`` are the same."""
+
+    __slots__ = ("type", "index")
+
+    def __init__(self, type: Union[str, "device"], index: Optional[int] = None) -> None:
+        if isinstance(type, device):
+            if index is not None:
+                raise ValueError("device(device, index) takes no index")
+            type, index = type.type, type.index
+        elif isinstance(type, str):
+            if ":" in type:
+                if index is not None:
+                    raise ValueError(f"type (string) must not include an index because index was passed explicitly: {type}")
+                type, _, index_text = type.partition(":")
+                if not index_text.isdigit():
+                    raise ValueError(f"Invalid device string: '{type}:{index_text}'")
+                index = int(index_text)
+        else:
+            raise TypeError(f"device type must be a str, not {type.__class__.__name__}")
+        if type not in KNOWN_TYPES:
+            raise ValueError(f"Expected one of {', '.join(KNOWN_TYPES)} device type at start of "
+                             f"device string: {type}")
+        if index is not None:
+            if isinstance(index, bool) or not isinstance(index, int):
+                raise TypeError(f"device index must be an int, not {index.__class__.__name__}")
+            if index < 0:
+                raise ValueError(f"Device index must not be negative, got {index}")
+        object.__setattr__(self, "type", type)
+        object.__setattr__(self, "index", index)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("device is immutable")
+
+    def __repr__(self) -> str:
+        return f"device(type='{self.type}')" if self.index is None else \
+            f"device(type='{self.type}', index={self.index})"
+
+    def __str__(self) -> str:
+        return self.type if self.index is None else f"{self.type}:{self.index}"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, device) and (self.type, self.index) == (other.type, other.index)
+
+    def __hash__(self) -> int:
+        return hash((self.type, self.index))
+
+
+DeviceLike = Union[None, int, str, device]
+
+# How each device type is called in messages and summaries.
+DISPLAY_NAMES = {"cuda": "GPU", "xpu": "XPU", "cpu": "CPU"}
+
+
+class DeviceType:
+    """One kind of device: its backend and the registry of its allocators."""
+
+    def __init__(self, name: str, backend: Backend, *, device_count: Optional[int] = None,
+                 current_device_fn: Optional[Callable[[], int]] = None,
+                 set_device_fn: Optional[Callable[[int], None]] = None,
+                 current_stream_fn: Optional[Callable[[], int]] = None,
+                 stream_handle_fn: Optional[Callable[[Any], int]] = None) -> None:
+        self.name = name
+        self.backend = backend
+        self.set_device_fn = set_device_fn
+        count = backend.device_count() if device_count is None else device_count
+        self.registry = _core.DeviceRegistry(
+            name, count, self._make_allocator,
+            current_device_fn=current_device_fn, current_stream_fn=current_stream_fn,
+            stream_handle_fn=stream_handle_fn)
+
+    @property
+    def device_count(self) -> int:
+        return self.registry.device_count
+
+    def _make_allocator(self, index: int) -> "_core.CachingAllocator":
+        settings = settings_from_env()
+        allocator = _core.CachingAllocator(self.backend, index, **settings.core_kwargs())
+        configure_allocator(allocator, settings)
+        for callback in list(_allocator_created_callbacks):
+            callback(self.name, allocator)
+        return allocator
+
+    def allocator(self, index: int) -> "_core.CachingAllocator":
+        return self.registry.get(index)
+
+    def current_index(self) -> int:
+        return self.registry.current_index()
+
+    def set_current_index(self, index: int) -> None:
+        self.registry.set_current_index(index)
+        if self.set_device_fn is not None:
+            self.set_device_fn(index)
+
+    def __repr__(self) -> str:
+        return f"<unimem device type {self.name}: {self.device_count} device(s), backend {self.backend!r}>"
+
+
+def configure_allocator(allocator: "_core.CachingAllocator", settings: AllocatorSettings) -> None:
+    """Tell a new allocator its device's capacity and the fraction it may use."""
+    try:
+        _, total = allocator.backend.memory_info(allocator.device)
+    except NotImplementedError:
+        total = 0
+    if total:
+        allocator.set_capacity(total)
+    if settings.per_process_memory_fraction is not None:
+        allocator.set_memory_fraction(settings.per_process_memory_fraction)
+
+
+# Hooks the observability layer uses to attach itself to every new allocator.
+_allocator_created_callbacks: List[Callable[[str, "_core.CachingAllocator"], None]] = []
+
+
+def on_allocator_created(callback: Callable[[str, "_core.CachingAllocator"], None]) -> None:
+    """Call ``callback(device_type, allocator)`` for every allocator created from now on."""
+    _allocator_created_callbacks.append(callback)
+
+
+# ---------------------------------------------------------------------------
+# The table of device types
+# ---------------------------------------------------------------------------
+_lock = threading.RLock()
+_types: Dict[str, DeviceType] = {}
+_unavailable: Dict[str, str] = {}      # type -> why it cannot be used
+_current: Optional[str] = None
+
+
+def _probe(name: str) -> Optional[DeviceType]:
+    """Build the device type ``name`` from its backend, or None (and the reason
+    in ``_unavailable``) when this machine has no such device."""
+    if name == "cpu":
+        from .backends._host import PageAlignedBackend
+        return DeviceType("cpu", PageAlignedBackend("CPU"))
+    try:
+        if name == "xpu":
+            from .backends import xpu as module
+        else:
+            from .backends import cuda as module
+        made = module.make_device_type()
+    except Exception as exc:  # a broken driver stack must not break import unimem
+        _unavailable[name] = f"{type(exc).__name__}: {exc}"
+        return None
+    if isinstance(made, str):
+        _unavailable[name] = made
+        return None
+    return made
+
+
+def get_type(name: str) -> DeviceType:
+    """The device type ``name``; raises RuntimeError saying why when this
+    machine has none."""
+    if name not in KNOWN_TYPES:
+        raise ValueError(f"unknown device type '{name}' (known: {', '.join(KNOWN_TYPES)})")
+    found = _types.get(name)
+    if found is not None:
+        return found
+    with _lock:
+        if name not in _types and name not in _unavailable:
+            made = _probe(name)
+            if made is not None:
+                _types[name] = made
+        if name in _types:
+            return _types[name]
+        raise RuntimeError(f"unimem: no {name} device is available: {_unavailable[name]}")
+
+
+def is_available(name: str) -> bool:
+    try:
+        get_type(name)
+    except RuntimeError:
+        return False
+    return True
+
+
+def unavailable_reason(name: str) -> Optional[str]:
+    return None if is_available(name) else _unavailable.get(name)
+
+
+def current_type() -> DeviceType:
+    """The current accelerator's device type (decided once per process)."""
+    global _current
+    if _current is None:
+        with _lock:
+            if _current is None:
+                wanted = os.environ.get(DEVICE_ENV_VAR)
+                if wanted:
+                    if wanted not in KNOWN_TYPES:
+                        raise ValueError(f"{DEVICE_ENV_VAR}={wanted!r}: expected one of {', '.join(KNOWN_TYPES)}")
+                    get_type(wanted)          # raises, saying why, if absent
+                    _current = wanted
+                else:
+                    _current = next(t for t in KNOWN_TYPES if is_available(t))
+    return _types[_current]
+
+
+def current_type_name() -> str:
+    return current_type().name
+
+
+_core.set_current_registry_resolver(lambda: current_type().registry)
+
+
+def replace_backend(name: str, backend: Backend) -> DeviceType:
+    """Serve device type ``name`` from ``backend`` from now on (before any
+    allocation on it, as PyTorch's change_current_allocator requires)."""
+    with _lock:
+        old = _types.get(name)
+        if old is not None and old.registry.is_initialized():
+            raise RuntimeError("Can't swap an already initialized allocator")
+        count = getattr(backend, "explicit_device_count", None)
+        if count is None:
+            count = old.device_count if old is not None else backend.device_count()
+        if old is not None:
+            made = DeviceType(name, backend, device_count=count,
+                              current_device_fn=old.registry.current_device_fn,
+                              set_device_fn=old.set_device_fn,
+                              current_stream_fn=old.registry.current_stream_fn,
+                              stream_handle_fn=old.registry.stream_handle_fn)
+        else:
+            made = DeviceType(name, backend, device_count=count)
+        _types[name] = made
+        _unavailable.pop(name, None)
+        _core.set_current_registry_resolver(lambda: current_type().registry)
+        return made
+
+
+# ---------------------------------------------------------------------------
+# device arguments, as torch.accelerator reads them
+# ---------------------------------------------------------------------------
+def device_index(device_arg: DeviceLike, dtype: DeviceType, *, optional: bool = True) -> int:
+    """The device index ``device_arg`` names on device type ``dtype``.
+
+    ``None`` is the current device; an int is taken as is (and must be in
+    range); a string or :class:`device` must be of ``dtype``'s type, as
+    ``torch.accelerator`` requires of the current accelerator.
+    """
+    if device_arg is None:
+        if not optional:
+            raise ValueError("Expected a device with a specified index or an integer, but got: None")
+        return dtype.current_index()
+    if isinstance(device_arg, bool):
+        raise TypeError("a bool is not a device index")
+    if isinstance(device_arg, int):
+        index = device_arg
+    else:
+        if isinstance(device_arg, str):
+            device_arg = device(device_arg)
+        elif not isinstance(device_arg, device):
+            kind = getattr(device_arg, "type", None)
+            if isinstance(kind, str):            # torch.device and friends
+                device_arg = device(kind, getattr(device_arg, "index", None))
+            elif hasattr(device_arg, "__index__"):
+                device_arg = int(device_arg.__index__())
+            else:
+                raise TypeError(f"Expected a device index, a device string or a device, "
+                                f"got {type(device_arg).__name__}")
+        if isinstance(device_arg, int):
+            index = device_arg
+        else:
+            if device_arg.type != dtype.name:
+                raise ValueError(f"{device_arg.type} doesn't match the current accelerator {dtype.name}.")
+            if device_arg.index is None:
+                if not optional:
+                    raise ValueError(f"Expected a device with a specified index or an integer, "
+                                     f"but got:{device_arg}")
+                return dtype.current_index()
+            index = device_arg.index
+    if not 0 <= index < dtype.device_count:
+        raise ValueError(f"device index {index} is out of range: {dtype.name} has "
+                         f"{dtype.device_count} device{'s' if dtype.device_count != 1 else ''}")
+    return index

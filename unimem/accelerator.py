@@ -1,0 +1,315 @@
+"""``unimem.accelerator``: memory functions for the current accelerator, shaped
+like ``torch.accelerator`` (and ``torch.accelerator.memory``).
+
+The current accelerator is CUDA when CuPy sees a GPU, else XPU when dpctl sees
+a SYCL device, else ``cpu`` (host memory); ``UNIMEM_DEVICE`` overrides the
+choice. Every function dispatches by device index to that device type's
+caching allocator. As in PyTorch, ``device_index`` is positional-only and may
+be ``None`` (the current device), an ``int``, a string such as ``"xpu:0"`` or
+a :class:`unimem.device`; a string or device of another type than the current
+accelerator is a ``ValueError``.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+from . import _core, host
+from ._core import caching_allocator_alloc, caching_allocator_delete
+from ._devices import DeviceLike, DeviceType, current_type, device, device_index as _device_index
+from ._memory_api import MemoryAPI
+
+__all__ = [
+    "current_accelerator", "device_count", "is_available", "current_device_index",
+    "set_device_index", "device_index",
+    "empty_cache", "empty_host_cache", "get_memory_info", "max_memory_allocated",
+    "max_memory_reserved", "memory_allocated", "memory_reserved", "memory_stats",
+    "reset_accumulated_memory_stats", "reset_peak_memory_stats",
+    "memory_stats_as_nested_dict", "caching_allocator_alloc", "caching_allocator_delete",
+    "set_per_process_memory_fraction", "get_per_process_memory_fraction",
+    "reset_max_memory_allocated", "reset_max_memory_cached", "memory_cached",
+    "max_memory_cached", "memory_summary", "memory_snapshot", "record_stream",
+    "host_memory_stats", "reset_peak_host_memory_stats", "reset_accumulated_host_memory_stats",
+]
+
+_apis: Dict[str, MemoryAPI] = {}
+
+
+def _current() -> Tuple[DeviceType, MemoryAPI]:
+    dtype = current_type()
+    api = _apis.get(dtype.name)
+    if api is None:
+        api = _apis[dtype.name] = MemoryAPI(dtype.name)
+    return dtype, api
+
+
+# ---------------------------------------------------------------------------
+# devices
+# ---------------------------------------------------------------------------
+def current_accelerator(check_available: bool = False) -> Optional[device]:
+    r"""Return the device of the current accelerator (``cuda``, ``xpu`` or ``cpu``).
+
+    Args:
+        check_available (bool, optional): if True, also check that at least one
+            device of that type is usable; return ``None`` if not.
+
+    .. note:: The index of the returned :class:`device` is ``None``; use
+        :func:`current_device_index` to know the current index being used.
+    """
+    dtype = current_type()
+    if check_available and dtype.device_count == 0:
+        return None
+    return device(dtype.name)
+
+
+def device_count() -> int:
+    r"""Return the number of devices of the current accelerator (0 if none)."""
+    return current_type().device_count
+
+
+def is_available() -> bool:
+    r"""Check if the current accelerator has at least one device."""
+    return device_count() > 0
+
+
+def current_device_index() -> int:
+    r"""Return the index of a currently selected device for the current accelerator."""
+    return current_type().current_index()
+
+
+def set_device_index(device: DeviceLike, /) -> None:
+    r"""Set the current device index to a given device.
+
+    Args:
+        device (:class:`unimem.device`, str, int): a given device that must match the current
+            accelerator device type.
+    """
+    dtype = current_type()
+    dtype.set_current_index(_device_index(device, dtype, optional=False))
+
+
+@contextlib.contextmanager
+def device_index(device: Optional[int], /) -> Iterator[None]:
+    r"""Context manager to set the current device index for the current accelerator.
+
+    Temporarily changes the current device index to the specified value for the duration
+    of the context, and automatically restores the previous device index when exiting
+    the context. ``None`` does nothing.
+    """
+    if device is None:
+        yield
+        return
+    dtype = current_type()
+    previous = dtype.current_index()
+    dtype.set_current_index(_device_index(device, dtype, optional=False))
+    try:
+        yield
+    finally:
+        dtype.set_current_index(previous)
+
+
+# ---------------------------------------------------------------------------
+# torch.accelerator.memory
+# ---------------------------------------------------------------------------
+def empty_cache() -> None:
+    r"""Release all unoccupied cached memory currently held by the caching
+    allocator so that those can be used in other application.
+
+    .. note:: This function is a no-op if the memory allocator for the current
+        accelerator has not been initialized.
+    """
+    _current()[1].empty_cache()
+
+
+def memory_stats(device_index: DeviceLike = None, /) -> "collections.OrderedDict[str, Any]":
+    r"""Return a dictionary of accelerator device memory allocator statistics for a given device index.
+
+    The return value of this function is a dictionary of statistics, each of
+    which is a non-negative integer (see :func:`unimem.cpu.memory_stats` for
+    the list). Keys are PyTorch's: ``"allocated_bytes.all.current"``,
+    ``"reserved_bytes.large_pool.peak"``, ``"num_ooms"``, ...
+
+    Args:
+        device_index (:class:`unimem.device`, str, int, optional): the index of the device to target.
+            If not given, use :func:`current_device_index` by default.
+            If a :class:`unimem.device` or str is provided, its type must match the current
+            accelerator device type.
+
+    Returns:
+        OrderedDict[str, Any]: an ordered dictionary mapping statistic names to their values,
+        empty before the first allocation on the device.
+    """
+    return _current()[1].memory_stats(device_index)
+
+
+def memory_stats_as_nested_dict(device_index: DeviceLike = None, /) -> Dict[str, Any]:
+    r"""Return the result of :func:`memory_stats` as a nested dictionary."""
+    return _current()[1].memory_stats_as_nested_dict(device_index)
+
+
+def memory_allocated(device_index: DeviceLike = None, /) -> int:
+    r"""Return the current accelerator device memory occupied by tensors
+    in bytes for a given device index.
+
+    Args:
+        device_index (:class:`unimem.device`, str, int, optional): the index of the device to target.
+            If not given, use :func:`current_device_index` by default.
+            If a :class:`unimem.device` or str is provided, its type must match the current
+            accelerator device type.
+
+    Returns:
+        int: the current memory occupied by live tensors (in bytes) within the current process.
+    """
+    dtype = current_type()
+    return dtype.registry.memory_allocated(_device_index(device_index, dtype))
+
+
+def max_memory_allocated(device_index: DeviceLike = None, /) -> int:
+    r"""Return the current accelerator maximum device memory occupied by tensors
+    in bytes for a given device index.
+
+    By default, this returns the peak allocated memory since the beginning of
+    this program. :func:`reset_peak_memory_stats` can be used to
+    reset the starting point in tracking this metric.
+
+    Returns:
+        int: the peak memory occupied by live tensors (in bytes) within the current process.
+    """
+    return _current()[1].max_memory_allocated(device_index)
+
+
+def memory_reserved(device_index: DeviceLike = None, /) -> int:
+    r"""Return the current accelerator device memory managed by the caching allocator
+    in bytes for a given device index.
+
+    Returns:
+        int: the current memory reserved by unimem (in bytes) within the current process.
+    """
+    return _current()[1].memory_reserved(device_index)
+
+
+def max_memory_reserved(device_index: DeviceLike = None, /) -> int:
+    r"""Return the current accelerator maximum device memory managed by the caching allocator
+    in bytes for a given device index.
+
+    By default, this returns the peak cached memory since the beginning of this
+    program. :func:`reset_peak_memory_stats` can be used to reset
+    the starting point in tracking this metric.
+
+    Returns:
+        int: the peak memory reserved by unimem (in bytes) within the current process.
+    """
+    return _current()[1].max_memory_reserved(device_index)
+
+
+def reset_accumulated_memory_stats(device_index: DeviceLike = None, /) -> None:
+    r"""Reset the "accumulated" (historical) stats tracked by the current accelerator
+    memory allocator for a given device index.
+
+    .. note:: This function is a no-op if the memory allocator for the current
+        accelerator has not been initialized.
+    """
+    _current()[1].reset_accumulated_memory_stats(device_index)
+
+
+def reset_peak_memory_stats(device_index: DeviceLike = None, /) -> None:
+    r"""Reset the "peak" stats tracked by the current accelerator
+    memory allocator for a given device index.
+
+    .. note:: This function is a no-op if the memory allocator for the current
+        accelerator has not been initialized.
+    """
+    _current()[1].reset_peak_memory_stats(device_index)
+
+
+def get_memory_info(device_index: DeviceLike = None, /) -> Tuple[int, int]:
+    r"""Return the current device memory information for a given device index.
+
+    Returns:
+        tuple[int, int]: a tuple of two integers (free_memory, total_memory) in bytes.
+            The first value is the free memory on the device (available across all processes and applications),
+            The second value is the device's total hardware memory capacity.
+    """
+    return _current()[1].get_memory_info(device_index)
+
+
+# ---------------------------------------------------------------------------
+# torch.cuda.memory names that users still call
+# ---------------------------------------------------------------------------
+def set_per_process_memory_fraction(fraction: float, device: DeviceLike = None) -> None:
+    r"""Set memory fraction for a process.
+
+    The fraction is used to limit the caching allocator to allocated memory on a device.
+    The allowed value equals the total visible memory multiplied fraction.
+    If trying to allocate more than the allowed value in a process, will raise an out of
+    memory error in allocator.
+
+    Args:
+        fraction(float): Range: 0~1. Allowed memory equals total_memory * fraction.
+        device (int, str or device, optional): selected device. If it is
+            ``None`` the current device is used.
+    """
+    _current()[1].set_per_process_memory_fraction(fraction, device)
+
+
+def get_per_process_memory_fraction(device: DeviceLike = None) -> float:
+    r"""Get memory fraction for a process (1.0 unless one was set)."""
+    return _current()[1].get_per_process_memory_fraction(device)
+
+
+def reset_max_memory_allocated(device: DeviceLike = None) -> None:
+    r"""Reset the starting point in tracking maximum memory occupied by tensors for a given device.
+
+    .. warning::
+        This function now calls :func:`reset_peak_memory_stats`, which resets
+        /all/ peak memory stats.
+    """
+    _current()[1].reset_max_memory_allocated(device)
+
+
+def reset_max_memory_cached(device: DeviceLike = None) -> None:
+    r"""Reset the starting point in tracking maximum memory managed by the caching allocator
+    for a given device.
+
+    .. warning::
+        This function now calls :func:`reset_peak_memory_stats`, which resets
+        /all/ peak memory stats.
+    """
+    _current()[1].reset_max_memory_cached(device)
+
+
+def memory_cached(device: DeviceLike = None) -> int:
+    r"""Deprecated; see :func:`memory_reserved`."""
+    return _current()[1].memory_cached(device)
+
+
+def max_memory_cached(device: DeviceLike = None) -> int:
+    r"""Deprecated; see :func:`max_memory_reserved`."""
+    return _current()[1].max_memory_cached(device)
+
+
+def memory_summary(device: DeviceLike = None, abbreviated: bool = False) -> str:
+    r"""Return a human-readable printout of the current memory allocator statistics for a given device.
+
+    This can be useful to display periodically during training, or when
+    handling out-of-memory exceptions.
+    """
+    return _current()[1].memory_summary(device, abbreviated)
+
+
+def memory_snapshot() -> List[Dict[str, Any]]:
+    r"""Return a snapshot of the memory allocator state across all devices of
+    the current accelerator (segments and their blocks, PyTorch's layout)."""
+    return _current()[1].memory_snapshot()
+
+
+def record_stream(ptr: int, stream: Any) -> None:
+    r"""Mark the memory at ``ptr`` as used by ``stream`` (see :func:`unimem.cuda.record_stream`)."""
+    _current()[1].record_stream(ptr, stream)
+
+
+host_memory_stats = host.host_memory_stats
+reset_peak_host_memory_stats = host.reset_peak_host_memory_stats
+reset_accumulated_host_memory_stats = host.reset_accumulated_host_memory_stats
+empty_host_cache = host.empty_host_cache

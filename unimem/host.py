@@ -1,0 +1,167 @@
+"""``unimem.host``: the pinned (page-locked) host memory pool.
+
+The analogue of PyTorch's ``CachingHostAllocator``: host memory for staging
+host<->device copies, cached and counted (``host_memory_stats``). The memory is
+page-locked with ``cudaHostAlloc`` when CUDA is present, is SYCL host USM when
+only a SYCL device is, and plain page-aligned memory otherwise;
+:func:`backend_name` says which.
+
+Unlike PyTorch's and CuPy's pinned pools, which round every request up to a
+power of two and never split (a 10 GiB request holds 16 GiB), this pool uses
+the same best-fit, splitting policy as the device pools.
+"""
+from __future__ import annotations
+
+import collections
+import threading
+from typing import Any, Dict, Optional
+
+from . import _core
+from ._config import settings_from_env
+from ._devices import configure_allocator
+from ._memory_api import nest_stats
+from .backends.base import Backend
+
+_lock = threading.Lock()
+_backend: Optional[Backend] = None
+_registry: Optional[_core.DeviceRegistry] = None
+
+
+def _choose_backend() -> Backend:
+    """Pinned memory from the first runtime that offers it."""
+    from . import _devices
+    for name in ("cuda", "xpu"):
+        if _devices.is_available(name):
+            pinned = getattr(_devices.get_type(name).backend, "pinned_host_backend", None)
+            if pinned is not None:
+                return pinned()
+    from .backends._host import PageAlignedBackend
+    return PageAlignedBackend("host")
+
+
+def _host_registry() -> _core.DeviceRegistry:
+    global _backend, _registry
+    if _registry is None:
+        with _lock:
+            if _registry is None:
+                _backend = _choose_backend()
+
+                def make(index: int) -> _core.CachingAllocator:
+                    settings = settings_from_env()
+                    allocator = _core.CachingAllocator(_backend, index, **settings.core_kwargs())
+                    configure_allocator(allocator, settings)
+                    return allocator
+
+                _registry = _core.DeviceRegistry("host", 1, make)
+    return _registry
+
+
+def backend_name() -> str:
+    """Where pinned memory comes from: ``"cuda"`` (cudaHostAlloc), ``"sycl"``
+    (SYCL host USM) or ``"page-aligned"`` (plain, not page-locked)."""
+    _host_registry()
+    return getattr(_backend, "kind", "page-aligned")
+
+
+def allocator() -> _core.CachingAllocator:
+    """The host pool's caching allocator."""
+    return _host_registry().get(0)
+
+
+def _existing() -> Optional[_core.CachingAllocator]:
+    return None if _registry is None else _registry.peek(0)
+
+
+def caching_host_alloc(size: int) -> int:
+    """Allocate ``size`` bytes of pinned host memory; returns the address."""
+    return _host_registry().alloc(size, 0, 0)
+
+
+def caching_host_delete(ptr: int) -> None:
+    """Free memory from :func:`caching_host_alloc`."""
+    _host_registry().delete(ptr)
+
+
+def host_memory_stats() -> "collections.OrderedDict[str, Any]":
+    r"""Return a dictionary of pinned (host) allocator statistics.
+
+    Core statistics, each ``.{current,peak,allocated,freed}``:
+
+    - ``"allocated"``: number of allocation requests received by the host allocator.
+    - ``"allocated_bytes"``: amount of allocated (handed out) host memory.
+    - ``"segment"``: number of reserved segments from the pinning runtime.
+    - ``"reserved_bytes"``: amount of reserved host memory.
+
+    PyTorch 2.9 and later also name these ``"active_requests"`` (requests
+    handed out), ``"active_bytes"`` (their bytes) and ``"allocations"`` (blocks
+    created from the runtime, i.e. segments); those keys are served too. (In
+    those versions ``"allocated_bytes"`` means reserved bytes; here it keeps
+    the earlier meaning, allocated bytes, consistently with the device stats.)
+
+    Event statistics:
+
+    - ``"num_host_alloc"``: number of pinning allocation calls (``cudaHostAlloc``,
+      SYCL ``malloc_host``, ...).
+    - ``"num_host_free"``: number of calls freeing pinned memory.
+
+    Timing, in microseconds, of those calls:
+
+    - ``"host_alloc_time.{total,max,min,count,avg}"``
+    - ``"host_free_time.{total,max,min,count,avg}"``
+
+    Returns an empty ``OrderedDict`` before the first pinned allocation.
+    """
+    pool = _existing()
+    if pool is None:
+        return collections.OrderedDict()
+    stats = pool.memory_stats()
+    timing = pool.backend_timing()
+    out: Dict[str, int] = {}
+    for metric in ("current", "peak", "allocated", "freed"):
+        out[f"allocated.{metric}"] = stats[f"allocation.all.{metric}"]
+        out[f"allocated_bytes.{metric}"] = stats[f"allocated_bytes.all.{metric}"]
+        out[f"segment.{metric}"] = stats[f"segment.all.{metric}"]
+        out[f"reserved_bytes.{metric}"] = stats[f"reserved_bytes.all.{metric}"]
+        out[f"active_requests.{metric}"] = stats[f"allocation.all.{metric}"]
+        out[f"active_bytes.{metric}"] = stats[f"allocated_bytes.all.{metric}"]
+        out[f"allocations.{metric}"] = stats[f"segment.all.{metric}"]
+    out["num_host_alloc"] = stats["num_device_alloc"]
+    out["num_host_free"] = stats["num_device_free"]
+    for key, which in (("host_alloc_time", "alloc"), ("host_free_time", "free")):
+        for field, value in timing[which].items():
+            out[f"{key}.{field}"] = value
+    return collections.OrderedDict(sorted(out.items()))
+
+
+def host_memory_stats_as_nested_dict() -> Dict[str, Any]:
+    r"""Return the result of :func:`host_memory_stats` as a nested dictionary."""
+    return nest_stats(host_memory_stats())
+
+
+def reset_peak_host_memory_stats() -> None:
+    r"""Reset the "peak" stats tracked by the host memory allocator."""
+    pool = _existing()
+    if pool is not None:
+        pool.reset_peak_stats()
+
+
+def reset_accumulated_host_memory_stats() -> None:
+    r"""Reset the "accumulated" (historical) stats tracked by the host memory allocator.
+
+    Accumulated stats correspond to the `"allocated"` and `"freed"` keys in each
+    individual stat dict, and the call counts and times.
+    """
+    pool = _existing()
+    if pool is not None:
+        pool.reset_accumulated_stats()
+
+
+def empty_host_cache() -> None:
+    r"""Release all unoccupied cached host (pinned) memory currently held by the host caching
+    allocator so that it can be used by other applications."""
+    pool = _existing()
+    if pool is not None:
+        pool.empty_cache()
+
+
+empty_cache = empty_host_cache
