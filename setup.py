@@ -20,7 +20,8 @@ def extension(name: str) -> Extension:
 
 setup(
     ext_modules=cythonize(
-        [extension("unimem._core"), extension("unimem.backends._host")],
+        [extension("unimem._core"), extension("unimem.backends._host"),
+         extension("unimem.backends._dpctl_api")],
         compiler_directives={"language_level": "3"},
         include_path=[HERE],
     ),

@@ -20,12 +20,19 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from . import _devices, accelerator, cpu, host
-from ._core import Allocation, CachingAllocator, OutOfMemoryError
-from ._devices import device
-from .backends.base import Backend
-from .backends.pluggable import PluggableAllocator
-from .host import host_memory_stats, reset_accumulated_host_memory_stats, reset_peak_host_memory_stats
+from .backends.xpu import ensure_opencl_cpu_runtime
+
+# Before anything asks dpctl for devices: let it find the pip-installed SYCL
+# CPU runtime (a no-op where intel-opencl-rt is not installed).
+ensure_opencl_cpu_runtime()
+
+from . import _devices, accelerator, cpu, host  # noqa: E402
+from ._core import Allocation, CachingAllocator, OutOfMemoryError  # noqa: E402
+from ._devices import device  # noqa: E402
+from .backends.base import Backend  # noqa: E402
+from .backends.pluggable import PluggableAllocator  # noqa: E402
+from .host import (host_memory_stats, reset_accumulated_host_memory_stats,  # noqa: E402
+                   reset_peak_host_memory_stats)
 
 __version__ = "0.1.0"
 

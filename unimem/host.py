@@ -60,7 +60,7 @@ def backend_name() -> str:
     """Where pinned memory comes from: ``"cuda"`` (cudaHostAlloc), ``"sycl"``
     (SYCL host USM) or ``"page-aligned"`` (plain, not page-locked)."""
     _host_registry()
-    return getattr(_backend, "kind", "page-aligned")
+    return getattr(_backend, "pinning", "page-aligned")
 
 
 def allocator() -> _core.CachingAllocator:

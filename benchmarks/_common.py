@@ -1,0 +1,95 @@
+"""What every benchmark shares: timing, tables, JSON, the machine's description."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+SIZE_NAMES = {512: "512 B", 4096: "4 KiB", 65536: "64 KiB", 1 << 20: "1 MiB", 4 << 20: "4 MiB",
+              16 << 20: "16 MiB", 64 << 20: "64 MiB", 256 << 20: "256 MiB"}
+
+
+def size_name(size: int) -> str:
+    return SIZE_NAMES.get(size, f"{size} B")
+
+
+def seconds_per_call(fn: Callable[[], Any], *, min_time: float = 0.02, repeats: int = 5,
+                     max_calls: int = 1_000_000) -> float:
+    """Median over ``repeats`` runs of the mean time of one call; each run
+    makes enough calls to last ``min_time`` (calibrated first)."""
+    fn()
+    calls = 1
+    while True:
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        elapsed = time.perf_counter() - start
+        if elapsed >= min_time / 4 or calls >= max_calls:
+            break
+        calls *= 4
+    calls = max(1, min(max_calls, int(calls * min_time / max(elapsed, 1e-9))))
+    runs = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        runs.append((time.perf_counter() - start) / calls)
+    return statistics.median(runs)
+
+
+def median_of(measure: Callable[[], float], repeats: int = 5) -> float:
+    """Median of a measurement that times itself (e.g. a C loop returning ns)."""
+    measure()
+    return statistics.median(measure() for _ in range(repeats))
+
+
+def format_time(seconds: float) -> str:
+    if seconds < 1e-6:
+        return f"{seconds * 1e9:.0f} ns"
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.2f} us"
+    return f"{seconds * 1e3:.2f} ms"
+
+
+def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    cells = [[str(c) for c in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    line = "+" + "+".join("-" * (w + 2) for w in widths) + "+"
+    out = [title, line, "| " + " | ".join(h.ljust(w) for h, w in zip(cells[0], widths)) + " |", line]
+    for row in cells[1:]:
+        out.append("| " + " | ".join(c.rjust(w) if i else c.ljust(w)
+                                     for i, (c, w) in enumerate(zip(row, widths))) + " |")
+    out.append(line)
+    text = "\n".join(out)
+    print(text, flush=True)
+    return text
+
+
+def machine() -> Dict[str, Any]:
+    return {"python": platform.python_version(), "machine": platform.machine(),
+            "processor": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+
+def write_json(name: str, payload: Dict[str, Any], out_dir: Optional[str] = None) -> str:
+    out_dir = out_dir or RESULTS_DIR
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{name}.json")
+    with open(path, "w") as f:
+        json.dump(dict(payload, machine=machine()), f, indent=2)
+    print(f"wrote {path}", flush=True)
+    return path
+
+
+def verdict(met: bool) -> str:
+    return "met" if met else "NOT MET"
+
+
+def targets_table(title: str, targets: List[Dict[str, Any]]) -> None:
+    print_table(title, ["target", "measured", "result"],
+                [[t["target"], t["measured"], verdict(t["met"])] for t in targets])

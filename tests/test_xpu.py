@@ -1,0 +1,258 @@
+"""The XPU backend on a real SYCL device (the OpenCL CPU device in CI).
+
+These tests must run, not skip: without a SYCL device the setup is broken
+(``pip install -e ".[xpu,test]"`` brings dpctl, dpnp and the CPU runtime).
+"""
+import ctypes
+import gc
+import random
+import time
+
+import numpy as np
+import pytest
+
+import unimem
+from unimem import _devices
+
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def xpu():
+    if not _devices.is_available("xpu"):
+        pytest.fail(f"no SYCL device: {_devices.unavailable_reason('xpu')} -- the XPU tests must run "
+                    f"(pip install -e '.[xpu,test]' installs dpctl, dpnp and intel-opencl-rt)")
+    import unimem.xpu
+    return unimem.xpu
+
+
+@pytest.fixture(scope="module")
+def dpnp():
+    import dpnp
+    return dpnp
+
+
+@pytest.fixture(scope="module")
+def dpctl():
+    import dpctl
+    return dpctl
+
+
+def stats(xpu):
+    return xpu.memory_stats(0)
+
+
+def test_the_issue_example(xpu, dpnp):
+    before = stats(xpu).get("active_bytes.all.current", 0)
+    x = xpu.empty((1024, 1024), dtype="f4")
+    y = xpu.zeros_like(x)
+    x.fill(3)
+    z = x @ y                                   # dpnp allocates results itself ...
+    w = dpnp.matmul(x, y, out=xpu.empty_like(x))  # ... unless given a pool array as out=
+    assert isinstance(x, dpnp.ndarray) and isinstance(x.get_array(), dpnp.tensor.usm_ndarray)
+    active = stats(xpu)["active_bytes.all.current"]
+    assert active == before + 3 * 4 * MiB
+    assert float(w.sum()) == float(z.sum()) == 0.0
+    assert unimem.accelerator.current_accelerator().type == "xpu"
+    assert unimem.accelerator.memory_stats(0) == stats(xpu)
+    del x, y, z, w
+    gc.collect()
+    assert stats(xpu)["active_bytes.all.current"] == before
+
+
+def test_dpnp_arithmetic_gives_numpy_answers(xpu, dpnp):
+    rng = np.random.default_rng(0)
+    a_host = rng.standard_normal((64, 48)).astype("f4")
+    b_host = rng.standard_normal((48, 32)).astype("f4")
+    a, b = xpu.asarray(a_host), xpu.asarray(b_host)
+    np.testing.assert_allclose(dpnp.asnumpy(a @ b), a_host @ b_host, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(dpnp.asnumpy(dpnp.exp(a) + 2 * a), np.exp(a_host) + 2 * a_host,
+                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(float(a.sum()), float(a_host.sum()), rtol=1e-4)
+    ints = xpu.asarray(np.arange(100, dtype="i8"))
+    assert int((ints * ints).sum()) == int((np.arange(100) ** 2).sum())
+    assert dpnp.asnumpy(xpu.full((3, 2), 7, dtype="i4")).tolist() == [[7, 7]] * 3
+    assert dpnp.asnumpy(xpu.ones(4, dtype="f8")).tolist() == [1.0] * 4
+    f = xpu.empty((3, 4), dtype="f4", order="F")
+    assert f.flags.f_contiguous
+
+
+def test_data_survives_thousands_of_allocations_and_frees(xpu, dpnp):
+    keep_host = np.arange(250_000, dtype="f4")
+    keep = xpu.asarray(keep_host)
+    rng = random.Random(7)
+    live = []
+    for step in range(3000):
+        if live and rng.random() < 0.5:
+            live.pop(rng.randrange(len(live)))
+        else:
+            arr = xpu.empty(rng.choice([1, 100, 1000, 70_000, 300_000]), dtype="f4")
+            if step % 50 == 0:
+                arr.fill(-1)
+            live.append(arr)
+    live.clear()
+    np.testing.assert_array_equal(dpnp.asnumpy(keep), keep_host)
+
+
+def test_a_freed_size_is_served_from_the_cache(xpu):
+    x = xpu.empty(100_000, dtype="f4")
+    del x
+    before = stats(xpu)
+    for _ in range(50):
+        y = xpu.empty(100_000, dtype="f4")
+        del y
+    after = stats(xpu)
+    assert after["num_device_alloc"] == before["num_device_alloc"]
+    assert after["allocated_bytes.all.allocated"] == before["allocated_bytes.all.allocated"] + 50 * 400_384
+    assert after["allocation.all.allocated"] == before["allocation.all.allocated"] + 50
+
+
+def block_of(array):
+    return array.get_array().usm_data._pointer
+
+
+def test_a_view_keeps_its_block_alive(xpu, dpnp):
+    pool = xpu.allocator_for("device")
+    x = xpu.asarray(np.arange(1000, dtype="f4"))
+    ptr = block_of(x)
+    view = x[100:200]
+    del x
+    gc.collect()
+    assert pool.owns(ptr), "the block went back while a view of it lived"
+    other = xpu.empty(1000, dtype="f4")
+    assert block_of(other) != ptr
+    np.testing.assert_array_equal(dpnp.asnumpy(view), np.arange(100, 200, dtype="f4"))
+    del view
+    gc.collect()
+    assert not pool.owns(ptr)
+    again = xpu.empty(1000, dtype="f4")
+    assert block_of(again) == ptr, "the block is reused once every view is gone"
+
+
+SPIN = """
+__kernel void spin(__global volatile int* gate) {
+    while (gate[0] == 0) { }
+}
+"""
+
+
+class Gate:
+    """Work on a queue that stays pending until the test opens the gate."""
+
+    def __init__(self, dpctl, queue):
+        import dpctl.memory as dpm
+        import dpctl.program as dpp
+        self.flag = dpm.MemoryUSMShared(8, queue=queue)
+        self.flag.copy_from_host(bytearray(8))
+        kernel = dpp.create_program_from_source(queue, SPIN).get_sycl_kernel("spin")
+        self.event = queue.submit_async(kernel, [self.flag], [1])
+
+    def open(self):
+        ctypes.c_int.from_address(self.flag._pointer).value = 1
+        self.event.wait()
+
+
+def test_blocks_are_reused_only_on_their_own_queue(xpu, dpctl):
+    device = xpu.default_queue().sycl_device
+    queue_a = dpctl.SyclQueue(device, property="in_order")
+    queue_b = dpctl.SyclQueue(device, property="in_order")
+    x = xpu.empty(4096, dtype="u1", sycl_queue=queue_a)
+    ptr = block_of(x)
+    del x
+    y = xpu.empty(4096, dtype="u1", sycl_queue=queue_b)
+    assert block_of(y) != ptr, "a block freed on queue A was handed to queue B"
+    z = xpu.empty(4096, dtype="u1", sycl_queue=queue_a)
+    assert block_of(z) == ptr
+    assert xpu.stream_handle(queue_a) != xpu.stream_handle(queue_b) != 0
+
+
+def test_recorded_work_on_another_queue_delays_reuse(xpu, dpctl):
+    device = xpu.default_queue().sycl_device
+    queue_a = dpctl.SyclQueue(device, property="in_order")
+    queue_b = dpctl.SyclQueue(device, property="in_order")
+    x = xpu.empty(8192, dtype="u1", sycl_queue=queue_a)
+    ptr = block_of(x)
+    gate = Gate(dpctl, queue_b)                    # queue B is busy ...
+    try:
+        xpu.record_stream(x, queue_b)              # ... and uses x
+        del x
+        gc.collect()
+        state = {b["address"]: b["state"] for s in xpu.memory_snapshot() for b in s["blocks"]}
+        assert state[ptr] == "active_pending_free"
+        y = xpu.empty(8192, dtype="u1", sycl_queue=queue_a)
+        assert block_of(y) != ptr, "reused while queue B's recorded work was pending"
+    finally:
+        gate.open()                                # a spinning kernel would hang the process
+    deadline = time.monotonic() + 10
+    while True:
+        z = xpu.empty(8192, dtype="u1", sycl_queue=queue_a)
+        if block_of(z) == ptr or time.monotonic() > deadline:
+            break
+        del z
+    assert block_of(z) == ptr, "not reused after queue B's work completed"
+
+
+def test_empty_cache_waits_for_recorded_work(xpu, dpctl):
+    device = xpu.default_queue().sycl_device
+    queue_b = dpctl.SyclQueue(device, property="in_order")
+    x = xpu.empty(3 * MiB, dtype="u1")
+    xpu.record_stream(x, queue_b)
+    queue_b.submit_barrier()
+    syncs = stats(xpu)["num_sync_all_streams"]
+    del x
+    xpu.empty_cache()
+    assert stats(xpu)["num_sync_all_streams"] == syncs + 1
+    assert not [b for s in xpu.memory_snapshot() for b in s["blocks"] if b["state"] == "active_pending_free"]
+
+
+def test_bad_input_is_a_clear_error_and_leaves_the_pool(xpu, dpctl):
+    keep = xpu.empty(10)
+    before = stats(xpu)
+    with pytest.raises(ValueError, match="out of range"):
+        xpu.empty(10, device=5)
+    with pytest.raises(ValueError, match="doesn't match"):
+        xpu.empty(10, device="cuda:0")
+    with pytest.raises(TypeError, match="dpctl.SyclQueue"):
+        xpu.empty(10, sycl_queue="not a queue")
+    with pytest.raises(TypeError, match="cannot hold"):
+        xpu.empty(10, dtype=object)
+    with pytest.raises(TypeError, match="cannot hold"):
+        xpu.empty(10, dtype="U10")
+    with pytest.raises(TypeError, match="not understood"):
+        xpu.empty(10, dtype="float128x")
+    with pytest.raises(ValueError, match="negative"):
+        xpu.empty((3, -1))
+    with pytest.raises(TypeError, match="shape"):
+        xpu.empty("ten")
+    with pytest.raises(ValueError, match="usm_type"):
+        xpu.empty(10, usm_type="texture")
+    with pytest.raises(TypeError):
+        xpu.record_stream(keep, "queue")
+    assert stats(xpu) == before
+    del keep
+
+
+def test_host_and_shared_usm_come_from_pools(xpu, dpnp):
+    host_before = unimem.host_memory_stats().get("allocation.current", 0)
+    h = xpu.full(1000, 2.0, usm_type="host")
+    s = xpu.ones(1000, usm_type="shared")
+    assert h.usm_type == "host" and s.usm_type == "shared"
+    assert float((h + h).sum()) == 4000.0 and float(s.sum()) == 1000.0
+    assert unimem.host.backend_name() == "sycl"
+    assert unimem.host_memory_stats()["allocated.current"] >= host_before + 1
+    shared = xpu.allocator_for("shared")
+    assert shared.owns(block_of(s))
+    del h, s
+
+
+def test_memory_info_and_device_strings(xpu, dpctl):
+    free, total = xpu.get_memory_info(0)
+    assert total == xpu.default_queue().sycl_device.global_mem_size and 0 < free <= total
+    x = xpu.empty(100, device="xpu:0")
+    assert x.sycl_queue == xpu.default_queue(0)
+    assert xpu.device_count() >= 1 and xpu.is_available()
+
+
+def test_zero_size_arrays(xpu):
+    z = xpu.empty((0, 5))
+    assert z.shape == (0, 5)

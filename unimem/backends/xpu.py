@@ -1,0 +1,247 @@
+"""Intel XPU (SYCL) memory through dpctl: USM device, shared and host allocations.
+
+Device index N is the Nth SYCL device of the preferred type: GPUs if there
+are any (of one backend, Level Zero first), otherwise the CPU device. Queues
+play the role of CUDA streams: stream handle 0 is a device's default queue
+(the one dpnp uses), other queues get handles when first seen. An event on a
+queue is a SYCL barrier submitted to it.
+
+The pip wheels of the Intel OpenCL CPU runtime (``intel-opencl-rt``) install
+``libintelocl.so`` but register it under a path that does not exist, so the
+OpenCL loader would not find the SYCL CPU device. :func:`ensure_opencl_cpu_runtime`
+points the loader at it (``OCL_ICD_FILENAMES``) before dpctl is first imported.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+import threading
+from typing import Any, Dict, List, Optional, Tuple
+
+from .base import Backend
+
+USM_KINDS = ("device", "shared", "host")
+OCL_ENV = "OCL_ICD_FILENAMES"
+BACKEND_PREFERENCE = ("level_zero", "cuda", "hip", "opencl")
+
+
+def _runtime_library_dirs() -> List[str]:
+    dirs = [os.path.join(sys.prefix, "lib")]
+    if sys.base_prefix != sys.prefix:
+        dirs.append(os.path.join(sys.base_prefix, "lib"))
+    return dirs
+
+
+def ensure_opencl_cpu_runtime() -> Optional[str]:
+    """Let the OpenCL loader find the pip-installed Intel CPU runtime.
+
+    Adds ``libintelocl.so`` from this environment to ``OCL_ICD_FILENAMES``
+    (keeping what the user set there). Must run before dpctl's first import;
+    returns the library path, or None when there is none to add."""
+    for directory in _runtime_library_dirs():
+        path = os.path.join(directory, "libintelocl.so")
+        if os.path.exists(path):
+            current = [p for p in os.environ.get(OCL_ENV, "").split(os.pathsep) if p]
+            if path not in current:
+                os.environ[OCL_ENV] = os.pathsep.join(current + [path])
+            return path
+    return None
+
+
+def _import_dpctl():
+    # The loader reads the variable at dpctl's first device query, not at
+    # import: it is not too late when dpnp (and so dpctl) is already imported.
+    ensure_opencl_cpu_runtime()
+    import dpctl
+    return dpctl
+
+
+def preferred_devices(dpctl) -> List[Any]:
+    """The SYCL devices unimem numbers: GPUs of the most preferred backend,
+    else CPU devices."""
+    def rank(device) -> int:
+        name = str(device.backend).rsplit(".", 1)[-1]
+        return BACKEND_PREFERENCE.index(name) if name in BACKEND_PREFERENCE else len(BACKEND_PREFERENCE)
+
+    for kind in ("gpu", "cpu"):
+        try:
+            found = dpctl.get_devices(device_type=kind)
+        except Exception:   # no platform of that kind
+            found = []
+        if found:
+            best = min(rank(d) for d in found)
+            return [d for d in found if rank(d) == best]
+    return []
+
+
+def _default_queue(device):
+    """The queue dpnp uses for ``device``, so that pool arrays and dpnp's own
+    arrays share it (compute follows data needs the same queue)."""
+    try:
+        from dpctl._sycl_queue_manager import get_device_cached_queue
+        return get_device_cached_queue(device)
+    except ImportError:
+        import dpctl
+        return dpctl.SyclQueue(device)
+
+
+class _SyclRuntime:
+    """What every XPU backend of this process shares: the devices, their
+    default queues, dpctl's C functions and the queue <-> handle table."""
+
+    _instance: Optional["_SyclRuntime"] = None
+    _lock = threading.Lock()
+
+    def __init__(self) -> None:
+        dpctl = _import_dpctl()
+        self.dpctl = dpctl
+        self.devices = preferred_devices(dpctl)
+        self.default_queues = [_default_queue(d) for d in self.devices]
+        library = ctypes.CDLL(os.path.join(os.path.dirname(dpctl.__file__), "libDPCTLSyclInterface.so"))
+        self.functions = {name: ctypes.cast(getattr(library, name), ctypes.c_void_p).value
+                          for name in ("DPCTLmalloc_device", "DPCTLmalloc_shared", "DPCTLmalloc_host",
+                                       "DPCTLfree_with_queue", "DPCTLQueue_Wait")}
+        from dpctl.memory import _memory
+        from . import _dpctl_api
+        _dpctl_api.bind_memory_make(_memory.__pyx_capi__["Memory_Make"])
+        # queue -> stream handle; a device's default queue is handle 0
+        self.handles: Dict[Any, int] = {q: 0 for q in self.default_queues}
+        self.queues: List[Any] = [None]          # handle -> queue (handle 0: per device)
+        self.raw_allocators: List[Any] = []
+
+    @classmethod
+    def get(cls) -> "_SyclRuntime":
+        if cls._instance is None:
+            with cls._lock:
+                if cls._instance is None:
+                    cls._instance = _SyclRuntime()
+        return cls._instance
+
+    def raw_allocator(self, kind: str):
+        from ._dpctl_api import USMRawAllocator
+        raw = USMRawAllocator(kind, self.functions[f"DPCTLmalloc_{kind}"],
+                              self.functions["DPCTLfree_with_queue"], self.functions["DPCTLQueue_Wait"],
+                              list(self.default_queues))
+        with self._lock:
+            for queue in self.queues[1:]:
+                raw.add_queue(queue)
+            self.raw_allocators.append(raw)
+        return raw
+
+    def device_index_of(self, queue) -> int:
+        device = queue.sycl_device
+        for index, known in enumerate(self.devices):
+            if known == device:
+                return index
+        raise ValueError(f"the queue's device {device.name!r} ({device.filter_string}) is not one of "
+                         f"unimem's XPU devices")
+
+    def stream_handle(self, queue) -> int:
+        """The handle of ``queue``: 0 for its device's default queue."""
+        if not isinstance(queue, self.dpctl.SyclQueue):
+            raise TypeError(f"expected a dpctl.SyclQueue, got {type(queue).__name__}")
+        handle = self.handles.get(queue)
+        if handle is not None:
+            return handle
+        self.device_index_of(queue)          # a queue of an unknown device is refused
+        with self._lock:
+            handle = self.handles.get(queue)
+            if handle is None:
+                handle = len(self.queues)
+                self.queues.append(queue)
+                for raw in self.raw_allocators:
+                    assert raw.add_queue(queue) == handle
+                self.handles[queue] = handle
+        return handle
+
+    def queue(self, handle: int, device: int):
+        return self.default_queues[device] if handle == 0 else self.queues[handle]
+
+
+class XPUBackend(Backend):
+    """SYCL USM memory of one kind on unimem's XPU devices.
+
+    Args:
+        kind: ``"device"`` (the default), ``"shared"`` or ``"host"``.
+    """
+
+    name = "XPU"
+
+    def __init__(self, kind: str = "device") -> None:
+        if kind not in USM_KINDS:
+            raise ValueError(f"USM kind must be one of {USM_KINDS}, got {kind!r}")
+        self.kind = kind
+        self.runtime = _SyclRuntime.get()
+        self.raw = self.runtime.raw_allocator(kind)
+        self._raw_api = self.raw._raw_api
+        if kind == "host":
+            self.name = "host"
+            self.pinning = "sycl"     # what unimem.host.backend_name() reports
+
+    # raw memory (the core calls the C functions behind _raw_api; these are
+    # the same operations for Python callers and for error reporting)
+    def malloc(self, size: int, device: int, stream: int) -> int:
+        return self.raw.malloc(size, device, stream)
+
+    def free(self, ptr: int, size: int, device: int, stream: int) -> None:
+        self.raw.free(ptr, size, device, stream)
+
+    def device_count(self) -> int:
+        return len(self.runtime.devices)
+
+    def sycl_device(self, device: int):
+        return self.runtime.devices[device]
+
+    def default_queue(self, device: int):
+        return self.runtime.default_queues[device]
+
+    def memory_info(self, device: int) -> Tuple[int, int]:
+        """(free, total): the device's global memory, less what this backend
+        holds on it (SYCL has no portable free-memory query); on a CPU device
+        also bounded by the host's available memory."""
+        dev = self.runtime.devices[device]
+        total = int(dev.global_mem_size)
+        free = getattr(dev, "free_memory", None)
+        if not free:
+            free = max(total - self.raw.held(device), 0)
+            if dev.has_aspect_cpu:
+                from ._host import _meminfo
+                free = min(free, _meminfo()[0])
+        return int(free), total
+
+    # queues as streams
+    def record_event(self, stream: int, device: int):
+        return self.runtime.queue(stream, device).submit_barrier()
+
+    def event_done(self, event) -> bool:
+        return event.execution_status == self.runtime.dpctl.event_status_type.complete
+
+    def event_synchronize(self, event) -> None:
+        event.wait()
+
+    def pinned_host_backend(self) -> "XPUBackend":
+        """Host USM on device 0's context: the pinned memory of ``unimem.host``."""
+        return XPUBackend("host")
+
+    @property
+    def pinned(self) -> bool:
+        return self.kind == "host"
+
+    def __repr__(self) -> str:
+        return f"<unimem XPUBackend {self.kind} USM on {len(self.runtime.devices)} device(s)>"
+
+
+def make_device_type():
+    """The ``xpu`` device type, or a string saying why there is none."""
+    try:
+        _import_dpctl()
+    except ImportError as exc:
+        return f"dpctl is not installed ({exc}); pip install unimem[xpu]"
+    runtime = _SyclRuntime.get()
+    if not runtime.devices:
+        hint = "" if os.environ.get(OCL_ENV) else " (no OpenCL CPU runtime found either: pip install intel-opencl-rt)"
+        return f"dpctl finds no SYCL device{hint}"
+    from .._devices import DeviceType
+    backend = XPUBackend("device")
+    return DeviceType("xpu", backend, stream_handle_fn=runtime.stream_handle)

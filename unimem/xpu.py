@@ -1,0 +1,349 @@
+"""``unimem.xpu``: Intel XPU (SYCL) memory for dpctl and dpnp users.
+
+The memory functions of ``torch.xpu.memory`` (``memory_stats``,
+``memory_allocated``, ``empty_cache``, ...) and dpnp arrays whose memory comes
+from the caching pool::
+
+    x = unimem.xpu.empty((1024, 1024), dtype="f4")    # a dpnp.ndarray, memory from the pool
+    y = unimem.xpu.zeros_like(x); z = x @ y            # ordinary dpnp work on it
+    unimem.xpu.memory_stats(0)["active_bytes.all.current"]
+    del x, y, z                                        # blocks go back to the pool, not to SYCL
+
+A block returns to the pool when the last array (or view) using it is gone
+and dpctl has let go of it (dpctl keeps arrays alive until the kernels using
+them finish), never earlier. Device USM comes from the ``xpu`` device pools,
+host USM from :mod:`unimem.host` (pinned memory), shared USM from per-device
+shared pools.
+"""
+from __future__ import annotations
+
+import operator
+import threading
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
+
+import numpy
+
+from . import _core, host
+from ._config import settings_from_env
+from ._devices import configure_allocator, device_index, get_type
+from ._memory_api import PUBLIC_FUNCTIONS, MemoryAPI
+from .backends import xpu as _backend
+
+_api = MemoryAPI("xpu")
+globals().update(_api.functions())
+
+__all__ = list(PUBLIC_FUNCTIONS) + [
+    "empty", "zeros", "ones", "full", "empty_like", "zeros_like", "ones_like", "full_like",
+    "asarray", "default_queue", "stream_handle", "allocator_for", "record_stream",
+]
+
+ShapeLike = Union[int, Sequence[int]]
+
+_shared_lock = threading.Lock()
+_shared_registry: Optional[_core.DeviceRegistry] = None
+
+
+# ---------------------------------------------------------------------------
+# queues, devices and pools
+# ---------------------------------------------------------------------------
+class _Context:
+    """What every array call needs, looked up once (dpnp's modules, the SYCL
+    runtime, the device registry, each device's data-type support)."""
+
+    def __init__(self) -> None:
+        import dpnp
+        import dpnp.tensor as dpt
+        from .backends._dpctl_api import make_usm_memory
+        self.dtype_xpu = get_type("xpu")     # raises, saying why, when there is no SYCL device
+        self.registry = self.dtype_xpu.registry
+        self.runtime = _backend._SyclRuntime.get()
+        self.dpctl = self.runtime.dpctl
+        self.dpnp = dpnp
+        self.usm_ndarray = dpt.usm_ndarray
+        self.wrap = dpnp.ndarray._create_from_usm_ndarray
+        self.make_usm_memory = make_usm_memory
+        self.default_queues = self.runtime.default_queues
+        self.dtypes: Dict[Tuple[Any, int], numpy.dtype] = {}
+
+
+_context: Optional[_Context] = None
+
+
+def _ctx() -> _Context:
+    global _context
+    if _context is None:
+        _context = _Context()
+    return _context
+
+
+def _runtime():
+    return _ctx().runtime
+
+
+def default_queue(device: Any = None):
+    """The default ``dpctl.SyclQueue`` of an XPU device (the one dpnp uses)."""
+    return _ctx().default_queues[_device_to_index(device)]
+
+
+def stream_handle(queue) -> int:
+    """The integer handle unimem keys ``queue``'s pools by (0: a default queue)."""
+    return _runtime().stream_handle(queue)
+
+
+def _queue_and_index(device: Any, sycl_queue: Any) -> Tuple[Any, int]:
+    ctx = _ctx()
+    if device is None and sycl_queue is None:
+        index = ctx.registry.current_index()
+        return ctx.default_queues[index], index
+    if sycl_queue is None and isinstance(device, ctx.dpctl.SyclQueue):
+        device, sycl_queue = None, device
+    if sycl_queue is not None:
+        if not isinstance(sycl_queue, ctx.dpctl.SyclQueue):
+            raise TypeError(f"sycl_queue must be a dpctl.SyclQueue, not {type(sycl_queue).__name__}")
+        index = ctx.runtime.device_index_of(sycl_queue)
+        if device is not None and _device_to_index(device) != index:
+            raise TypeError("sycl_queue and device keywords name different devices")
+        return sycl_queue, index
+    index = _device_to_index(device)
+    return ctx.default_queues[index], index
+
+
+def _device_to_index(device: Any) -> int:
+    ctx = _ctx()
+    if isinstance(device, ctx.dpctl.SyclDevice):
+        for index, known in enumerate(ctx.runtime.devices):
+            if known == device:
+                return index
+        raise ValueError(f"SYCL device {device.name!r} is not one of unimem's XPU devices")
+    return device_index(device, ctx.dtype_xpu)
+
+
+def _shared_pools() -> _core.DeviceRegistry:
+    global _shared_registry
+    if _shared_registry is None:
+        with _shared_lock:
+            if _shared_registry is None:
+                backend = _backend.XPUBackend("shared")
+
+                def make(index: int) -> _core.CachingAllocator:
+                    settings = settings_from_env()
+                    allocator = _core.CachingAllocator(backend, index, **settings.core_kwargs())
+                    configure_allocator(allocator, settings)
+                    return allocator
+
+                _shared_registry = _core.DeviceRegistry(
+                    "xpu-shared", backend.device_count(), make,
+                    stream_handle_fn=_backend._SyclRuntime.get().stream_handle)
+    return _shared_registry
+
+
+def allocator_for(usm_type: str = "device", device: Any = None) -> _core.CachingAllocator:
+    """The caching allocator serving ``usm_type`` memory on ``device``."""
+    if usm_type == "device":
+        return get_type("xpu").allocator(_device_to_index(device))
+    if usm_type == "shared":
+        return _shared_pools().get(_device_to_index(device))
+    if usm_type == "host":
+        return _host_pool_for(default_queue(device))
+    raise ValueError(f"usm_type must be 'device', 'shared' or 'host', got {usm_type!r}")
+
+
+def _host_pool_for(queue) -> _core.CachingAllocator:
+    pool = host.allocator()
+    if host.backend_name() != "sycl":
+        raise ValueError(f"host USM arrays come from the pinned host pool, which here is "
+                         f"{host.backend_name()!r} memory, not SYCL host USM")
+    if queue.sycl_context != pool.backend.default_queue(0).sycl_context:
+        raise ValueError("host USM arrays from the pool must use the default SYCL context of the platform")
+    return pool
+
+
+# ---------------------------------------------------------------------------
+# array arguments
+# ---------------------------------------------------------------------------
+def _normalize_shape(shape: ShapeLike) -> Tuple[int, ...]:
+    if type(shape) is int:
+        dims: Tuple[int, ...] = (shape,)
+    else:
+        try:
+            dims = (operator.index(shape),)
+        except TypeError:
+            try:
+                dims = tuple(operator.index(d) for d in shape)   # type: ignore[union-attr]
+            except TypeError:
+                raise TypeError(f"shape must be an int or a sequence of ints, got {shape!r}") from None
+    for d in dims:
+        if d < 0:
+            raise ValueError(f"negative dimensions are not allowed: {dims}")
+    return dims
+
+
+def _normalize_dtype(dtype: Any, queue, index: int) -> numpy.dtype:
+    ctx = _ctx()
+    key = (dtype, index)
+    try:
+        return ctx.dtypes[key]
+    except (KeyError, TypeError):      # TypeError: an unhashable dtype argument
+        pass
+    if dtype is None:
+        dt = numpy.dtype(ctx.dpnp.default_float_type(sycl_queue=queue))
+    else:
+        try:
+            dt = numpy.dtype(dtype)
+        except TypeError as exc:
+            raise TypeError(f"data type {dtype!r} not understood") from exc
+        if dt.kind not in "biufc" or not dt.isnative:
+            raise TypeError(f"dpnp arrays cannot hold data type {dt} (booleans, integers, "
+                            f"floating and complex numbers in native byte order only)")
+        dev = ctx.runtime.devices[index]
+        if dt in (numpy.float64, numpy.complex128) and not dev.has_aspect_fp64:
+            raise ValueError(f"device {dev.name} does not support double precision ({dt})")
+        if dt == numpy.float16 and not dev.has_aspect_fp16:
+            raise ValueError(f"device {dev.name} does not support half precision")
+    try:
+        ctx.dtypes[key] = dt
+    except TypeError:
+        pass
+    return dt
+
+
+# ---------------------------------------------------------------------------
+# arrays from the pool
+# ---------------------------------------------------------------------------
+def empty(shape: ShapeLike, dtype: Any = None, *, order: str = "C", device: Any = None,
+          usm_type: str = "device", sycl_queue: Any = None):
+    """Return a new uninitialized ``dpnp.ndarray`` whose memory comes from the pool.
+
+    Arguments as ``dpnp.empty``: ``dtype`` (default: the device's default
+    floating type), ``order`` (``"C"`` or ``"F"``), ``device`` (an index,
+    ``"xpu:N"``, a ``dpctl.SyclDevice`` or queue), ``usm_type``
+    (``"device"``, ``"shared"`` or ``"host"``), ``sycl_queue``.
+    """
+    ctx = _ctx()
+    if order not in ("C", "F", "c", "f"):
+        raise ValueError(f"order must be 'C' or 'F', got {order!r}")
+    queue, index = _queue_and_index(device, sycl_queue)
+    dims = _normalize_shape(shape)
+    dt = _normalize_dtype(dtype, queue, index)
+    nbytes = dt.itemsize
+    for d in dims:
+        nbytes *= d
+    if usm_type == "device":
+        pool = ctx.registry.get(index)
+    elif usm_type == "shared":
+        pool = _shared_pools().get(index)
+    elif usm_type == "host":
+        pool = _host_pool_for(queue)
+    else:
+        raise ValueError(f"usm_type must be 'device', 'shared' or 'host', got {usm_type!r}")
+    if nbytes == 0:     # nothing to allocate
+        return ctx.dpnp.empty(dims, dtype=dt, order=order, usm_type=usm_type, sycl_queue=queue)
+    block = pool.allocate(nbytes, 0 if queue is ctx.default_queues[index] else ctx.runtime.stream_handle(queue))
+    memory = ctx.make_usm_memory(block.ptr, nbytes, queue, block)
+    return ctx.wrap(ctx.usm_ndarray(dims, dtype=dt, buffer=memory, order=order.upper()))
+
+
+def full(shape: ShapeLike, fill_value: Any, dtype: Any = None, **kwargs: Any):
+    """Return a new pool-backed ``dpnp.ndarray`` filled with ``fill_value``."""
+    if dtype is None:
+        dtype = numpy.asarray(fill_value).dtype
+        if dtype.kind == "f":
+            dtype = None          # the device's default floating type
+    out = empty(shape, dtype, **kwargs)
+    out.fill(fill_value)
+    return out
+
+
+def zeros(shape: ShapeLike, dtype: Any = None, **kwargs: Any):
+    """Return a new pool-backed ``dpnp.ndarray`` of zeros."""
+    out = empty(shape, dtype, **kwargs)
+    out.fill(0)
+    return out
+
+
+def ones(shape: ShapeLike, dtype: Any = None, **kwargs: Any):
+    """Return a new pool-backed ``dpnp.ndarray`` of ones."""
+    out = empty(shape, dtype, **kwargs)
+    out.fill(1)
+    return out
+
+
+def _like(x: Any, dtype: Any, kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    if not hasattr(x, "sycl_queue"):
+        raise TypeError(f"expected a dpnp.ndarray or usm_ndarray, got {type(x).__name__}")
+    kwargs.setdefault("usm_type", x.usm_type)
+    if "device" not in kwargs and "sycl_queue" not in kwargs:
+        kwargs["sycl_queue"] = x.sycl_queue
+    kwargs["dtype"] = x.dtype if dtype is None else dtype
+    return kwargs
+
+
+def empty_like(x: Any, dtype: Any = None, **kwargs: Any):
+    """A new uninitialized pool-backed array with the shape, type, queue and USM kind of ``x``."""
+    kw = _like(x, dtype, kwargs)
+    return empty(x.shape, kw.pop("dtype"), **kw)
+
+
+def zeros_like(x: Any, dtype: Any = None, **kwargs: Any):
+    """A new pool-backed array of zeros shaped like ``x``."""
+    kw = _like(x, dtype, kwargs)
+    return zeros(x.shape, kw.pop("dtype"), **kw)
+
+
+def ones_like(x: Any, dtype: Any = None, **kwargs: Any):
+    """A new pool-backed array of ones shaped like ``x``."""
+    kw = _like(x, dtype, kwargs)
+    return ones(x.shape, kw.pop("dtype"), **kw)
+
+
+def full_like(x: Any, fill_value: Any, dtype: Any = None, **kwargs: Any):
+    """A new pool-backed array shaped like ``x``, filled with ``fill_value``."""
+    kw = _like(x, dtype, kwargs)
+    return full(x.shape, fill_value, kw.pop("dtype"), **kw)
+
+
+def asarray(obj: Any, dtype: Any = None, *, order: str = "C", device: Any = None,
+            usm_type: str = "device", sycl_queue: Any = None):
+    """Copy ``obj`` (a NumPy array, a sequence, a scalar or a dpnp array) into
+    a new pool-backed ``dpnp.ndarray``."""
+    dpnp = _ctx().dpnp
+    queue, _ = _queue_and_index(device, sycl_queue)
+    if hasattr(obj, "__sycl_usm_array_interface__"):
+        source = obj if isinstance(obj, dpnp.ndarray) else dpnp.asarray(obj)
+        if source.sycl_queue != queue:
+            source = source.to_device(queue)
+        out = empty(source.shape, source.dtype if dtype is None else dtype, order=order,
+                    usm_type=usm_type, sycl_queue=queue)
+        out[...] = source
+        return out
+    host_data = numpy.asarray(obj)
+    if dtype is None:
+        dtype = host_data.dtype
+        if dtype == numpy.float64 and not queue.sycl_device.has_aspect_fp64:
+            dtype = numpy.float32
+        elif dtype.kind not in "biufc":
+            raise TypeError(f"dpnp arrays cannot hold data type {dtype}")
+    out = empty(host_data.shape, dtype, order=order, usm_type=usm_type, sycl_queue=queue)
+    if out.size:
+        out.get_array()[...] = numpy.ascontiguousarray(host_data, dtype=out.dtype)
+    return out
+
+
+def record_stream(array_or_ptr: Any, queue: Any) -> None:
+    r"""Mark memory as used by ``queue`` (``torch.Tensor.record_stream``): once
+    freed, the block is reused only after the work queued on ``queue`` up to
+    then has completed. Takes a pool-backed array or an address."""
+    ptr = array_or_ptr
+    if hasattr(array_or_ptr, "__sycl_usm_array_interface__"):
+        usm = array_or_ptr.get_array() if hasattr(array_or_ptr, "get_array") else array_or_ptr
+        ptr = usm.usm_data._pointer
+    handle = stream_handle(queue)
+    for registry in (get_type("xpu").registry, _shared_registry):
+        owner = None if registry is None else registry.find_owner(ptr)
+        if owner is not None:
+            owner.record_stream(ptr, handle)
+            return
+    owner = host.allocator() if host.allocator().owns(ptr) else None
+    if owner is None:
+        raise ValueError(f"address {ptr!r} is not a live block of unimem's XPU pools")
+    owner.record_stream(ptr, handle)
