@@ -330,3 +330,60 @@ def test_format_size():
     assert _core.format_size(512) == "512 bytes"
     assert _core.format_size(1536) == "1.50 KiB"
     assert _core.format_size(20 * MiB) == "20.00 MiB"
+
+
+def test_the_backend_gets_memory_back_outside_the_allocator_lock():
+    """Giving memory back may wait for the device (the XPU backend waits on
+    its queue, whose host tasks may need this allocator): it must not happen
+    under the allocator's lock, or those tasks could never finish."""
+    import threading
+
+    from unimem.backends.simulated import SimulatedBackend
+
+    class Probing(SimulatedBackend):
+        allocator = None
+        frees_seen = []
+
+        def free(self, ptr, size, device=0, stream=0):
+            if self.allocator is not None:
+                other = threading.Thread(target=lambda a: a.free(a.malloc(512)), args=(self.allocator,))
+                other.start()
+                other.join(10)
+                self.frees_seen.append(not other.is_alive())
+            super().free(ptr, size, device, stream)
+
+    backend = Probing()
+    a = _core.CachingAllocator(backend, 0)
+    a.free(a.malloc(3 * MiB))
+    backend.allocator = a
+    a.empty_cache()
+    backend.allocator = None
+    assert backend.frees_seen == [True], "another thread could not use the allocator during free"
+    assert backend.held() == 2 * MiB       # the large segment went; the small one the thread used stays
+    a._check_invariants()
+
+
+def test_a_backend_refusing_to_take_memory_back_keeps_it_cached():
+    from unimem.backends.simulated import SimulatedBackend
+
+    class Refusing(SimulatedBackend):
+        refuse = True
+
+        def free(self, ptr, size, device=0, stream=0):
+            if self.refuse:
+                raise RuntimeError("device busy")
+            super().free(ptr, size, device, stream)
+
+    backend = Refusing()
+    a = _core.CachingAllocator(backend, 0)
+    a.free(a.malloc(3 * MiB))
+    before = a.memory_stats()
+    with pytest.raises(RuntimeError, match="device busy"):
+        a.empty_cache()
+    after = a.memory_stats()
+    assert after["reserved_bytes.all.current"] == before["reserved_bytes.all.current"] == 20 * MiB
+    assert after["num_device_free"] == before["num_device_free"]
+    a._check_invariants()
+    backend.refuse = False
+    a.empty_cache()
+    assert backend.held() == 0 and a.memory_reserved() == 0

@@ -256,3 +256,60 @@ def test_memory_info_and_device_strings(xpu, dpctl):
 def test_zero_size_arrays(xpu):
     z = xpu.empty((0, 5))
     assert z.shape == (0, 5)
+
+
+# ---------------------------------------------------------------------------
+# Runtime threads. A SYCL runtime drops the last reference to an array on one
+# of its host-task threads (dpctl's keep-alive tasks), while dpnp may wait on
+# an event holding the GIL. These tests pin the rules that keep that from
+# deadlocking (see CachingAllocator's locking notes and
+# unimem.xpu._bound_keep_alive_tasks).
+# ---------------------------------------------------------------------------
+def test_keep_alive_tasks_are_bounded_when_arrays_are_handed_out(xpu, dpnp):
+    from dpctl.utils import SequentialOrderManager
+    queue = xpu.default_queue()
+    if not queue.sycl_device.has_aspect_cpu:
+        pytest.skip("the bound applies to CPU devices")
+    a = xpu.ones((256, 256), dtype="f4")
+    outs = [xpu.empty((256, 256), dtype="f4") for _ in range(8)]
+    for out in outs:                       # eight kernels, eight keep-alive tasks in flight
+        dpnp.matmul(a, a, out=out)
+    xpu.empty(16)
+    assert len(SequentialOrderManager[queue].host_task_events) <= xpu.KEEP_ALIVE_LIMIT_CPU
+
+
+def test_a_finalizers_free_runs_no_python(xpu):
+    import threading
+    pool = xpu.allocator_for("device")
+    threads = []
+    pool.set_trace_hook(lambda events: threads.append(threading.current_thread().name))
+    try:
+        block = pool.allocate(4096)
+        holder = [block]
+        del block
+        worker = threading.Thread(target=holder.clear, name="runtime-thread")   # drops the last reference
+        worker.start()
+        worker.join(30)
+        assert "runtime-thread" not in threads, "the history hook ran inside a finalizer"
+        pool.flush_history()             # the buffered free arrives from a Python call
+        assert threads[-1] == threading.current_thread().name
+    finally:
+        pool.set_trace_hook(None)
+
+
+def test_training_with_history_recorded_does_not_hang(tmp_path):
+    """The configuration that deadlocked before the rules above (about one
+    run in six): dpnp training through the pool with history recorded."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import unimem\n"
+        "from unimem import demo\n"
+        "work = demo.default_workload()\n"
+        "work.memory_api._record_memory_history(max_entries=100000)\n"
+        "seconds, loss = demo.train(work, work.pool_empty, 60)\n"
+        "print('trained', loss)\n")
+    import subprocess
+    import sys
+    for attempt in range(4):
+        done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0 and "trained" in done.stdout, done.stderr

@@ -666,6 +666,9 @@ cdef class CachingAllocator:
     cdef list oom_observers
     cdef bint poisoned
     cdef str poison_reason
+    # How many times this thread holds the (recursive) lock: segments are
+    # given back outside it only when it is held once.
+    cdef int lock_depth
     cdef object __weakref__
 
     def __cinit__(self):
@@ -749,7 +752,7 @@ cdef class CachingAllocator:
             nxt = seg.next_seg
             if give_back and self._segment_is_free(seg):
                 try:
-                    self._backend_free(seg.base, seg.size, seg.stream)
+                    self._backend_free(seg.base, seg.size, seg.stream, False)
                 except BaseException as exc:
                     _report_unraisable(exc, "unimem allocator teardown")
             b = seg.head
@@ -770,14 +773,23 @@ cdef class CachingAllocator:
         slab_destroy(&self.slab)
 
     # ------------------------------------------------------------------
-    # locking: never wait for the allocator lock while holding the GIL
+    # Locking. Two rules keep Python threads and foreign runtime threads
+    # (SYCL host tasks that drop the last reference to an array, and so free
+    # its block, from their own thread) from deadlocking:
+    #   1. never wait for the lock while holding the GIL;
+    #   2. never release the GIL while holding the lock (so whoever holds the
+    #      GIL never finds the lock taken by another thread, and a finalizer
+    #      frees its block in one go, without giving the GIL up half-way).
+    # Backend calls that may block (returning memory) run outside the lock.
     # ------------------------------------------------------------------
     cdef inline void _lock(self):
         if not self.lock.try_lock():
             with nogil:
                 self.lock.lock()
+        self.lock_depth += 1
 
     cdef inline void _unlock(self) noexcept nogil:
+        self.lock_depth -= 1
         self.lock.unlock()
 
     # ------------------------------------------------------------------
@@ -950,8 +962,7 @@ cdef class CachingAllocator:
         cdef int64_t t0 = um_now_ns()
         out[0] = 0
         if self._has_raw:
-            with nogil:
-                rc = self._raw.malloc(self._raw.ctx, size, self.device, stream, out)
+            rc = self._raw.malloc(self._raw.ctx, size, self.device, stream, out)
             if rc == RAW_OK and out[0] != 0:
                 duration_add(&self.stats.device_alloc_time, (um_now_ns() - t0) // 1000)
                 return 0
@@ -972,11 +983,16 @@ cdef class CachingAllocator:
         duration_add(&self.stats.device_alloc_time, (um_now_ns() - t0) // 1000)
         return 0
 
-    cdef int _backend_free(self, uintptr_t ptr, size_t size, uintptr_t stream) except -1:
+    cdef int _backend_free(self, uintptr_t ptr, size_t size, uintptr_t stream,
+                           bint release_gil) except -1:
+        """Give memory back. ``release_gil`` only when the lock is not held."""
         cdef int rc
         cdef int64_t t0 = um_now_ns()
         if self._has_raw:
-            with nogil:
+            if release_gil:
+                with nogil:
+                    rc = self._raw.free(self._raw.ctx, ptr, size, self.device, stream)
+            else:
                 rc = self._raw.free(self._raw.ctx, ptr, size, self.device, stream)
             if rc == RAW_OK:
                 duration_add(&self.stats.device_free_time, (um_now_ns() - t0) // 1000)
@@ -1016,12 +1032,7 @@ cdef class CachingAllocator:
         seg.stream = stream
         seg.is_small = is_small
         seg.head = b
-        seg.prev_seg = NULL
-        seg.next_seg = self.segments
-        if self.segments != NULL:
-            self.segments.prev_seg = seg
-        self.segments = seg
-        self.n_segments += 1
+        self._link_segment(seg)
         b.ptr = ptr
         b.size = alloc_size
         b.stream = stream
@@ -1037,19 +1048,28 @@ cdef class CachingAllocator:
             self._trace(T_SEGMENT_ALLOC, ptr, alloc_size, stream)
         return b
 
-    cdef int _release_segment(self, Segment* seg) except -1:
-        """Give a wholly free, unsplit segment back to the backend (PyTorch's
-        release_block). It leaves the free index first, so that nothing can
-        take it while the backend (maybe Python) runs; if the backend fails it
-        goes back, unchanged, and the error propagates."""
+    cdef inline void _link_segment(self, Segment* seg) noexcept nogil:
+        seg.prev_seg = NULL
+        seg.next_seg = self.segments
+        if self.segments != NULL:
+            self.segments.prev_seg = seg
+        self.segments = seg
+        self.n_segments += 1
+
+    cdef inline void _unlink_segment(self, Segment* seg) noexcept nogil:
+        if seg.prev_seg != NULL:
+            seg.prev_seg.next_seg = seg.next_seg
+        else:
+            self.segments = seg.next_seg
+        if seg.next_seg != NULL:
+            seg.next_seg.prev_seg = seg.prev_seg
+        self.n_segments -= 1
+
+    cdef void _detach_segment(self, Segment* seg) noexcept nogil:
+        """Take a wholly free segment out of the allocator (and its statistics)."""
         cdef Block* b = seg.head
-        cdef FreeIndex* fi = self._pool_of(b)
-        fi_remove(fi, b)
-        try:
-            self._backend_free(seg.base, seg.size, seg.stream)
-        except BaseException:
-            fi_insert(fi, b)     # its size class still exists: cannot fail
-            raise
+        fi_remove(self._pool_of(b), b)
+        self._unlink_segment(seg)
         self.stats.num_device_free += 1
         self.total_allocated_memory -= seg.size
         pool_decrease(&self.stats, S_SEGMENT, seg.is_small, 1)
@@ -1058,15 +1078,65 @@ cdef class CachingAllocator:
             stat_decrease(&self.stats.oversize_segments, 1)
         if self.recording:
             self._trace(T_SEGMENT_FREE, seg.base, seg.size, seg.stream)
-        if seg.prev_seg != NULL:
-            seg.prev_seg.next_seg = seg.next_seg
-        else:
-            self.segments = seg.next_seg
-        if seg.next_seg != NULL:
-            seg.next_seg.prev_seg = seg.prev_seg
-        self.n_segments -= 1
-        block_delete(&self.slab, b)
-        sys_free(seg)
+
+    cdef void _reattach_segment(self, Segment* seg) noexcept nogil:
+        """Undo _detach_segment for memory the backend refused to take back."""
+        cdef Block* b = seg.head
+        cdef FreeIndex* fi = self._pool_of(b)
+        self._link_segment(seg)
+        self.stats.num_device_free -= 1
+        self.total_allocated_memory += seg.size
+        pool_increase(&self.stats, S_SEGMENT, seg.is_small, 1)
+        pool_increase(&self.stats, S_RESERVED_BYTES, seg.is_small, seg.size)
+        if seg.size >= self.max_split_size:
+            stat_increase(&self.stats.oversize_segments, 1)
+        um_reserve(&fi.by_size, fi.by_size.count + 1)
+        fi_insert(fi, b)
+        if self.recording:
+            self._trace(T_SEGMENT_ALLOC, seg.base, seg.size, seg.stream)
+
+    cdef int _release(self, vector[Segment*]& victims) except -1:
+        """Give wholly free, unsplit segments back to the backend (PyTorch's
+        release_block). They leave the allocator under the lock; the backend
+        is then called outside it (and, for a raw backend, without the GIL),
+        because giving memory back may wait for the device (the XPU backend
+        waits on the queue, whose host tasks may need the GIL and this lock).
+        A segment the backend fails to take back returns unchanged, and the
+        first error is raised once the others were tried."""
+        cdef vector[Segment*] detached
+        cdef Segment* seg
+        cdef size_t i
+        for i in range(victims.size()):
+            seg = victims[i]
+            if self._segment_is_free(seg):   # it may have been reused meanwhile
+                self._detach_segment(seg)
+                detached.push_back(seg)
+        if detached.empty():
+            return 0
+        cdef bint outside = self.lock_depth == 1
+        failures = []
+        if outside:
+            self._unlock()
+        try:
+            for i in range(detached.size()):
+                seg = detached[i]
+                try:
+                    self._backend_free(seg.base, seg.size, seg.stream, outside)
+                except BaseException as exc:
+                    failures.append((<uintptr_t>seg, exc))
+                    detached[i] = NULL
+        finally:
+            if outside:
+                self._lock()
+        for i in range(detached.size()):
+            seg = detached[i]
+            if seg != NULL:
+                block_delete(&self.slab, seg.head)
+                sys_free(seg)
+        for addr, _ in failures:
+            self._reattach_segment(<Segment*><uintptr_t>addr)
+        if failures:
+            raise failures[0][1]
         return 0
 
     cdef inline bint _segment_is_free(self, Segment* seg) noexcept nogil:
@@ -1085,19 +1155,7 @@ cdef class CachingAllocator:
                     and not (has_stream and seg.stream != stream) and seg.size >= min_size):
                 victims.push_back(seg)
             seg = seg.next_seg
-        first_error = None
-        for seg in victims:
-            # A finalizer run by a Python backend may have re-used it meanwhile.
-            if not self._segment_is_free(seg):
-                continue
-            try:
-                self._release_segment(seg)
-            except Exception as exc:
-                if first_error is None:
-                    first_error = exc
-        if first_error is not None:
-            raise first_error
-        return 0
+        return self._release(victims)
 
     cdef bint _release_available_cached_blocks(self, size_t size, uintptr_t stream) except -1:
         """With max_split_size set (PyTorch's release_available_cached_blocks):
@@ -1109,6 +1167,7 @@ cdef class CachingAllocator:
         cdef size_t key = size if size >= self.max_split_size else self.max_split_size
         cdef Segment* seg = self.segments
         cdef Segment* best = NULL
+        cdef vector[Segment*] victims
         candidates = []
         while seg != NULL:
             if (not seg.is_small and seg.stream == stream and self._segment_is_free(seg)
@@ -1118,14 +1177,16 @@ cdef class CachingAllocator:
                     best = seg
             seg = seg.next_seg
         if best != NULL:
-            self._release_segment(best)
+            victims.push_back(best)
+            self._release(victims)
             return True
         cdef size_t released = 0
         for seg_size, _, seg_addr in sorted(candidates, reverse=True):
             if released >= key:
                 break
             released += seg_size
-            self._release_segment(<Segment*><uintptr_t>seg_addr)
+            victims.push_back(<Segment*><uintptr_t>seg_addr)
+        self._release(victims)
         return released >= key
 
     cdef int _garbage_collect(self) except -1:
@@ -1150,6 +1211,7 @@ cdef class CachingAllocator:
         cdef bint freed_one = True
         cdef double threshold
         cdef size_t i
+        cdef vector[Segment*] victims
         while reclaimed < target and freed_one and count > 0:
             threshold = total_age / count
             freed_one = False
@@ -1163,8 +1225,8 @@ cdef class CachingAllocator:
                     total_age -= <double>self._gc_age(seg.head)
                     count -= 1
                     freeable[i] = NULL
-                    self._release_segment(seg)
-        return 0
+                    victims.push_back(seg)
+        return self._release(victims)
 
     cdef inline int64_t _gc_age(self, Block* b) noexcept nogil:
         return self._pool_of(b).get_free_blocks_call_count - b.gc_count_base
@@ -1483,9 +1545,12 @@ cdef class CachingAllocator:
             raise self._out_of_memory(size)
         return b.ptr
 
-    cdef int _try_free(self, uintptr_t ptr) except -1:
+    cdef int _try_free(self, uintptr_t ptr, bint from_finalizer=False) except -1:
         """Free a live block. Returns 1 (changing nothing) for an address this
-        allocator does not hold."""
+        allocator does not hold. A finalizer's free (``from_finalizer``) runs
+        no Python code: it may run on a runtime's thread (a SYCL host task)
+        that must not give the GIL up half-way; its history events wait in
+        the buffer for the next call from Python."""
         cdef int rc
         self._lock()
         rc = self._free_fast(ptr)
@@ -1497,11 +1562,11 @@ cdef class CachingAllocator:
                 rc = 0
             finally:
                 self._unlock()
-                if self.recording:
+                if self.recording and not from_finalizer:
                     self._flush_trace()
             return rc
         self._unlock()
-        if self.recording:
+        if self.recording and not from_finalizer:
             self._flush_trace()
         return rc
 
@@ -1839,6 +1904,12 @@ cdef class CachingAllocator:
         self._unlock()
         return out
 
+    def flush_history(self):
+        """Hand the recorded actions still buffered (frees done by finalizers)
+        to the history hook now."""
+        if self.recording:
+            self._flush_trace()
+
     def set_trace_hook(self, hook):
         """Install ``hook(events)`` to receive the allocator's actions as
         ``(action, address, size, stream, time_ns)`` tuples, or None to stop."""
@@ -2032,7 +2103,8 @@ cdef class Allocation:
         if ptr != 0 and self.allocator is not None:
             self.ptr = 0
             try:
-                self.allocator.c_free(ptr)
+                if self.allocator._try_free(ptr, True) == 1:
+                    raise ValueError(f"the block at {ptr:#x} was freed behind its Allocation's back")
             except BaseException as exc:
                 _report_unraisable(exc, "unimem Allocation finalizer")
 

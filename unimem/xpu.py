@@ -23,9 +23,8 @@ from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 import numpy
 
-from . import _core, host
-from ._config import settings_from_env
-from ._devices import configure_allocator, device_index, get_type
+from . import _core, _history, host
+from ._devices import device_index, get_type, new_allocator
 from ._memory_api import PUBLIC_FUNCTIONS, MemoryAPI
 from .backends import xpu as _backend
 
@@ -64,6 +63,43 @@ class _Context:
         self.make_usm_memory = make_usm_memory
         self.default_queues = self.runtime.default_queues
         self.dtypes: Dict[Tuple[Any, int], numpy.dtype] = {}
+        from dpctl.utils import SequentialOrderManager
+        self.order_managers = SequentialOrderManager
+        self.running = self.dpctl.event_status_type.running
+        # How many of dpctl's keep-alive host tasks may be pending when the
+        # pool hands out an array (see _bound_keep_alive_tasks).
+        self.keep_alive_limit = [KEEP_ALIVE_LIMIT_CPU if d.has_aspect_cpu else None
+                                 for d in self.runtime.devices]
+
+
+KEEP_ALIVE_LIMIT_CPU = 2
+
+
+def _bound_keep_alive_tasks(ctx: "_Context", queue: Any, index: int) -> None:
+    """Let dpctl's keep-alive host tasks through before handing out an array.
+
+    dpctl keeps arrays alive until their kernels finish with host tasks that
+    need the GIL to let go of them; they run in the SYCL runtime's small pool
+    of host-task threads. dpnp sometimes waits on an event while holding the
+    GIL (oneMKL's vector functions on a CPU device wait for their inputs that
+    way), and oneMKL runs its CPU work as host tasks in that same pool: if
+    keep-alive tasks waiting for the GIL fill the pool, nothing moves again.
+    dpctl's own allocator releases the GIL for microseconds at every
+    allocation, which lets them through; the pool's fast path is far too
+    short for that. So before each array: the tasks already running (their
+    kernels are done, they only need the GIL) are waited for without the GIL,
+    and on a CPU device (where oneMKL uses host tasks) no more than
+    KEEP_ALIVE_LIMIT_CPU may stay pending - the oldest are waited for.
+    """
+    pending = ctx.order_managers[queue].host_task_events
+    if not pending:
+        return
+    limit = ctx.keep_alive_limit[index]
+    excess = len(pending) - limit if limit is not None else 0
+    running = ctx.running
+    for position, event in enumerate(pending):
+        if position < excess or event.execution_status == running:
+            event.wait()        # releases the GIL
 
 
 _context: Optional[_Context] = None
@@ -124,17 +160,14 @@ def _shared_pools() -> _core.DeviceRegistry:
         with _shared_lock:
             if _shared_registry is None:
                 backend = _backend.XPUBackend("shared")
-
-                def make(index: int) -> _core.CachingAllocator:
-                    settings = settings_from_env()
-                    allocator = _core.CachingAllocator(backend, index, **settings.core_kwargs())
-                    configure_allocator(allocator, settings)
-                    return allocator
-
                 _shared_registry = _core.DeviceRegistry(
-                    "xpu-shared", backend.device_count(), make,
+                    "xpu-shared", backend.device_count(),
+                    lambda index: new_allocator("xpu-shared", backend, index),
                     stream_handle_fn=_backend._SyclRuntime.get().stream_handle)
     return _shared_registry
+
+
+_history.register_pool("xpu-shared", _shared_pools)
 
 
 def allocator_for(usm_type: str = "device", device: Any = None) -> _core.CachingAllocator:
@@ -238,6 +271,7 @@ def empty(shape: ShapeLike, dtype: Any = None, *, order: str = "C", device: Any 
         raise ValueError(f"usm_type must be 'device', 'shared' or 'host', got {usm_type!r}")
     if nbytes == 0:     # nothing to allocate
         return ctx.dpnp.empty(dims, dtype=dt, order=order, usm_type=usm_type, sycl_queue=queue)
+    _bound_keep_alive_tasks(ctx, queue, index)
     block = pool.allocate(nbytes, 0 if queue is ctx.default_queues[index] else ctx.runtime.stream_handle(queue))
     memory = ctx.make_usm_memory(block.ptr, nbytes, queue, block)
     return ctx.wrap(ctx.usm_ndarray(dims, dtype=dt, buffer=memory, order=order.upper()))
