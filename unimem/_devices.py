@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Union
 
 from . import _core
-from ._config import AllocatorSettings, settings_from_env
+from ._config import settings_from_env
 from .backends.base import Backend
 
 KNOWN_TYPES = ("cuda", "xpu", "cpu")
@@ -101,12 +102,7 @@ class DeviceType:
         return self.registry.device_count
 
     def _make_allocator(self, index: int) -> "_core.CachingAllocator":
-        settings = settings_from_env()
-        allocator = _core.CachingAllocator(self.backend, index, **settings.core_kwargs())
-        configure_allocator(allocator, settings)
-        for callback in list(_allocator_created_callbacks):
-            callback(self.name, allocator)
-        return allocator
+        return new_allocator(self.name, self.backend, index)
 
     def allocator(self, index: int) -> "_core.CachingAllocator":
         return self.registry.get(index)
@@ -123,25 +119,41 @@ class DeviceType:
         return f"<unimem device type {self.name}: {self.device_count} device(s), backend {self.backend!r}>"
 
 
-def configure_allocator(allocator: "_core.CachingAllocator", settings: AllocatorSettings) -> None:
-    """Tell a new allocator its device's capacity and the fraction it may use."""
+def new_allocator(pool: str, backend: Backend, index: int) -> "_core.CachingAllocator":
+    """A caching allocator for device ``index`` of ``backend``, with the options
+    of ``UNIMEM_ALLOC_CONF``, told its device's capacity, and announced to the
+    observability layer. ``pool`` names what it serves: ``"cpu"``, ``"xpu"``,
+    ``"cuda"``, ``"host"`` (the pinned pool), ``"xpu-shared"``."""
+    settings = settings_from_env()
+    allocator = _core.CachingAllocator(backend, index, **settings.core_kwargs())
     try:
-        _, total = allocator.backend.memory_info(allocator.device)
+        _, total = backend.memory_info(index)
     except NotImplementedError:
         total = 0
     if total:
         allocator.set_capacity(total)
     if settings.per_process_memory_fraction is not None:
         allocator.set_memory_fraction(settings.per_process_memory_fraction)
+    _pools_by_allocator[allocator] = pool
+    for callback in list(_allocator_created_callbacks):
+        callback(pool, allocator)
+    return allocator
 
 
-# Hooks the observability layer uses to attach itself to every new allocator.
+# Which pool each allocator serves, and the hooks the observability layer
+# uses to attach itself to every new allocator.
+_pools_by_allocator: "weakref.WeakKeyDictionary[_core.CachingAllocator, str]" = weakref.WeakKeyDictionary()
 _allocator_created_callbacks: List[Callable[[str, "_core.CachingAllocator"], None]] = []
 
 
 def on_allocator_created(callback: Callable[[str, "_core.CachingAllocator"], None]) -> None:
-    """Call ``callback(device_type, allocator)`` for every allocator created from now on."""
+    """Call ``callback(pool, allocator)`` for every allocator created from now on."""
     _allocator_created_callbacks.append(callback)
+
+
+def pool_of(allocator: "_core.CachingAllocator") -> Optional[str]:
+    """What an allocator made by :func:`new_allocator` serves (``"xpu"``, ``"host"``, ...)."""
+    return _pools_by_allocator.get(allocator)
 
 
 # ---------------------------------------------------------------------------

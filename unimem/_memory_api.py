@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import collections
 import numbers
+import sys
 import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
-from . import _core
+from . import _core, _history
 from ._devices import DISPLAY_NAMES, DeviceLike, DeviceType, device_index, get_type
 from ._summary import memory_summary_table
 
@@ -328,17 +329,69 @@ class MemoryAPI:
     def memory_snapshot(self) -> List[Dict[str, Any]]:
         r"""Return a snapshot of the memory allocator state across all devices.
 
+        A list of segments, each with its blocks (``address``, ``size``,
+        ``requested_size``, ``state``: ``active_allocated``,
+        ``active_pending_free`` or ``inactive``, and the ``frames`` that
+        allocated it while history is recorded), in PyTorch's field names.
         Interpreting the output of this function requires familiarity with the
         memory allocator internals.
         """
         try:
-            allocators = self._type().registry.initialized()
+            registry = self._type().registry
         except RuntimeError:
             return []
-        segments: List[Dict[str, Any]] = []
-        for allocator in allocators.values():
-            segments.extend(allocator.snapshot())
-        return segments
+        return _history.snapshot(self.type_name, registry)["segments"]
+
+    def _record_memory_history(self, enabled: Optional[str] = "all", context: Optional[str] = "all",
+                               stacks: str = "python", max_entries: int = sys.maxsize,
+                               device: DeviceLike = None, clear_history: bool = False,
+                               skip_actions: Optional[List[str]] = None) -> None:
+        r"""Enable recording of stack traces associated with memory
+        allocations, so you can tell what allocated any piece of memory in
+        :func:`_snapshot()`.
+
+        In addition to keeping stack traces with each current allocation and free,
+        this will also enable recording of a history of all alloc/free events.
+        Up to ``max_entries`` entries are kept: newer entries overwrite the oldest.
+
+        Args:
+            enabled (Literal[None, "state", "all"], optional):
+                `None`, disable recording memory history.
+                `"state"`, keep information for currently allocated memory.
+                `"all"`, additionally keep a history of all alloc/free calls.
+                Defaults to "all".
+            context (Literal[None, "state", "alloc", "all"], optional):
+                `None`, Do not record any tracebacks.
+                `"state"`, Record tracebacks for currently allocated memory.
+                `"alloc"`, additionally keep tracebacks for alloc calls.
+                `"all"`, additionally keep tracebacks for free calls.
+                Defaults to "all".
+            stacks (Literal["python", "all"], optional): Python frames are
+                recorded in both cases (there are no C++ frames to add).
+            max_entries (int, optional): Keep a maximum of `max_entries`
+                alloc/free events in the recorded history recorded.
+            device: ignored; recording applies to every device of this type, as in PyTorch.
+            clear_history (bool, optional): Clear history when enabling, defaults to False.
+            skip_actions (list[str], optional): action types not to record
+                (``"alloc"``, ``"free_requested"``, ``"free_completed"``,
+                ``"segment_alloc"``, ``"segment_free"``, ``"oom"``).
+        """
+        _history.record_memory_history(self.type_name, self._type().registry, enabled, context,
+                                       stacks, max_entries, clear_history, skip_actions)
+
+    def _snapshot(self, device: DeviceLike = None) -> Dict[str, Any]:
+        r"""Save a snapshot of memory state at the time it was called: a dict
+        with ``segments`` and ``device_traces`` in PyTorch's layout (see
+        ``torch.cuda.memory._snapshot``), readable by ``torch.cuda._memory_viz``
+        and pytorch.org/memory_viz."""
+        return _history.snapshot(self.type_name, self._type().registry)
+
+    def _dump_snapshot(self, filename: str = "dump_snapshot.pickle") -> None:
+        r"""Save a pickled version of the :func:`_snapshot` dictionary to a file.
+
+        This file can be opened by the interactive snapshot viewer at pytorch.org/memory_viz
+        """
+        _history.dump_snapshot(self.type_name, self._type().registry, filename)
 
     def memory_summary(self, device: DeviceLike = None, abbreviated: bool = False) -> str:
         r"""Return a human-readable printout of the current memory allocator statistics for a given device.
@@ -370,4 +423,5 @@ PUBLIC_FUNCTIONS = (
     "memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved",
     "memory_cached", "max_memory_cached", "get_memory_info", "mem_get_info",
     "memory_snapshot", "memory_summary", "allocator",
+    "_record_memory_history", "_snapshot", "_dump_snapshot",
 )

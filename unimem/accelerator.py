@@ -31,6 +31,7 @@ __all__ = [
     "reset_max_memory_allocated", "reset_max_memory_cached", "memory_cached",
     "max_memory_cached", "memory_summary", "memory_snapshot", "record_stream",
     "host_memory_stats", "reset_peak_host_memory_stats", "reset_accumulated_host_memory_stats",
+    "_record_memory_history", "_snapshot", "_dump_snapshot",
 ]
 
 _apis: Dict[str, MemoryAPI] = {}
@@ -302,6 +303,24 @@ def memory_snapshot() -> List[Dict[str, Any]]:
     r"""Return a snapshot of the memory allocator state across all devices of
     the current accelerator (segments and their blocks, PyTorch's layout)."""
     return _current()[1].memory_snapshot()
+
+
+def _record_memory_history(enabled: Optional[str] = "all", *args: Any, **kwargs: Any) -> None:
+    r"""Record the history of the current accelerator's allocations (see
+    :func:`unimem.cpu._record_memory_history` for the arguments, as in
+    ``torch.cuda.memory._record_memory_history``)."""
+    _current()[1]._record_memory_history(enabled, *args, **kwargs)
+
+
+def _snapshot(device: DeviceLike = None) -> Dict[str, Any]:
+    r"""Return a snapshot of the current accelerator's memory allocator state
+    (``segments`` and ``device_traces``, PyTorch's layout)."""
+    return _current()[1]._snapshot(device)
+
+
+def _dump_snapshot(filename: str = "dump_snapshot.pickle") -> None:
+    r"""Save a pickled :func:`_snapshot` to a file (readable by pytorch.org/memory_viz)."""
+    _current()[1]._dump_snapshot(filename)
 
 
 def record_stream(ptr: int, stream: Any) -> None:

@@ -1,12 +1,70 @@
 """``unimem.cpu``: a device-style caching pool on plain host memory.
 
 The accelerator of last resort (no GPU, no SYCL device), with the full device
-statistics: the same functions as ``unimem.xpu`` and ``unimem.cuda``.
+statistics: the same functions as ``unimem.xpu`` and ``unimem.cuda``, and
+NumPy arrays whose memory comes from the pool (:func:`empty`, :func:`zeros`).
 Not to be confused with :mod:`unimem.host`, the pinned staging pool.
 """
+from __future__ import annotations
+
+import operator
+from typing import Any, Sequence, Tuple, Union
+
+import numpy
+
 from ._memory_api import PUBLIC_FUNCTIONS, MemoryAPI
 
 _api = MemoryAPI("cpu")
 globals().update(_api.functions())
 
-__all__ = list(PUBLIC_FUNCTIONS)
+__all__ = list(PUBLIC_FUNCTIONS) + ["empty", "zeros"]
+
+
+class _PoolBuffer:
+    """Exposes a pool block to NumPy; NumPy keeps it (and so the block) alive
+    for as long as any array or view uses the memory."""
+
+    __slots__ = ("block", "__array_interface__")
+
+    def __init__(self, block: Any, shape: Tuple[int, ...], dtype: numpy.dtype, order: str) -> None:
+        self.block = block
+        strides = None
+        if order == "F" and len(shape) > 1:
+            strides, step = [], dtype.itemsize
+            for dim in shape:
+                strides.append(step)
+                step *= dim
+            strides = tuple(strides)
+        self.__array_interface__ = {"data": (block.ptr, False), "shape": shape, "strides": strides,
+                                    "typestr": dtype.str, "descr": dtype.descr, "version": 3}
+
+
+def empty(shape: Union[int, Sequence[int]], dtype: Any = float, order: str = "C",
+          device: Any = None) -> numpy.ndarray:
+    """Return a new uninitialized NumPy array whose memory comes from the cpu pool."""
+    if order not in ("C", "F"):
+        raise ValueError(f"order must be 'C' or 'F', got {order!r}")
+    try:
+        dims = (operator.index(shape),)
+    except TypeError:
+        dims = tuple(operator.index(d) for d in shape)     # type: ignore[union-attr]
+    if any(d < 0 for d in dims):
+        raise ValueError(f"negative dimensions are not allowed: {dims}")
+    dt = numpy.dtype(dtype)
+    if dt.hasobject:
+        raise TypeError("arrays of Python objects cannot live in the pool")
+    nbytes = dt.itemsize
+    for d in dims:
+        nbytes *= d
+    if nbytes == 0:
+        return numpy.empty(dims, dt, order=order)
+    block = _api.allocator(device).allocate(nbytes)
+    return numpy.asarray(_PoolBuffer(block, dims, dt, order))
+
+
+def zeros(shape: Union[int, Sequence[int]], dtype: Any = float, order: str = "C",
+          device: Any = None) -> numpy.ndarray:
+    """Return a new NumPy array of zeros whose memory comes from the cpu pool."""
+    out = empty(shape, dtype, order, device)
+    out.fill(0)
+    return out

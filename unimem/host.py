@@ -16,9 +16,8 @@ import collections
 import threading
 from typing import Any, Dict, Optional
 
-from . import _core
-from ._config import settings_from_env
-from ._devices import configure_allocator
+from . import _core, _history
+from ._devices import new_allocator
 from ._memory_api import nest_stats
 from .backends.base import Backend
 
@@ -44,16 +43,13 @@ def _host_registry() -> _core.DeviceRegistry:
     if _registry is None:
         with _lock:
             if _registry is None:
-                _backend = _choose_backend()
-
-                def make(index: int) -> _core.CachingAllocator:
-                    settings = settings_from_env()
-                    allocator = _core.CachingAllocator(_backend, index, **settings.core_kwargs())
-                    configure_allocator(allocator, settings)
-                    return allocator
-
-                _registry = _core.DeviceRegistry("host", 1, make)
+                backend = _backend = _choose_backend()
+                _registry = _core.DeviceRegistry(
+                    "host", 1, lambda index: new_allocator("host", backend, index))
     return _registry
+
+
+_history.register_pool("host", _host_registry)
 
 
 def backend_name() -> str:

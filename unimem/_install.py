@@ -1,0 +1,107 @@
+"""Installing unimem as the allocator of the array libraries in this process.
+
+* CuPy (with a GPU): ``cupy.cuda.set_allocator(unimem.cuda.allocator)`` and
+  ``cupy.cuda.set_pinned_memory_allocator(unimem.host.pinned_allocator)`` -
+  every CuPy array, including the results of CuPy's operations, comes from
+  unimem.
+* dpnp (with a SYCL device): dpnp has no allocator hook, so its creation
+  functions (``empty``, ``zeros``, ``ones``, ``full`` and their ``*_like``)
+  are routed to :mod:`unimem.xpu`. The results of dpnp's own operations are
+  still allocated by dpnp; pass pool arrays as ``out=`` to keep them in the pool.
+
+:func:`uninstall_allocators` puts everything back as it was.
+"""
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Any, Callable, Dict, List, Tuple
+
+from . import _devices
+
+DPNP_CREATORS = ("empty", "zeros", "ones", "full", "empty_like", "zeros_like", "ones_like", "full_like")
+
+_lock = threading.Lock()
+_undo: List[Tuple[str, Callable[[], None]]] = []
+
+
+def _route(original: Callable[..., Any], pooled: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def create(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("like") is not None:
+            return original(*args, **kwargs)
+        kwargs.pop("like", None)
+        try:
+            return pooled(*args, **kwargs)
+        except (TypeError, ValueError):
+            # What the pool cannot serve (order="K", ...): dpnp does it, and
+            # raises its own error if the arguments are wrong.
+            return original(*args, **kwargs)
+    create.__unimem_original__ = original  # type: ignore[attr-defined]
+    return create
+
+
+def _install_dpnp() -> bool:
+    import dpnp
+
+    import unimem.xpu as pooled
+    if getattr(dpnp.empty, "__unimem_original__", None) is not None:
+        return False
+    originals: Dict[str, Any] = {name: getattr(dpnp, name) for name in DPNP_CREATORS}
+    for name, original in originals.items():
+        setattr(dpnp, name, _route(original, getattr(pooled, name)))
+
+    def undo() -> None:
+        for name, original in originals.items():
+            setattr(dpnp, name, original)
+    _undo.append(("dpnp", undo))
+    return True
+
+
+def _install_cupy() -> bool:
+    import cupy
+
+    import unimem.cuda as pooled
+    from . import host
+    previous = cupy.cuda.get_allocator()
+    cupy.cuda.set_allocator(pooled.allocator)
+    cupy.cuda.set_pinned_memory_allocator(host.pinned_allocator)
+
+    def undo() -> None:
+        cupy.cuda.set_allocator(previous)
+        cupy.cuda.set_pinned_memory_allocator(cupy.get_default_pinned_memory_pool().malloc)
+    _undo.append(("cupy", undo))
+    return True
+
+
+def install_allocators() -> List[str]:
+    """Make unimem the allocator of every array library it can serve here;
+    returns their names (``["cupy"]``, ``["dpnp"]``, or ``[]`` when neither
+    has a device)."""
+    installed: List[str] = []
+    with _lock:
+        done = {name for name, _ in _undo}
+        if "cupy" not in done and _devices.is_available("cuda") and _install_cupy():
+            installed.append("cupy")
+        if "dpnp" not in done and _devices.is_available("xpu"):
+            try:
+                import dpnp  # noqa: F401
+            except ImportError:
+                pass
+            else:
+                if _install_dpnp():
+                    installed.append("dpnp")
+        return installed + [name for name in done]
+
+
+def installed_allocators() -> List[str]:
+    """The libraries :func:`install_allocators` has routed to unimem."""
+    return [name for name, _ in _undo]
+
+
+def uninstall_allocators() -> None:
+    """Undo :func:`install_allocators`."""
+    with _lock:
+        while _undo:
+            _, undo = _undo.pop()
+            undo()

@@ -1,0 +1,280 @@
+"""Pictures of a snapshot: the active-memory timeline and the segment map.
+
+``python -m unimem plot SNAPSHOT -o timeline.png`` draws, from a snapshot
+with history (``_dump_snapshot``):
+
+* top: active memory over time, each allocation a band stacked on those
+  allocated before it and coloured by where it was allocated (the innermost
+  Python frame; the heaviest places are named in the legend), what was
+  allocated before the recording began in grey at the bottom, reserved memory
+  as a line, and every out-of-memory error marked;
+* bottom: the segments at the moment of peak active memory, each a row, the
+  live allocations in their segment's colour and the free space in grey.
+
+Without history, the top panel says so and the segment map shows the
+snapshot's own block states.
+"""
+from __future__ import annotations
+
+import linecache
+from typing import Any, Dict, List, Optional, Tuple
+
+MiB = float(1 << 20)
+MAX_DRAWN = 20_000        # allocations drawn individually; the rest join the grey base
+MAX_SEGMENT_ROWS = 40
+LEGEND_SITES = 8
+FREE_COLOUR = "#e3e3e3"
+BEFORE_COLOUR = "#a8a8a8"
+PENDING_COLOUR = "#ef8636"
+
+
+def _format_size(size: float) -> str:
+    from ._core import format_size
+    return format_size(int(size))
+
+
+def _pick_device(snapshot: Dict[str, Any], device: Optional[int]) -> int:
+    traces = snapshot.get("device_traces") or []
+    if device is not None:
+        if device >= len(traces) and not any(s.get("device") == device for s in snapshot["segments"]):
+            raise ValueError(f"the snapshot has no device {device}")
+        return device
+    if traces and any(traces):
+        return max(range(len(traces)), key=lambda d: len(traces[d]))
+    devices = sorted({s.get("device", 0) for s in snapshot["segments"]})
+    return devices[0] if devices else 0
+
+
+def _site(frames: List[Dict[str, Any]]) -> str:
+    """Where an allocation was made: file, line and (when readable) the source."""
+    if not frames:
+        return "(no Python frame recorded)"
+    f = frames[0]
+    source = linecache.getline(f["filename"], f["line"]).strip()
+    if len(source) > 34:
+        source = source[:33] + "…"
+    return f"{f['filename'].rsplit('/', 1)[-1]}:{f['line']} {source or f['name']}"
+
+
+class Timeline:
+    """The trace of one device, swept once: allocation lifetimes, their
+    stacked positions over time, reserved memory, OOMs, and the peak."""
+
+    def __init__(self, snapshot: Dict[str, Any], device: int) -> None:
+        traces = snapshot.get("device_traces") or []
+        events = [e for e in (traces[device] if device < len(traces) else [])
+                  if e["action"] in ("alloc", "free_completed", "segment_alloc", "segment_free", "oom")]
+        self.segments = [s for s in snapshot["segments"] if s.get("device", 0) == device]
+        self.has_history = bool(events)
+        start_us = events[0].get("time_us", 0) if events else 0
+        self.times = [(e.get("time_us", i) - start_us) / 1e6 if "time_us" in e else float(i)
+                      for i, e in enumerate(events)]
+        self.ooms: List[Tuple[float, int]] = []
+        self.reserved: List[float] = []
+        # Sizes still alive at the end but not allocated in the trace, and
+        # frees of allocations made before it: memory from before the recording.
+        allocated_in_trace = set()
+        open_at_end: Dict[int, int] = {}
+        freed_before: List[Tuple[int, int]] = []
+        for i, e in enumerate(events):
+            if e["action"] == "alloc":
+                allocated_in_trace.add(e["addr"])
+                open_at_end[e["addr"]] = e["size"]
+            elif e["action"] == "free_completed":
+                if e["addr"] in open_at_end:
+                    del open_at_end[e["addr"]]
+                else:
+                    freed_before.append((i, e["size"]))
+        final_active = sum(b["size"] for s in self.segments for b in s["blocks"] if b["state"] != "inactive")
+        base_end = max(final_active - sum(open_at_end.values()), 0)
+        base = base_end + sum(size for _, size in freed_before)
+
+        # The sweep: the live allocations in stacking order, each one's
+        # bottom recorded whenever it moves.
+        self.bands: List[Dict[str, Any]] = []     # addr, size, site, start, end, steps [(t, bottom)]
+        live: List[Dict[str, Any]] = []
+        index_of: Dict[int, Dict[str, Any]] = {}
+        reserved = sum(s["total_size"] for s in self.segments) - sum(
+            e["size"] if e["action"] == "segment_alloc" else -e["size"]
+            for e in events if e["action"] in ("segment_alloc", "segment_free"))
+        self.base_steps: List[Tuple[float, float]] = []
+        self.peak = (0.0, -1)                     # (active bytes, event index)
+        self.live_at_peak: List[Dict[str, Any]] = []
+        for i, e in enumerate(events):
+            t = self.times[i]
+            action = e["action"]
+            moved_from = None
+            if action == "alloc":
+                band = {"addr": e["addr"], "size": e["size"], "site": _site(e.get("frames", [])),
+                        "start": t, "end": None, "steps": []}
+                live.append(band)
+                index_of[e["addr"]] = band
+                self.bands.append(band)
+                moved_from = len(live) - 1
+            elif action == "free_completed":
+                band = index_of.pop(e["addr"], None)
+                if band is not None:
+                    band["end"] = t
+                    position = live.index(band)
+                    live.pop(position)
+                    moved_from = position
+                else:
+                    base -= e["size"]
+                    moved_from = 0
+                    self.base_steps.append((t, base))
+            elif action == "segment_alloc":
+                reserved += e["size"]
+            elif action == "segment_free":
+                reserved -= e["size"]
+            elif action == "oom":
+                self.ooms.append((t, e["size"]))
+            self.reserved.append(reserved)
+            y = float(base)
+            for position, band in enumerate(live):
+                if moved_from is not None and position >= moved_from:
+                    if not band["steps"] or band["steps"][-1][1] != y:
+                        band["steps"].append((t, y))
+                y += band["size"]
+            if y > self.peak[0]:
+                self.peak = (y, i)
+                self.live_at_peak = list(live)
+        if not self.base_steps or self.base_steps[0][0] != (self.times[0] if events else 0.0):
+            first = base_end + sum(size for _, size in freed_before)
+            self.base_steps.insert(0, (self.times[0] if events else 0.0, float(first)))
+        self.end_time = self.times[-1] if events else 0.0
+
+    def site_totals(self) -> List[Tuple[str, int]]:
+        """Allocation sites by the bytes they hold at the peak (then by total)."""
+        at_peak: Dict[str, int] = {}
+        for band in self.live_at_peak:
+            at_peak[band["site"]] = at_peak.get(band["site"], 0) + band["size"]
+        overall: Dict[str, int] = {}
+        for band in self.bands:
+            overall[band["site"]] = overall.get(band["site"], 0) + band["size"]
+        return sorted(overall.items(), key=lambda kv: (at_peak.get(kv[0], 0), kv[1]), reverse=True)
+
+
+def _band_polygon(band: Dict[str, Any], end_time: float) -> List[Tuple[float, float]]:
+    """A step-shaped polygon: the band's bottom as it moves, its top size above."""
+    end = band["end"] if band["end"] is not None else end_time
+    steps = band["steps"] or [(band["start"], 0.0)]
+    lower: List[Tuple[float, float]] = []
+    for k, (t, y) in enumerate(steps):
+        if k:
+            lower.append((t, steps[k - 1][1] / MiB))
+        lower.append((t, y / MiB))
+    lower.append((end, steps[-1][1] / MiB))
+    upper = [(t, y + band["size"] / MiB) for t, y in reversed(lower)]
+    return lower + upper
+
+
+def plot_snapshot(snapshot: Dict[str, Any], output: str, device: Optional[int] = None,
+                  title: Optional[str] = None) -> str:
+    """Draw ``snapshot`` into ``output`` (a PNG); returns the path."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.collections import PolyCollection
+    from matplotlib.patches import Patch
+
+    device = _pick_device(snapshot, device)
+    tl = Timeline(snapshot, device)
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(12, 9), gridspec_kw={"height_ratios": [3, 2]})
+    pool = snapshot.get("allocator_settings", {}).get("pool", "device")
+    fig.suptitle(title or f"unimem memory: {pool} device {device}", fontsize=13)
+
+    # --- colours by allocation site -----------------------------------------
+    palette = matplotlib.colormaps["tab10"].colors + matplotlib.colormaps["Set3"].colors
+    sites = tl.site_totals()
+    colour_of = {site: palette[k % len(palette)] for k, (site, _) in enumerate(sites)}
+
+    # --- active memory timeline ---------------------------------------------
+    handles: List[Any] = []
+    if tl.has_history:
+        end = tl.end_time if tl.end_time > 0 else 1.0
+        base_x = [t for t, _ in tl.base_steps] + [end]
+        base_y = [y / MiB for _, y in tl.base_steps]
+        if any(base_y):
+            top.fill_between(base_x[:-1] + [end], base_y + [base_y[-1]], step="post",
+                             color=BEFORE_COLOUR, linewidth=0)
+            handles.append(Patch(color=BEFORE_COLOUR, label="allocated before the recording"))
+        drawn = sorted(tl.bands, key=lambda b: b["size"], reverse=True)[:MAX_DRAWN]
+        top.add_collection(PolyCollection([_band_polygon(b, end) for b in drawn],
+                                          facecolors=[colour_of[b["site"]] for b in drawn],
+                                          edgecolors="none"))
+        top.step(tl.times, [r / MiB for r in tl.reserved], where="post", color="black",
+                 linewidth=1.4)
+        handles.append(plt.Line2D([], [], color="black", linewidth=1.4, label="reserved (segments)"))
+        ymax = max(max(tl.reserved, default=0), tl.peak[0]) / MiB * 1.15 or 1.0
+        top.set_xlim(0, end)
+        top.set_ylim(0, ymax)
+        for t, size in tl.ooms:
+            top.axvline(t, color="red", linestyle="--", linewidth=1.5)
+            top.annotate(f"out of memory: {_format_size(size)} requested", (t, ymax * 0.97),
+                         color="red", ha="right", va="top", fontsize=9)
+        if tl.ooms:
+            handles.append(plt.Line2D([], [], color="red", linestyle="--", label="out of memory"))
+        if tl.peak[1] >= 0:
+            peak_t = tl.times[tl.peak[1]]
+            top.axvline(peak_t, color="#444444", linestyle=":", linewidth=1)
+            top.annotate(f"peak {_format_size(tl.peak[0])}", (peak_t, tl.peak[0] / MiB),
+                         xytext=(4, 4), textcoords="offset points", fontsize=8, color="#444444")
+        for site, _ in sites[:LEGEND_SITES]:
+            handles.append(Patch(color=colour_of[site], label=site))
+        if len(sites) > LEGEND_SITES:
+            handles.append(Patch(color="white", label=f"... {len(sites) - LEGEND_SITES} more places"))
+        top.legend(handles=handles, loc="upper left", fontsize=7.5, ncol=2, framealpha=0.9)
+    else:
+        top.text(0.5, 0.5, "no history in this snapshot\n(record it with _record_memory_history)",
+                 ha="center", va="center", transform=top.transAxes)
+    top.set_title("Active memory over time: each allocation a band, coloured by where it was "
+                  "allocated; reserved memory as a line", fontsize=10)
+    top.set_xlabel("time (s)")
+    top.set_ylabel("MiB")
+    top.grid(alpha=0.3)
+
+    # --- segment map -----------------------------------------------------------
+    segments = sorted(tl.segments, key=lambda s: s["total_size"], reverse=True)[:MAX_SEGMENT_ROWS]
+    segments.sort(key=lambda s: s["address"])
+    if tl.has_history and tl.peak[1] >= 0:
+        live = tl.live_at_peak
+        when = f"at peak active memory (t = {tl.times[tl.peak[1]]:.2f} s)"
+    else:
+        live = None
+        when = "at the snapshot"
+    for row, seg in enumerate(segments):
+        mib = seg["total_size"] / MiB
+        bottom.broken_barh([(0, mib)], (row - 0.4, 0.8), facecolors=FREE_COLOUR)
+        if live is not None:
+            lo, hi = seg["address"], seg["address"] + seg["total_size"]
+            spans = [((b["addr"] - lo) / MiB, b["size"] / MiB, colour_of.get(b["site"], "#3b75af"))
+                     for b in live if lo <= b["addr"] < hi]
+        else:
+            spans, offset = [], 0
+            for b in seg["blocks"]:
+                if b["state"] != "inactive":
+                    colour = "#3b75af" if b["state"] == "active_allocated" else PENDING_COLOUR
+                    spans.append((offset / MiB, b["size"] / MiB, colour))
+                offset += b["size"]
+        if spans:
+            bottom.broken_barh([(x, w) for x, w, _ in spans], (row - 0.4, 0.8),
+                               facecolors=[c for _, _, c in spans], edgecolors="white", linewidth=0.4)
+    bottom.set_yticks(range(len(segments)))
+    bottom.set_yticklabels([f"{s['segment_type']} {_format_size(s['total_size'])}" for s in segments],
+                           fontsize=7 if len(segments) > 16 else 8)
+    bottom.invert_yaxis()
+    hidden = len(tl.segments) - len(segments)
+    bottom.set_title(f"{len(tl.segments)} segments {when}"
+                     f"{f', the {len(segments)} largest shown' if hidden else ''}: "
+                     f"allocations in their colours, free space in grey", fontsize=10)
+    bottom.set_xlabel("offset in segment (MiB)")
+    legend = [Patch(color=FREE_COLOUR, label="free")]
+    if live is None:
+        legend = [Patch(color="#3b75af", label="allocated"), Patch(color=PENDING_COLOUR, label="pending free")] + legend
+    bottom.legend(handles=legend, loc="lower right", fontsize=8)
+    if not segments:
+        bottom.text(0.5, 0.5, "no segments", ha="center", va="center", transform=bottom.transAxes)
+    fig.tight_layout()
+    fig.savefig(output, dpi=100)
+    plt.close(fig)
+    return output

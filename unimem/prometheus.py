@@ -1,0 +1,93 @@
+"""Prometheus metrics: every unimem statistic of every device in use.
+
+::
+
+    import unimem.prometheus
+    unimem.prometheus.register()                 # into prometheus_client's default registry
+    prometheus_client.start_http_server(8000)
+
+Each statistic is a gauge named after its key, with labels ``device``
+(``xpu:0``, ``cuda:1``, ``cpu:0``, ``host`` for the pinned pool,
+``xpu-shared:0``), ``pool`` (``all``, ``large_pool``, ``small_pool``, or
+empty) and ``metric`` (``current``, ``peak``, ``allocated``, ``freed``, or
+``value`` for counters, ``total``/``max``/``min``/``count``/``avg`` for the
+host timing counters). For example::
+
+    unimem_allocated_bytes{device="xpu:0",pool="large_pool",metric="peak"} 2.097152e+06
+    unimem_num_ooms{device="xpu:0",pool="",metric="value"} 0.0
+
+Only allocators that exist are reported; nothing is created by scraping.
+Needs ``prometheus_client`` (``pip install unimem[prometheus]``).
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+from . import _devices, host
+
+LABELS = ["device", "pool", "metric"]
+POOLS = ("all", "large_pool", "small_pool")
+
+
+def _split(key: str) -> Tuple[str, str, str]:
+    """A statistic's key as (name, pool, metric)."""
+    parts = key.split(".")
+    if len(parts) == 3:
+        return parts[0], parts[1], parts[2]
+    if len(parts) == 2:
+        return parts[0], "", parts[1]
+    return key, "", "value"
+
+
+def snapshot_statistics() -> List[Tuple[str, Dict[str, int]]]:
+    """``[(device label, statistics), ...]`` for every allocator in use."""
+    out: List[Tuple[str, Dict[str, int]]] = []
+    for name in _devices.KNOWN_TYPES:
+        dtype = _devices._types.get(name)
+        if dtype is None:
+            continue
+        for index, allocator in sorted(dtype.registry.initialized().items()):
+            out.append((f"{name}:{index}", dict(allocator.memory_stats())))
+    try:
+        from . import xpu
+        shared = xpu._shared_registry
+    except Exception:
+        shared = None
+    if shared is not None:
+        for index, allocator in sorted(shared.initialized().items()):
+            out.append((f"xpu-shared:{index}", dict(allocator.memory_stats())))
+    host_stats = host.host_memory_stats()
+    if host_stats:
+        out.append(("host", dict(host_stats)))
+    return out
+
+
+class UnimemCollector:
+    """A ``prometheus_client`` collector of unimem's statistics."""
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import GaugeMetricFamily
+        families: Dict[str, Any] = {}
+        for device, stats in snapshot_statistics():
+            for key, value in stats.items():
+                name, pool, metric = _split(key)
+                family = families.get(name)
+                if family is None:
+                    family = families[name] = GaugeMetricFamily(
+                        f"unimem_{name}", f"unimem memory statistic {name!r} (see memory_stats)",
+                        labels=LABELS)
+                family.add_metric([device, pool, metric], float(value))
+        yield from families.values()
+
+    def describe(self) -> List[Any]:
+        return []          # the metrics depend on which devices are in use
+
+
+def register(registry: Optional[Any] = None) -> UnimemCollector:
+    """Register a :class:`UnimemCollector` (into ``prometheus_client.REGISTRY``
+    by default) and return it."""
+    if registry is None:
+        from prometheus_client import REGISTRY as registry  # type: ignore[no-redef]
+    collector = UnimemCollector()
+    registry.register(collector)
+    return collector
