@@ -1,6 +1,7 @@
 """What every benchmark shares: timing, tables, JSON, the machine's description."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -93,3 +94,10 @@ def verdict(met: bool) -> str:
 def targets_table(title: str, targets: List[Dict[str, Any]]) -> None:
     print_table(title, ["target", "measured", "result"],
                 [[t["target"], t["measured"], verdict(t["met"])] for t in targets])
+
+
+def command_line(run: Callable[[bool], Any], description: str) -> None:
+    """``python -m benchmarks.bench_x [--quick]`` for one benchmark's ``run``."""
+    parser = argparse.ArgumentParser(description=description.strip().splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repeats (for a quick look)")
+    run(parser.parse_args().quick)

@@ -11,10 +11,9 @@ every size, and ``unimem.xpu.empty`` faster than ``dpnp.empty``.
 """
 from __future__ import annotations
 
-import argparse
 from typing import Any, Dict, List
 
-from ._common import (format_time, median_of, print_table, seconds_per_call, size_name,
+from ._common import (command_line, format_time, median_of, print_table, seconds_per_call, size_name,
                       targets_table, write_json)
 
 SIZES = [512, 4096, 65536, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20]
@@ -69,11 +68,5 @@ def run(quick: bool = False) -> Dict[str, Any]:
     return result
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    run(parser.parse_args().quick)
-
-
 if __name__ == "__main__":
-    main()
+    command_line(run, __doc__)

@@ -387,3 +387,24 @@ def test_a_backend_refusing_to_take_memory_back_keeps_it_cached():
     backend.refuse = False
     a.empty_cache()
     assert backend.held() == 0 and a.memory_reserved() == 0
+
+
+def test_an_allocator_dying_in_a_reference_cycle_still_gives_memory_back():
+    """When an allocator is collected as part of a cycle, the collector tears
+    down what the cycle references; the allocator keeps its backend whole."""
+    import gc
+
+    from unimem.backends.pluggable import PluggableAllocator
+    freed = []
+    device = {"next": 1 << 40}
+
+    def malloc(size, dev, stream):
+        device["next"] += size
+        return device["next"] - size
+
+    a = _core.CachingAllocator(PluggableAllocator(malloc, lambda ptr, size, dev, stream: freed.append(size)), 0)
+    a.free(a.malloc(3 * MiB))
+    a.add_oom_observer(lambda *args, allocator=a: allocator)     # a cycle through the allocator
+    del a
+    gc.collect()
+    assert freed == [20 * MiB]

@@ -30,6 +30,7 @@ pick; an exact-size hit, the common case in training loops, costs no tree walk
 however many different sizes are cached.
 """
 
+cimport cython
 from cpython.ref cimport PyObject
 from cpython.pycapsule cimport PyCapsule_IsValid, PyCapsule_GetPointer
 from libc.stdint cimport uint64_t, int64_t, uintptr_t, INT64_MAX
@@ -611,6 +612,9 @@ cdef bint _interpreter_exiting():
         return True
 
 
+# no_gc_clear: __dealloc__ needs the backend. When an allocator dies in a
+# reference cycle, the collector would otherwise clear its references first.
+@cython.no_gc_clear
 cdef class CachingAllocator:
     """A caching allocator for one device over a raw-memory backend.
 
@@ -635,6 +639,7 @@ cdef class CachingAllocator:
     cdef object _py_free
     cdef RawAllocatorAPI _raw
     cdef bint _has_raw
+    cdef object _raw_owner            # keeps the C context behind _raw alive
 
     # policy
     cdef size_t max_split_size
@@ -693,6 +698,8 @@ cdef class CachingAllocator:
         if raw is not None and PyCapsule_IsValid(raw, b"unimem.RawAllocatorAPI"):
             self._raw = (<RawAllocatorAPI*>PyCapsule_GetPointer(raw, b"unimem.RawAllocatorAPI"))[0]
             self._has_raw = True
+            # The struct lives in this object (the backend itself by default).
+            self._raw_owner = getattr(backend, "_raw_owner", backend)
 
         if max_split_size is None:
             self.max_split_size = SIZE_UNSET
@@ -737,24 +744,40 @@ cdef class CachingAllocator:
         self.poison_reason = None
         _live_allocators.add(self)
 
+    def __del__(self):
+        # Wholly free segments go back to the backend. This is a finalizer
+        # (tp_finalize), not __dealloc__: when the allocator dies in a
+        # reference cycle, finalizers run before the collector clears the
+        # objects of the cycle, so the backend is still whole here. Segments
+        # with live blocks stay: raw addresses from malloc() may still be in
+        # use. At interpreter exit nothing is returned (the process is ending,
+        # and the device runtime may already be shutting down).
+        if self.poisoned or _interpreter_exiting():
+            return
+        cdef Segment* seg = self.segments
+        cdef Segment* nxt
+        while seg != NULL:
+            nxt = seg.next_seg
+            if self._segment_is_free(seg):
+                try:
+                    self._backend_free(seg.base, seg.size, seg.stream, False)
+                except BaseException as exc:
+                    _report_unraisable(exc, "unimem allocator teardown")
+                else:
+                    self._detach_segment(seg)
+                    block_delete(&self.slab, seg.head)
+                    sys_free(seg)
+            seg = nxt
+
     def __dealloc__(self):
-        # Wholly free segments go back to the backend. Segments with live
-        # blocks are left alone: raw addresses from malloc() may still be in
-        # use. At interpreter exit nothing is returned at all (the process is
-        # ending, and the device runtime may already be shutting down).
+        # The allocator's own C structures; memory was given back in __del__.
         cdef Segment* seg = self.segments
         cdef Segment* nxt
         cdef Block* b
         cdef Block* bn
         cdef size_t k
-        cdef bint give_back = not self.poisoned and not _interpreter_exiting()
         while seg != NULL:
             nxt = seg.next_seg
-            if give_back and self._segment_is_free(seg):
-                try:
-                    self._backend_free(seg.base, seg.size, seg.stream, False)
-                except BaseException as exc:
-                    _report_unraisable(exc, "unimem allocator teardown")
             b = seg.head
             while b != NULL:
                 bn = b.next
@@ -1664,14 +1687,17 @@ cdef class CachingAllocator:
         finally:
             self._unlock()
 
-    def empty_cache(self):
+    def empty_cache(self, stream=None):
         """Release all unoccupied cached memory (whole free segments) back to
-        the backend. Waits for pending stream events first."""
+        the backend, or only ``stream``'s when one is given. Waits for pending
+        stream events first."""
         self._check_usable()
+        cdef bint one_stream = stream is not None
+        cdef uintptr_t handle = _check_stream(stream) if one_stream else 0
         self._lock()
         try:
             self._synchronize_and_free_events()
-            self._release_segments(False, False, 0, 0)
+            self._release_segments(False, one_stream, handle, 0)
         finally:
             self._unlock()
             self._flush_trace()
@@ -1701,6 +1727,33 @@ cdef class CachingAllocator:
     def get_memory_fraction(self):
         """The memory fraction set with :meth:`set_memory_fraction` (1.0 if none)."""
         return self.fraction
+
+    def set_memory_limit(self, limit):
+        """Limit this allocator to ``limit`` bytes of the device (0: no limit),
+        as ``cupy.cuda.MemoryPool.set_limit(size=...)`` does."""
+        cdef object n = _check_size(limit)
+        self._lock()
+        if n == 0:
+            self.set_fraction = False
+            self.fraction = 1.0
+        else:
+            self.set_fraction = True
+            self.allowed_memory_maximum = n
+            self.fraction = (<double>n / self.capacity) if self.capacity else 1.0
+        self._unlock()
+
+    def get_memory_limit(self):
+        """The byte limit in force (0: none)."""
+        return self.allowed_memory_maximum if self.set_fraction else 0
+
+    def free_block_count(self):
+        """How many free blocks the cache holds (``MemoryPool.n_free_blocks``)."""
+        cdef size_t k, n = 0
+        self._lock()
+        for k in range(self.streams.size()):
+            n += self.streams[k].small.n_blocks + self.streams[k].large.n_blocks
+        self._unlock()
+        return n
 
     def set_capacity(self, size_t capacity):
         """Tell the allocator how much memory its device has (0: unknown).
@@ -2086,6 +2139,7 @@ def format_size(size):
 # ---------------------------------------------------------------------------
 # Allocation handles: a block that frees itself when its last user lets go
 # ---------------------------------------------------------------------------
+@cython.no_gc_clear
 cdef class Allocation:
     """A live block, freed when this object is garbage collected (or at
     :meth:`release`). Array libraries keep one alive for as long as any array
@@ -2218,18 +2272,21 @@ cdef class DeviceRegistry:
     def is_initialized(self):
         return any(a is not None for a in self._allocators)
 
-    cdef uintptr_t stream_handle(self, object stream) except? 0:
+    cdef uintptr_t stream_handle(self, object stream, int index=-1) except? 0:
         if stream is None:
             if self.current_stream_fn is None:
                 return 0
-            return _check_stream(self.current_stream_fn())
+            return _check_stream(self.current_stream_fn(index))
         if isinstance(stream, int) or self.stream_handle_fn is None:
             return _check_stream(stream)
         return _check_stream(self.stream_handle_fn(stream))
 
-    def stream_handle_of(self, stream):
-        """The integer handle the pools key ``stream`` by (None: the current stream)."""
-        return self.stream_handle(stream)
+    def stream_handle_of(self, stream, int device=-1):
+        """The integer handle the pools key ``stream`` by (None: ``device``'s
+        current stream)."""
+        if stream is None and device < 0:
+            device = self.current_index()
+        return self.stream_handle(stream, device)
 
     def alloc(self, size, device=None, stream=None):
         """Allocate ``size`` bytes on ``device`` (an index; None: the current
@@ -2242,7 +2299,7 @@ cdef class DeviceRegistry:
         cdef CachingAllocator a = self.get(index)
         if n > MAX_REQUEST:
             raise a._out_of_memory(n)
-        return a.c_malloc(n, self.stream_handle(stream))
+        return a.c_malloc(n, self.stream_handle(stream, index))
 
     def delete(self, ptr):
         """Free an address handed out by :meth:`alloc` on any device."""

@@ -12,6 +12,7 @@ SYCL device, else ``cpu`` (plain host memory).
 """
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import weakref
@@ -92,17 +93,17 @@ class DeviceType:
         self.backend = backend
         self.set_device_fn = set_device_fn
         count = backend.device_count() if device_count is None else device_count
+        # The factory holds the backend, not this object: no reference cycle
+        # through the backend, so allocators die (and give memory back) by
+        # reference counting, with their backend still whole.
         self.registry = _core.DeviceRegistry(
-            name, count, self._make_allocator,
+            name, count, functools.partial(new_allocator, name, backend),
             current_device_fn=current_device_fn, current_stream_fn=current_stream_fn,
             stream_handle_fn=stream_handle_fn)
 
     @property
     def device_count(self) -> int:
         return self.registry.device_count
-
-    def _make_allocator(self, index: int) -> "_core.CachingAllocator":
-        return new_allocator(self.name, self.backend, index)
 
     def allocator(self, index: int) -> "_core.CachingAllocator":
         return self.registry.get(index)

@@ -18,6 +18,7 @@ import pickle
 import sys
 import threading
 import time
+import weakref
 from typing import Any, Callable, Deque, Dict, List, Optional
 
 from . import _core, _devices
@@ -88,7 +89,10 @@ class History:
                 self.segment_frames.clear()
 
     def hook_for(self, allocator: _core.CachingAllocator) -> Callable[[list], None]:
+        # The allocator holds the hook: the hook holds the allocator weakly
+        # (a cycle would have the collector tear down its backend first).
         device = allocator.device
+        allocator_ref = weakref.ref(allocator)
 
         def hook(events: list) -> None:
             context = self.context
@@ -124,7 +128,7 @@ class History:
                     if action == "oom":
                         del entry["addr"]
                         try:
-                            entry["device_free"] = allocator.backend.memory_info(device)[0]
+                            entry["device_free"] = allocator_ref().backend.memory_info(device)[0]
                         except Exception:
                             entry["device_free"] = 0
                     trace.append(entry)
@@ -235,10 +239,13 @@ class _OOMDispatcher:
 
     def __init__(self, pool: str, allocator: _core.CachingAllocator) -> None:
         self.pool = pool
-        self.allocator = allocator
+        self.allocator = weakref.ref(allocator)      # the allocator holds this observer
 
     def __call__(self, device: int, requested: int, allocated: int, reserved: int, free: Any) -> None:
-        stats = self.allocator.memory_stats()
+        allocator = self.allocator()
+        if allocator is None:
+            return
+        stats = allocator.memory_stats()
         kind = self.pool if self.pool in _devices.KNOWN_TYPES else "cpu" if self.pool == "host" else "xpu"
         where = _devices.device(kind, device)
         for observer in list(_oom_observers):

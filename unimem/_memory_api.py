@@ -55,7 +55,7 @@ class MemoryAPI:
         dtype = self._type()
         return dtype.registry.peek(device_index(device, dtype))
 
-    def allocator(self, device: DeviceLike = None) -> _core.CachingAllocator:
+    def caching_allocator(self, device: DeviceLike = None) -> _core.CachingAllocator:
         """The caching allocator of ``device`` (created if needed)."""
         dtype = self._type()
         return dtype.allocator(device_index(device, dtype))
@@ -124,7 +124,7 @@ class MemoryAPI:
         owner = registry.find_owner(ptr)
         if owner is None:
             raise ValueError(f"pointer {ptr!r} is not a live allocation of the {self.type_name} allocator")
-        owner.record_stream(ptr, registry.stream_handle_of(stream))
+        owner.record_stream(ptr, registry.stream_handle_of(stream, owner.device))
 
     def set_per_process_memory_fraction(self, fraction: float, device: DeviceLike = None) -> None:
         r"""Set memory fraction for a process.
@@ -140,7 +140,7 @@ class MemoryAPI:
                 ``None`` the default device is used.
         """
         fraction = check_fraction(fraction)
-        self.allocator(device).set_memory_fraction(fraction)
+        self.caching_allocator(device).set_memory_fraction(fraction)
 
     def get_per_process_memory_fraction(self, device: DeviceLike = None) -> float:
         r"""Get memory fraction for a process (1.0 unless one was set)."""
@@ -422,6 +422,6 @@ PUBLIC_FUNCTIONS = (
     "reset_peak_memory_stats", "reset_max_memory_allocated", "reset_max_memory_cached",
     "memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved",
     "memory_cached", "max_memory_cached", "get_memory_info", "mem_get_info",
-    "memory_snapshot", "memory_summary", "allocator",
+    "memory_snapshot", "memory_summary", "caching_allocator",
     "_record_memory_history", "_snapshot", "_dump_snapshot",
 )

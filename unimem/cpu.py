@@ -58,7 +58,7 @@ def empty(shape: Union[int, Sequence[int]], dtype: Any = float, order: str = "C"
         nbytes *= d
     if nbytes == 0:
         return numpy.empty(dims, dt, order=order)
-    block = _api.allocator(device).allocate(nbytes)
+    block = _api.caching_allocator(device).allocate(nbytes)
     return numpy.asarray(_PoolBuffer(block, dims, dt, order))
 
 

@@ -59,13 +59,36 @@ def backend_name() -> str:
     return getattr(_backend, "pinning", "page-aligned")
 
 
-def allocator() -> _core.CachingAllocator:
+def caching_allocator() -> _core.CachingAllocator:
     """The host pool's caching allocator."""
     return _host_registry().get(0)
 
 
 def _existing() -> Optional[_core.CachingAllocator]:
     return None if _registry is None else _registry.peek(0)
+
+
+class _PinnedBlock:
+    """What ``cupy.cuda.PinnedMemoryPointer`` wraps: an address, a size, and
+    (here) the pool block it keeps alive."""
+
+    __slots__ = ("ptr", "size", "block")
+
+    def __init__(self, block: _core.Allocation, size: int) -> None:
+        self.block = block
+        self.ptr = block.ptr
+        self.size = size
+
+
+def pinned_allocator(size: int) -> Any:
+    """Pinned host memory for CuPy: ``cupy.cuda.set_pinned_memory_allocator(unimem.host.pinned_allocator)``.
+
+    Returns a ``cupy.cuda.PinnedMemoryPointer``; the block goes back to the
+    pool when CuPy lets go of it (after its asynchronous copies, which CuPy
+    tracks itself)."""
+    from cupy.cuda.pinned_memory import PinnedMemoryPointer
+    block = caching_allocator().allocate(size)
+    return PinnedMemoryPointer(_PinnedBlock(block, size), 0)
 
 
 def caching_host_alloc(size: int) -> int:

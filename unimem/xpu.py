@@ -182,7 +182,7 @@ def allocator_for(usm_type: str = "device", device: Any = None) -> _core.Caching
 
 
 def _host_pool_for(queue) -> _core.CachingAllocator:
-    pool = host.allocator()
+    pool = host.caching_allocator()
     if host.backend_name() != "sycl":
         raise ValueError(f"host USM arrays come from the pinned host pool, which here is "
                          f"{host.backend_name()!r} memory, not SYCL host USM")
@@ -377,7 +377,7 @@ def record_stream(array_or_ptr: Any, queue: Any) -> None:
         if owner is not None:
             owner.record_stream(ptr, handle)
             return
-    owner = host.allocator() if host.allocator().owns(ptr) else None
+    owner = host.caching_allocator() if host.caching_allocator().owns(ptr) else None
     if owner is None:
         raise ValueError(f"address {ptr!r} is not a live block of unimem's XPU pools")
     owner.record_stream(ptr, handle)

@@ -4,7 +4,9 @@
 # "unimem.RawAllocatorAPI", as the attribute ``_raw_api``) so that the caching
 # core calls its malloc and free directly, without the GIL and without a
 # Python call. Backends written in Python simply leave it out; the core then
-# calls their ``malloc``/``free`` methods.
+# calls their ``malloc``/``free`` methods. The struct's ``ctx`` must stay
+# valid while the object named by the backend's ``_raw_owner`` attribute (the
+# backend itself when there is none) lives: the core keeps a reference to it.
 from libc.stdint cimport uintptr_t
 
 cdef enum RawStatus:

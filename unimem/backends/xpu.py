@@ -175,6 +175,7 @@ class XPUBackend(Backend):
         self.runtime = _SyclRuntime.get()
         self.raw = self.runtime.raw_allocator(kind)
         self._raw_api = self.raw._raw_api
+        self._raw_owner = self.raw           # the core keeps the C context alive
         if kind == "host":
             self.name = "host"
             self.pinning = "sycl"     # what unimem.host.backend_name() reports

@@ -1,0 +1,244 @@
+"""``unimem.cuda``: PyTorch's CUDA caching allocator for CuPy users.
+
+::
+
+    import cupy, unimem
+    cupy.cuda.set_allocator(unimem.cuda.allocator)             # every CuPy array from unimem
+    cupy.cuda.set_pinned_memory_allocator(unimem.host.pinned_allocator)
+    a = cupy.ones((4096, 4096)); b = a @ a
+    print(unimem.cuda.memory_summary(0))
+
+The memory functions of ``torch.cuda.memory`` (``memory_stats``,
+``memory_allocated``, ``empty_cache``, ...), :func:`allocator` for
+``cupy.cuda.set_allocator``, :func:`record_stream`, and :class:`MemoryPool`,
+a drop-in for ``cupy.cuda.MemoryPool``. Blocks are reused in stream order,
+keyed by CuPy's current stream.
+
+Without a usable GPU this module still imports; functions that need a device
+raise ``RuntimeError`` naming the cause (``device_count()`` is 0).
+"""
+from __future__ import annotations
+
+import threading
+import warnings
+from typing import Any, Dict, Optional
+
+from . import _core
+from ._devices import get_type, new_allocator
+from ._memory_api import PUBLIC_FUNCTIONS, MemoryAPI
+from .backends.base import Backend
+from .backends.cuda import stream_pointer
+
+_api = MemoryAPI("cuda")
+globals().update(_api.functions())
+
+__all__ = list(PUBLIC_FUNCTIONS) + ["allocator", "record_stream", "MemoryPool", "OutOfMemoryError"]
+
+
+def _cupy() -> Any:
+    import cupy
+    return cupy
+
+
+def _cupy_out_of_memory_class() -> type:
+    """unimem's OutOfMemoryError that is also CuPy's, so that code written
+    for CuPy's pool (``except cupy.cuda.memory.OutOfMemoryError``) keeps working."""
+    global _OOM
+    if _OOM is None:
+        cupy_oom = _cupy().cuda.memory.OutOfMemoryError
+
+        class OutOfMemoryError(_core.OutOfMemoryError, cupy_oom):  # type: ignore[misc, valid-type]
+            __doc__ = _core.OutOfMemoryError.__doc__
+
+            def __init__(self, error: _core.OutOfMemoryError) -> None:
+                MemoryError.__init__(self, str(error))
+                for name in ("device", "requested", "capacity", "free", "allocated", "reserved"):
+                    setattr(self, name, getattr(error, name))
+                self._size, self._total, self._limit = error.requested, error.allocated, 0
+
+            def __reduce__(self) -> Any:
+                return (MemoryError, (str(self),))
+
+        OutOfMemoryError.__qualname__ = "OutOfMemoryError"
+        OutOfMemoryError.__module__ = __name__
+        _OOM = OutOfMemoryError
+    return _OOM
+
+
+_OOM: Optional[type] = None
+
+
+def __getattr__(name: str) -> Any:
+    if name == "OutOfMemoryError":
+        return _cupy_out_of_memory_class()
+    raise AttributeError(f"module 'unimem.cuda' has no attribute '{name}'")
+
+
+def _memory_pointer(allocation: _core.Allocation, size: int, device: int) -> Any:
+    memory = _cupy().cuda.memory
+    return memory.MemoryPointer(memory.UnownedMemory(allocation.ptr, size, allocation, device), 0)
+
+
+def allocator(size: int) -> Any:
+    """Allocate ``size`` bytes for CuPy on its current device and stream.
+
+    Install with ``cupy.cuda.set_allocator(unimem.cuda.allocator)``. Returns a
+    ``cupy.cuda.MemoryPointer`` whose memory goes back to unimem's pool when
+    CuPy lets go of it.
+    """
+    dtype = get_type("cuda")
+    registry = dtype.registry
+    device = registry.current_index()
+    try:
+        allocation = registry.get(device).allocate(size, registry.stream_handle_of(None, device))
+    except _core.OutOfMemoryError as error:
+        raise _cupy_out_of_memory_class()(error) from None
+    return _memory_pointer(allocation, size, device)
+
+
+def _base_pointer(memory: Any) -> int:
+    """The block address behind a CuPy array, a MemoryPointer or an int."""
+    data = getattr(memory, "data", None)
+    if data is not None and hasattr(data, "mem"):       # a cupy.ndarray
+        return data.mem.ptr
+    if hasattr(memory, "mem"):                          # a MemoryPointer
+        return memory.mem.ptr
+    if isinstance(memory, int):
+        return memory
+    raise TypeError(f"expected a CuPy array, a MemoryPointer or an address, got {type(memory).__name__}")
+
+
+def record_stream(memory: Any, stream: Any) -> None:
+    """Mark memory as used on ``stream`` (``torch.Tensor.record_stream``): once
+    freed, its block is reused only after the work queued on ``stream`` up to
+    then has completed (a CUDA event, as PyTorch records).
+
+    ``memory`` is a CuPy array, a ``MemoryPointer`` or an address from unimem;
+    ``stream`` a CuPy or PyTorch stream, or a ``cudaStream_t`` as an int."""
+    ptr = _base_pointer(memory)
+    registry = get_type("cuda").registry
+    owner = registry.find_owner(ptr)
+    if owner is None:
+        raise ValueError(f"address {ptr:#x} is not a live block of unimem's CUDA pools")
+    owner.record_stream(ptr, stream_pointer(stream))
+
+
+class _CupyAllocatorBackend(Backend):
+    """Raw memory from a CuPy-style allocator (``size -> MemoryPointer``, such
+    as ``cupy.cuda.malloc_managed``), kept alive until given back."""
+
+    name = "GPU"
+
+    def __init__(self, raw_allocator: Any, device_count: int) -> None:
+        self.raw_allocator = raw_allocator
+        self._count = device_count
+        self._held: Dict[int, Any] = {}
+
+    def malloc(self, size: int, device: int, stream: int) -> int:
+        with _cupy().cuda.Device(device):
+            pointer = self.raw_allocator(size)
+        self._held[pointer.ptr] = pointer
+        return pointer.ptr
+
+    def free(self, ptr: int, size: int, device: int, stream: int) -> None:
+        del self._held[ptr]
+
+    def device_count(self) -> int:
+        return self._count
+
+    def memory_info(self, device: int) -> Any:
+        return get_type("cuda").backend.memory_info(device)
+
+
+class MemoryPool:
+    """A drop-in for ``cupy.cuda.MemoryPool``, backed by unimem's caching
+    allocators: PyTorch's policy and statistics behind CuPy's API.
+
+    ``cupy.cuda.set_allocator(unimem.cuda.MemoryPool().malloc)`` works as with
+    CuPy's pool. Every method applies to the current device, as CuPy's do.
+
+    Args:
+        allocator: like CuPy's: a raw allocator (``size -> MemoryPointer``,
+            for example ``cupy.cuda.malloc_managed``) the pool draws segments
+            from. By default, unimem's CUDA backend, and the pool shares its
+            allocators (and statistics) with :mod:`unimem.cuda`.
+        backend: instead, any unimem backend (for tests: a simulated device).
+    """
+
+    def __init__(self, allocator: Any = None, *, backend: Optional[Backend] = None) -> None:
+        if allocator is not None and backend is not None:
+            raise ValueError("give a CuPy allocator or a unimem backend, not both")
+        if allocator is not None:
+            backend = _CupyAllocatorBackend(allocator, get_type("cuda").device_count)
+        self._device_fn = None
+        if backend is None:
+            self._registry = get_type("cuda").registry
+            self._stream_fn = lambda device: self._registry.stream_handle_of(None, device)
+        else:
+            self._registry = _core.DeviceRegistry(
+                "cuda-pool", backend.device_count(),
+                lambda index: new_allocator("cuda-pool", backend, index),
+                current_device_fn=get_type("cuda").registry.current_device_fn
+                if isinstance(backend, _CupyAllocatorBackend) else None)
+            self._stream_fn = lambda device: 0
+        self._lock = threading.Lock()
+
+    def _current(self) -> _core.CachingAllocator:
+        return self._registry.get(self._registry.current_index())
+
+    def malloc(self, size: int) -> Any:
+        """Allocate ``size`` bytes on the current device (and stream); returns
+        a ``cupy.cuda.MemoryPointer``."""
+        device = self._registry.current_index()
+        try:
+            allocation = self._registry.get(device).allocate(size, self._stream_fn(device))
+        except _core.OutOfMemoryError as error:
+            raise _cupy_out_of_memory_class()(error) from None
+        return _memory_pointer(allocation, size, device)
+
+    def free_all_blocks(self, stream: Any = None) -> None:
+        """Release free blocks: of ``stream``'s arena if given, else all."""
+        self._current().empty_cache(None if stream is None else stream_pointer(stream))
+
+    def free_all_free(self) -> None:
+        """(Deprecated) Use :meth:`free_all_blocks` instead."""
+        warnings.warn("free_all_free is deprecated. Use free_all_blocks instead.", DeprecationWarning)
+        self.free_all_blocks()
+
+    def n_free_blocks(self) -> int:
+        """The number of free blocks the pool caches."""
+        return self._current().free_block_count()
+
+    def used_bytes(self) -> int:
+        """The bytes handed out and not yet given back."""
+        return self._current().memory_allocated()
+
+    def free_bytes(self) -> int:
+        """The bytes held in the cache, free for reuse."""
+        allocator = self._current()
+        return allocator.memory_reserved() - allocator.memory_allocated()
+
+    def total_bytes(self) -> int:
+        """The bytes the pool holds from the device (used and free)."""
+        return self._current().memory_reserved()
+
+    def set_limit(self, size: Optional[int] = None, fraction: Optional[float] = None) -> None:
+        """Limit the bytes the pool may hold on the current device: ``size``
+        in bytes, or ``fraction`` of the device's memory; 0 removes the limit."""
+        if size is not None and fraction is not None:
+            raise ValueError("size and fraction cannot be specified at one time")
+        allocator = self._current()
+        if fraction is not None:
+            if not 0 <= fraction <= 1:
+                raise ValueError(f"memory limit fraction out of range: {fraction}")
+            _, total = allocator.backend.memory_info(allocator.device)
+            size = int(total * fraction)
+        if size is None:
+            size = 0
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise ValueError(f"memory limit size must be a non-negative int, got {size!r}")
+        allocator.set_memory_limit(size)
+
+    def get_limit(self) -> int:
+        """The limit in bytes on the current device (0: none)."""
+        return self._current().get_memory_limit()
