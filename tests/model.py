@@ -27,6 +27,10 @@ class ModelOOM(Exception):
     pass
 
 
+class ModelFreeFailure(Exception):
+    """The device refused to take a segment back."""
+
+
 @dataclass
 class Stat:
     current: int = 0
@@ -82,6 +86,9 @@ class ModelAllocator:
         self.oversize_segments = Stat()
         self.counters = dict(num_alloc_retries=0, num_ooms=0, num_sync_all_streams=0,
                              num_device_alloc=0, num_device_free=0)
+        # Faults, as unimem.backends.faults.FaultInjectingBackend injects them.
+        self.refuse_next = 0           # device mallocs still to refuse
+        self.unfreeable = set()        # segment addresses the device will not take back
 
     # -- statistics helpers ---------------------------------------------------
     def _inc(self, name: str, small: bool, n: int) -> None:
@@ -94,6 +101,9 @@ class ModelAllocator:
 
     # -- the simulated device ---------------------------------------------------
     def _device_malloc(self, size: int) -> Optional[int]:
+        if self.refuse_next:
+            self.refuse_next -= 1
+            return None
         if self.used + size > self.capacity:
             return None
         ptr = self.next_address
@@ -165,8 +175,16 @@ class ModelAllocator:
         return len(seg.blocks) == 1 and not seg.blocks[0].allocated and seg.blocks[0].pending_events == 0
 
     def _release_all_free(self) -> None:
+        """Release every wholly free segment; a segment the device refuses
+        stays, unchanged, and the failure is raised once all were tried."""
+        failed = False
         for seg in [s for s in self.segments if self._whole_free(s)]:
-            self._release(seg)
+            if seg.base in self.unfreeable:
+                failed = True
+            else:
+                self._release(seg)
+        if failed:
+            raise ModelFreeFailure()
 
     def malloc(self, request: int, stream: int = 0) -> int:
         if request == 0:

@@ -1,70 +1,105 @@
 """Many threads allocating and freeing on one allocator at once."""
 import random
 import threading
+import time
 
 import pytest
 
-from unimem import _core
+from unimem import _core, _devices
 from unimem.backends._host import PageAlignedBackend
 from unimem.backends.simulated import SimulatedBackend
 
 THREADS = 8
-OPS = 20_000
 SIZES = [512, 1000, 4096, 65536, 1 << 20, 3 << 20, 12 << 20]
 
 
-def hammer(allocator, seed, handoff, live_out, errors):
+def worker(allocator, seed, keep_going, maintenance, handoff, live_out, errors, counts):
+    """Random work until ``keep_going(done)`` says stop: allocate, free,
+    hand a block to another thread, free one another thread allocated, and,
+    with ``maintenance``, read statistics, release the cache, reset peaks."""
     rng = random.Random(seed)
     mine = []
+    done = 0
     try:
-        for _ in range(OPS):
+        while keep_going(done):
             r = rng.random()
-            if r < 0.45 or not mine:
+            if r < 0.40 or not mine:
                 mine.append(allocator.malloc(rng.choice(SIZES)))
-            elif r < 0.85:
+            elif r < 0.75:
                 allocator.free(mine.pop(rng.randrange(len(mine))))
-            elif r < 0.95:
-                handoff.append(mine.pop())          # someone else frees it
-            else:
+            elif r < 0.82:
+                handoff.append(mine.pop())           # someone else frees it
+            elif r < 0.88 or not maintenance:
                 try:
-                    allocator.free(handoff.pop())    # free a block another thread allocated
+                    allocator.free(handoff.pop())    # a block another thread allocated
                 except IndexError:
                     pass
-            if len(mine) > 64:
+            elif r < 0.94:
+                stats = allocator.memory_stats()
+                assert stats["allocated_bytes.all.current"] <= stats["reserved_bytes.all.current"]
+            elif r < 0.97:
+                allocator.empty_cache()
+            else:
+                allocator.reset_peak_stats()
+            if len(mine) > 48:
                 allocator.free(mine.pop(0))
-    except BaseException as exc:   # reported by the main thread
+            done += 1
+    except BaseException as exc:                     # reported by the main thread
         errors.append(exc)
     live_out.extend(mine)
+    counts.append(done)
 
 
-@pytest.mark.parametrize("backend", [SimulatedBackend(capacity=64 << 30), PageAlignedBackend()],
-                         ids=["simulated", "host"])
-def test_threads_keep_the_invariants(backend):
-    allocator = _core.CachingAllocator(backend, 0)
-    handoff, live, errors = [], [], []
-    threads = [threading.Thread(target=hammer, args=(allocator, seed, handoff, live, errors))
+def run_threads(allocator, keep_going, maintenance):
+    handoff, live, errors, counts = [], [], [], []
+    threads = [threading.Thread(target=worker, args=(allocator, seed, keep_going, maintenance,
+                                                     handoff, live, errors, counts))
                for seed in range(THREADS)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout=120)
-        assert not t.is_alive(), "a thread hung: deadlock?"
+        t.join(timeout=120)                # bounded: a hang fails here
+        assert not t.is_alive(), "deadlock: a thread did not finish"
     assert not errors, errors
     live += handoff
     allocations = allocator.live_allocations()
     assert sorted(allocations) == sorted(live)
     spans = sorted((p, allocations[p][0]) for p in live)
     for (a, size), (b, _) in zip(spans, spans[1:]):
-        assert a + size <= b
+        assert a + size <= b, "live blocks overlap"
     allocator._check_invariants()
     stats = allocator.memory_stats()
     assert stats["allocation.all.current"] == len(live)
-    for key, value in stats.items():
-        if key.endswith(".current"):
-            base = key[: -len("current")]
-            assert stats[base + "allocated"] - stats[base + "freed"] == value
-            assert stats[base + "peak"] >= value
+    if not maintenance:                    # (reset_peak does not touch allocated/freed)
+        for key, value in stats.items():
+            if key.endswith(".current"):
+                base = key[: -len("current")]
+                assert stats[base + "allocated"] - stats[base + "freed"] == value
+                assert stats[base + "peak"] >= value
     for p in live:
         allocator.free(p)
     allocator.empty_cache()
     assert allocator.memory_reserved() == 0
+    return sum(counts)
+
+
+@pytest.mark.parametrize("backend", [SimulatedBackend(capacity=64 << 30), PageAlignedBackend()],
+                         ids=["simulated", "host"])
+def test_eight_threads_twenty_thousand_operations_each(backend):
+    allocator = _core.CachingAllocator(backend, 0)
+    assert run_threads(allocator, lambda done: done < 20_000, maintenance=False) == THREADS * 20_000
+
+
+def backends_for_the_mixed_run():
+    found = [("simulated", lambda: _core.CachingAllocator(SimulatedBackend(capacity=64 << 30), 0)),
+             ("host", lambda: _core.CachingAllocator(PageAlignedBackend(), 0))]
+    if _devices.is_available("xpu"):
+        from unimem.backends.xpu import XPUBackend
+        found.append(("sycl", lambda: _core.CachingAllocator(XPUBackend("device"), 0)))
+    return found
+
+
+@pytest.mark.parametrize("name, make", backends_for_the_mixed_run(), ids=lambda v: v if isinstance(v, str) else "")
+def test_eight_threads_with_statistics_and_cache_releases(name, make):
+    deadline = time.monotonic() + 4.0
+    assert run_threads(make(), lambda done: time.monotonic() < deadline, maintenance=True) > 1000

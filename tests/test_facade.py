@@ -108,7 +108,7 @@ def test_bad_input_changes_nothing():
     for bad, error in ((-1, ValueError), (2.5, TypeError), ("10", TypeError), (None, TypeError)):
         with pytest.raises(error):
             acc.caching_allocator_alloc(bad)
-    for bad_ptr, error in ((p + 512, ValueError), (12345, ValueError), ("p", ValueError),
+    for bad_ptr, error in ((p + 512, ValueError), (12345, ValueError), ("p", TypeError),
                            (None, TypeError), (-1, ValueError)):
         with pytest.raises(error):
             acc.caching_allocator_delete(bad_ptr)

@@ -27,7 +27,7 @@ from .backends.xpu import ensure_opencl_cpu_runtime
 ensure_opencl_cpu_runtime()
 
 from . import _devices, accelerator, cpu, host  # noqa: E402
-from ._core import Allocation, CachingAllocator, OutOfMemoryError  # noqa: E402
+from ._core import Allocation, CachingAllocator, OutOfMemoryError, WriteAfterFreeWarning  # noqa: E402
 from ._history import attach_out_of_memory_observer, detach_out_of_memory_observer  # noqa: E402
 from ._install import install_allocators, installed_allocators, uninstall_allocators  # noqa: E402
 from ._devices import device  # noqa: E402
@@ -39,7 +39,7 @@ from .host import (host_memory_stats, reset_accumulated_host_memory_stats,  # no
 __version__ = "0.1.0"
 
 __all__ = [
-    "accelerator", "cpu", "host", "xpu", "cuda", "device", "OutOfMemoryError",
+    "accelerator", "cpu", "host", "xpu", "cuda", "device", "OutOfMemoryError", "WriteAfterFreeWarning",
     "CachingAllocator", "Allocation", "Backend", "PluggableAllocator",
     "change_current_allocator", "attach_out_of_memory_observer", "detach_out_of_memory_observer",
     "install_allocators", "installed_allocators", "uninstall_allocators",

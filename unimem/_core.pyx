@@ -35,7 +35,7 @@ from cpython.ref cimport PyObject
 from cpython.pycapsule cimport PyCapsule_IsValid, PyCapsule_GetPointer
 from libc.stdint cimport uint64_t, int64_t, uintptr_t, INT64_MAX
 from libc.stdlib cimport malloc as sys_malloc, free as sys_free, calloc
-from libc.string cimport memset
+from libc.string cimport memset, memcmp
 from libcpp.vector cimport vector
 from libcpp.map cimport map as cmap
 from libcpp.utility cimport pair
@@ -47,6 +47,7 @@ import collections
 import os
 import sys
 import threading
+import warnings
 import weakref
 
 cdef extern from "_csupport.hpp" nogil:
@@ -96,6 +97,20 @@ ROUNDUP_INTERVALS = K_ROUNDUP_INTERVALS
 MAX_REQUEST_SIZE = MAX_REQUEST
 
 cdef size_t SIZE_UNSET = <size_t>-1
+
+cdef enum:
+    DEBUG_FILL = 0xDB
+cdef unsigned char debug_fill_page[4096]
+memset(debug_fill_page, DEBUG_FILL, 4096)
+
+
+class WriteAfterFreeWarning(RuntimeWarning):
+    """Debug mode (``UNIMEM_DEBUG=1``) found memory changed after it was
+    freed: something wrote through a pointer it no longer owned."""
+
+
+# Debug mode fills free memory with this byte and expects it back on reuse.
+DEBUG_FILL_BYTE = 0xDB
 
 
 class OutOfMemoryError(MemoryError):
@@ -176,6 +191,15 @@ cdef inline void stat_decrease(Stat* s, int64_t amount) noexcept nogil:
 cdef inline void pool_increase(DeviceStats* st, int which, bint is_small, int64_t amount) noexcept nogil:
     stat_increase(&st.core[which][POOL_ALL], amount)
     stat_increase(&st.core[which][POOL_SMALL if is_small else POOL_LARGE], amount)
+
+cdef inline void stat_undo_decrease(Stat* s, int64_t amount) noexcept nogil:
+    # Take back a decrease that did not happen after all: as if never made.
+    s.current += amount
+    s.freed -= amount
+
+cdef inline void pool_undo_decrease(DeviceStats* st, int which, bint is_small, int64_t amount) noexcept nogil:
+    stat_undo_decrease(&st.core[which][POOL_ALL], amount)
+    stat_undo_decrease(&st.core[which][POOL_SMALL if is_small else POOL_LARGE], amount)
 
 cdef inline void pool_decrease(DeviceStats* st, int which, bint is_small, int64_t amount) noexcept nogil:
     stat_decrease(&st.core[which][POOL_ALL], amount)
@@ -674,6 +698,14 @@ cdef class CachingAllocator:
     # How many times this thread holds the (recursive) lock: segments are
     # given back outside it only when it is held once.
     cdef int lock_depth
+
+    # debug mode: free memory is filled and checked on reuse
+    cdef bint debug_on
+    cdef object debug_site_fn           # () -> frames of the caller
+    cdef dict debug_sites               # block address -> (sequence, size, frames)
+    cdef int64_t debug_sequence
+    cdef vector[pair[uintptr_t, uintptr_t]] debug_damage   # (block, first changed byte)
+    cdef list debug_messages
     cdef object __weakref__
 
     def __cinit__(self):
@@ -742,6 +774,10 @@ cdef class CachingAllocator:
         self.oom_observers = []
         self.poisoned = False
         self.poison_reason = None
+        self.debug_on = False
+        self.debug_sites = {}
+        self.debug_sequence = 0
+        self.debug_messages = []
         _live_allocators.add(self)
 
     def __del__(self):
@@ -926,6 +962,8 @@ cdef class CachingAllocator:
                 pool_decrease(st, S_INACTIVE_SPLIT, is_small, 1)
         block.allocated = True
         block.requested_size = orig_size
+        if self.debug_on:
+            self._debug_check(block)
         um_put_unchecked(&self.active, block.ptr, block)
         pool_increase(st, S_ALLOCATION, is_small, 1)
         pool_increase(st, S_ALLOCATED_BYTES, is_small, block.size)
@@ -937,6 +975,26 @@ cdef class CachingAllocator:
         if self.recording:
             self._trace(T_ALLOC, block.ptr, block.size, block.stream)
         return block
+
+    cdef void _debug_check(self, Block* block) noexcept nogil:
+        """Debug mode: a block about to be handed out must still hold the fill
+        byte everywhere; where it does not, something wrote after free."""
+        cdef size_t offset = 0
+        cdef size_t chunk
+        cdef unsigned char* p = <unsigned char*>block.ptr
+        cdef pair[uintptr_t, uintptr_t] damage
+        while offset < block.size:
+            chunk = block.size - offset
+            if chunk > 4096:
+                chunk = 4096
+            if memcmp(p + offset, debug_fill_page, chunk) != 0:
+                while p[offset] == DEBUG_FILL:
+                    offset += 1
+                damage.first = block.ptr
+                damage.second = block.ptr + offset
+                self.debug_damage.push_back(damage)
+                return
+            offset += chunk
 
     cdef int _reserve_for_alloc(self, FreeIndex* fi) noexcept nogil:
         """Reserve what handing out one block may need, so that nothing can
@@ -1061,6 +1119,8 @@ cdef class CachingAllocator:
         b.stream = stream
         b.segment = seg
         b.is_small = is_small
+        if self.debug_on:
+            memset(<void*>ptr, DEBUG_FILL, alloc_size)
         self.total_allocated_memory += alloc_size
         pool_increase(&self.stats, S_SEGMENT, is_small, 1)
         pool_increase(&self.stats, S_RESERVED_BYTES, is_small, alloc_size)
@@ -1103,16 +1163,17 @@ cdef class CachingAllocator:
             self._trace(T_SEGMENT_FREE, seg.base, seg.size, seg.stream)
 
     cdef void _reattach_segment(self, Segment* seg) noexcept nogil:
-        """Undo _detach_segment for memory the backend refused to take back."""
+        """Undo _detach_segment for memory the backend refused to take back:
+        the segment and every statistic are exactly as before the attempt."""
         cdef Block* b = seg.head
         cdef FreeIndex* fi = self._pool_of(b)
         self._link_segment(seg)
         self.stats.num_device_free -= 1
         self.total_allocated_memory += seg.size
-        pool_increase(&self.stats, S_SEGMENT, seg.is_small, 1)
-        pool_increase(&self.stats, S_RESERVED_BYTES, seg.is_small, seg.size)
+        pool_undo_decrease(&self.stats, S_SEGMENT, seg.is_small, 1)
+        pool_undo_decrease(&self.stats, S_RESERVED_BYTES, seg.is_small, seg.size)
         if seg.size >= self.max_split_size:
-            stat_increase(&self.stats.oversize_segments, 1)
+            stat_undo_decrease(&self.stats.oversize_segments, 1)
         um_reserve(&fi.by_size, fi.by_size.count + 1)
         fi_insert(fi, b)
         if self.recording:
@@ -1342,6 +1403,8 @@ cdef class CachingAllocator:
         cdef bint is_small = b.is_small
         if self.recording:
             self._trace(T_FREE_COMPLETED, b.ptr, b.size, b.stream)
+        if self.debug_on:
+            memset(<void*>b.ptr, DEBUG_FILL, b.size)
         subsumed = self._try_merge(b, b.prev, fi)
         if subsumed:
             net_blocks -= 1
@@ -1555,6 +1618,8 @@ cdef class CachingAllocator:
             self._unlock()
             if self.recording:
                 self._flush_trace()
+            if self.debug_on:
+                self._debug_after_malloc(b.ptr, size)
             return b.ptr
         try:
             if status != 0:
@@ -1566,7 +1631,39 @@ cdef class CachingAllocator:
                 self._flush_trace()
         if oom:
             raise self._out_of_memory(size)
+        if self.debug_on:
+            self._debug_after_malloc(b.ptr, size)
         return b.ptr
+
+    cdef void _debug_after_malloc(self, uintptr_t ptr, size_t size):
+        """Debug mode, after the lock: remember where the block was allocated,
+        and report damage found on the way (with the site of the allocation
+        that last owned the changed byte)."""
+        cdef vector[pair[uintptr_t, uintptr_t]] damage
+        self._lock()
+        damage.swap(self.debug_damage)
+        self.debug_sequence += 1
+        sequence = self.debug_sequence
+        self._unlock()
+        frames = self.debug_site_fn() if self.debug_site_fn is not None else []
+        for entry in damage:
+            culprit = None
+            for start, (seq, length, site) in self.debug_sites.items():
+                if start <= entry.second < start + length and (culprit is None or seq > culprit[0]):
+                    culprit = (seq, start, length, site)
+            where = ("at " + ", called from ".join(f"{f['filename']}:{f['line']} in {f['name']}"
+                                                    for f in culprit[3][:3])
+                     if culprit is not None and culprit[3] else "at an unknown place")
+            message = (f"write after free: the byte at {entry.second:#x} (offset "
+                       f"{entry.second - entry.first} of the block handed out at {entry.first:#x}) "
+                       f"changed after it was freed; that memory was last allocated "
+                       + (f"at {culprit[1]:#x} ({culprit[2]} bytes) " if culprit else "") + where)
+            self.debug_messages.append(message)
+            try:
+                warnings.warn(WriteAfterFreeWarning(message), stacklevel=3)
+            except BaseException as exc:      # warnings turned into errors: still report
+                _report_unraisable(exc, "unimem debug mode")
+        self.debug_sites[ptr] = (sequence, size, frames)
 
     cdef int _try_free(self, uintptr_t ptr, bint from_finalizer=False) except -1:
         """Free a live block. Returns 1 (changing nothing) for an address this
@@ -1640,14 +1737,7 @@ cdef class CachingAllocator:
     def free(self, ptr):
         """Free the block at ``ptr``. Raises ValueError for an address this
         allocator did not hand out or that was already freed."""
-        if ptr is None:
-            raise TypeError("ptr must be an int address, not None")
-        cdef uintptr_t p
-        try:
-            p = ptr
-        except (TypeError, OverflowError):
-            raise ValueError(f"invalid pointer {ptr!r}: not an address") from None
-        self.c_free(p)
+        self.c_free(_check_pointer(ptr))
 
     def allocate(self, size, stream=0):
         """Allocate and return an :class:`Allocation` that frees its block when
@@ -1661,14 +1751,14 @@ cdef class CachingAllocator:
     def owns(self, ptr):
         """Whether ``ptr`` is a live allocation of this allocator."""
         try:
-            return self.c_owns(ptr)
-        except (TypeError, OverflowError):
+            return self.c_owns(_check_pointer(ptr))
+        except (TypeError, ValueError):
             return False
 
     def record_stream(self, ptr, stream):
         """Mark the block at ``ptr`` as used on ``stream``: when freed, it is
         reused only after the work queued on ``stream`` by then has completed."""
-        cdef uintptr_t p = ptr
+        cdef uintptr_t p = _check_pointer(ptr)
         cdef uintptr_t s = _check_stream(stream)
         cdef Block* b
         self._lock()
@@ -1957,6 +2047,35 @@ cdef class CachingAllocator:
         self._unlock()
         return out
 
+    def enable_debug(self, site_fn=None):
+        """Debug mode: fill free memory with DEBUG_FILL_BYTE and check it on
+        reuse (the backend's memory must be readable by the host). A write
+        after free is reported as a WriteAfterFreeWarning naming where the
+        memory was last allocated (``site_fn()`` gives the caller's frames)."""
+        cdef Segment* seg
+        cdef Block* b
+        self._lock()
+        self.debug_on = True
+        self.debug_site_fn = site_fn
+        seg = self.segments
+        while seg != NULL:
+            b = seg.head
+            while b != NULL:
+                if not b.allocated and b.event_count == 0:
+                    memset(<void*>b.ptr, DEBUG_FILL, b.size)
+                b = b.next
+            seg = seg.next_seg
+        self._unlock()
+
+    @property
+    def debug(self):
+        """Whether debug mode is on."""
+        return self.debug_on
+
+    def debug_reports(self):
+        """The write-after-free reports of debug mode, oldest first."""
+        return list(self.debug_messages)
+
     def flush_history(self):
         """Hand the recorded actions still buffered (frees done by finalizers)
         to the history hook now."""
@@ -2093,6 +2212,20 @@ cdef object _check_size(object size):
     if n < 0:
         raise ValueError(f"size must be non-negative, got {n}")
     return n
+
+
+cdef uintptr_t _check_pointer(object ptr) except? 0:
+    """An address as a pointer, or a clear error: TypeError for what is not
+    an integer, ValueError for an integer that is no address."""
+    if ptr is None or isinstance(ptr, (bool, float, complex, str, bytes)):
+        raise TypeError(f"an address must be an int, not {type(ptr).__name__}")
+    try:
+        ptr = ptr.__index__()
+    except AttributeError:
+        raise TypeError(f"an address must be an int, not {type(ptr).__name__}") from None
+    if ptr < 0 or ptr >= (1 << 64):
+        raise ValueError(f"invalid pointer {ptr!r}: not an address")
+    return ptr
 
 
 cdef uintptr_t _check_stream(object stream) except? 0:
@@ -2306,13 +2439,7 @@ cdef class DeviceRegistry:
         self._delete(ptr)
 
     cdef int _delete(self, object ptr) except -1:
-        if ptr is None:
-            raise TypeError("ptr must be an int address, not None")
-        cdef uintptr_t p
-        try:
-            p = ptr
-        except (TypeError, OverflowError):
-            raise ValueError(f"invalid pointer {ptr!r}: not an address") from None
+        cdef uintptr_t p = _check_pointer(ptr)
         if p == 0:
             return 0
         cdef int current = self.current_index() if self.device_count else 0

@@ -125,6 +125,8 @@ def new_allocator(pool: str, backend: Backend, index: int) -> "_core.CachingAllo
     of ``UNIMEM_ALLOC_CONF``, told its device's capacity, and announced to the
     observability layer. ``pool`` names what it serves: ``"cpu"``, ``"xpu"``,
     ``"cuda"``, ``"host"`` (the pinned pool), ``"xpu-shared"``."""
+    if backend in _broken_by_fork:
+        raise RuntimeError(fork_message(pool))
     settings = settings_from_env()
     allocator = _core.CachingAllocator(backend, index, **settings.core_kwargs())
     try:
@@ -135,6 +137,9 @@ def new_allocator(pool: str, backend: Backend, index: int) -> "_core.CachingAllo
         allocator.set_capacity(total)
     if settings.per_process_memory_fraction is not None:
         allocator.set_memory_fraction(settings.per_process_memory_fraction)
+    if debug_mode_requested() and getattr(backend, "host_accessible", False):
+        from ._history import python_frames
+        allocator.enable_debug(python_frames)
     _pools_by_allocator[allocator] = pool
     for callback in list(_allocator_created_callbacks):
         callback(pool, allocator)
@@ -150,6 +155,40 @@ _allocator_created_callbacks: List[Callable[[str, "_core.CachingAllocator"], Non
 def on_allocator_created(callback: Callable[[str, "_core.CachingAllocator"], None]) -> None:
     """Call ``callback(pool, allocator)`` for every allocator created from now on."""
     _allocator_created_callbacks.append(callback)
+
+
+DEBUG_ENV_VAR = "UNIMEM_DEBUG"
+
+
+def debug_mode_requested() -> bool:
+    """``UNIMEM_DEBUG=1``: fill freed memory and check it on reuse (where the
+    host can read the memory), reporting writes after free."""
+    return os.environ.get(DEBUG_ENV_VAR, "").lower() in ("1", "true", "yes", "on")
+
+
+# ---------------------------------------------------------------------------
+# fork(): GPU runtimes do not survive it
+# ---------------------------------------------------------------------------
+_broken_by_fork: "weakref.WeakSet[Backend]" = weakref.WeakSet()
+
+
+def fork_message(pool: str) -> str:
+    return (f"unimem: the {pool} memory of the parent process cannot be used after os.fork(): its "
+            f"device runtime does not survive a fork. To use it with multiprocessing, use the "
+            f"'spawn' start method (as PyTorch requires for CUDA).")
+
+
+def _after_fork_in_child() -> None:
+    """In a forked child, every allocator whose device does not survive the
+    fork refuses to work, saying why; host memory carries on."""
+    for allocator, pool in list(_pools_by_allocator.items()):
+        if not getattr(allocator.backend, "survives_fork", True):
+            _broken_by_fork.add(allocator.backend)
+            allocator._poison(fork_message(pool))
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def pool_of(allocator: "_core.CachingAllocator") -> Optional[str]:

@@ -17,6 +17,7 @@ shared pools.
 """
 from __future__ import annotations
 
+import numbers
 import operator
 import threading
 from typing import Any, Dict, Optional, Sequence, Tuple, Union
@@ -37,6 +38,10 @@ __all__ = list(PUBLIC_FUNCTIONS) + [
 ]
 
 ShapeLike = Union[int, Sequence[int]]
+
+# What dpnp arrays can hold (no long double, no byte-swapped types).
+DPNP_TYPES = frozenset(numpy.dtype(t) for t in (
+    "?", "i1", "i2", "i4", "i8", "u1", "u2", "u4", "u8", "f2", "f4", "f8", "c8", "c16"))
 
 _shared_lock = threading.Lock()
 _shared_registry: Optional[_core.DeviceRegistry] = None
@@ -225,9 +230,9 @@ def _normalize_dtype(dtype: Any, queue, index: int) -> numpy.dtype:
             dt = numpy.dtype(dtype)
         except TypeError as exc:
             raise TypeError(f"data type {dtype!r} not understood") from exc
-        if dt.kind not in "biufc" or not dt.isnative:
-            raise TypeError(f"dpnp arrays cannot hold data type {dt} (booleans, integers, "
-                            f"floating and complex numbers in native byte order only)")
+        if dt not in DPNP_TYPES:
+            raise TypeError(f"dpnp arrays cannot hold data type {dt} (booleans, integers, float16/32/64 "
+                            f"and complex64/128 in native byte order only)")
         dev = ctx.runtime.devices[index]
         if dt in (numpy.float64, numpy.complex128) and not dev.has_aspect_fp64:
             raise ValueError(f"device {dev.name} does not support double precision ({dt})")
@@ -273,33 +278,51 @@ def empty(shape: ShapeLike, dtype: Any = None, *, order: str = "C", device: Any 
         return ctx.dpnp.empty(dims, dtype=dt, order=order, usm_type=usm_type, sycl_queue=queue)
     _bound_keep_alive_tasks(ctx, queue, index)
     block = pool.allocate(nbytes, 0 if queue is ctx.default_queues[index] else ctx.runtime.stream_handle(queue))
-    memory = ctx.make_usm_memory(block.ptr, nbytes, queue, block)
-    return ctx.wrap(ctx.usm_ndarray(dims, dtype=dt, buffer=memory, order=order.upper()))
+    try:
+        memory = ctx.make_usm_memory(block.ptr, nbytes, queue, block)
+        return ctx.wrap(ctx.usm_ndarray(dims, dtype=dt, buffer=memory, order=order.upper()))
+    except BaseException:
+        block.release()          # now, not when the traceback goes
+        raise
+
+
+def _filled(out: Any, fill: Any) -> Any:
+    """``fill(out)``; if it fails, ``out``'s block goes back before the error
+    propagates (the traceback would keep the array alive)."""
+    try:
+        fill(out)
+    except BaseException:
+        _release(out)
+        raise
+    return out
+
+
+def _release(array: Any) -> None:
+    """Give a pool array's block back now (the array must not be used again)."""
+    owner = array.get_array().usm_data.reference_obj
+    if isinstance(owner, _core.Allocation):
+        owner.release()
 
 
 def full(shape: ShapeLike, fill_value: Any, dtype: Any = None, **kwargs: Any):
-    """Return a new pool-backed ``dpnp.ndarray`` filled with ``fill_value``."""
+    """Return a new pool-backed ``dpnp.ndarray`` filled with ``fill_value`` (a scalar)."""
+    if not isinstance(fill_value, (numbers.Number, numpy.generic)) or isinstance(fill_value, numpy.void):
+        raise TypeError(f"fill_value must be a scalar, not {type(fill_value).__name__}")
     if dtype is None:
         dtype = numpy.asarray(fill_value).dtype
         if dtype.kind == "f":
             dtype = None          # the device's default floating type
-    out = empty(shape, dtype, **kwargs)
-    out.fill(fill_value)
-    return out
+    return _filled(empty(shape, dtype, **kwargs), lambda out: out.fill(fill_value))
 
 
 def zeros(shape: ShapeLike, dtype: Any = None, **kwargs: Any):
     """Return a new pool-backed ``dpnp.ndarray`` of zeros."""
-    out = empty(shape, dtype, **kwargs)
-    out.fill(0)
-    return out
+    return _filled(empty(shape, dtype, **kwargs), lambda out: out.fill(0))
 
 
 def ones(shape: ShapeLike, dtype: Any = None, **kwargs: Any):
     """Return a new pool-backed ``dpnp.ndarray`` of ones."""
-    out = empty(shape, dtype, **kwargs)
-    out.fill(1)
-    return out
+    return _filled(empty(shape, dtype, **kwargs), lambda out: out.fill(1))
 
 
 def _like(x: Any, dtype: Any, kwargs: Dict[str, Any]) -> Dict[str, Any]:
@@ -348,19 +371,25 @@ def asarray(obj: Any, dtype: Any = None, *, order: str = "C", device: Any = None
             source = source.to_device(queue)
         out = empty(source.shape, source.dtype if dtype is None else dtype, order=order,
                     usm_type=usm_type, sycl_queue=queue)
-        out[...] = source
-        return out
+
+        def copy(out: Any) -> None:
+            out[...] = source
+        return _filled(out, copy)
     host_data = numpy.asarray(obj)
     if dtype is None:
         dtype = host_data.dtype
         if dtype == numpy.float64 and not queue.sycl_device.has_aspect_fp64:
             dtype = numpy.float32
-        elif dtype.kind not in "biufc":
+        elif dtype not in DPNP_TYPES:
             raise TypeError(f"dpnp arrays cannot hold data type {dtype}")
+    elif host_data.dtype.kind not in "biufc":
+        raise TypeError(f"cannot copy data of type {host_data.dtype} into a dpnp array")
     out = empty(host_data.shape, dtype, order=order, usm_type=usm_type, sycl_queue=queue)
-    if out.size:
-        out.get_array()[...] = numpy.ascontiguousarray(host_data, dtype=out.dtype)
-    return out
+
+    def copy(out: Any) -> None:
+        if out.size:          # asarray, not ascontiguousarray: that makes 0-d data 1-d
+            out.get_array()[...] = numpy.asarray(host_data, dtype=out.dtype, order="C")
+    return _filled(out, copy)
 
 
 def record_stream(array_or_ptr: Any, queue: Any) -> None:

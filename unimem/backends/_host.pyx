@@ -70,10 +70,14 @@ cdef class PageAlignedBackend:
 
     cdef readonly str name
     cdef readonly object _raw_api
+    cdef readonly bint host_accessible      # debug mode may fill and check it
+    cdef readonly bint survives_fork        # plain memory: the child has a copy
 
     def __init__(self, str name="CPU"):
         self.name = name
         self._raw_api = PyCapsule_New(&HOST_API, b"unimem.RawAllocatorAPI", NULL)
+        self.host_accessible = True
+        self.survives_fork = True
 
     def malloc(self, size, int device=0, stream=0):
         cdef uintptr_t out = 0

@@ -24,6 +24,12 @@ class Backend:
 
     #: What the device is called in messages and summaries ("CPU", "XPU", "GPU").
     name: str = "device"
+    #: Whether the host can read and write the memory directly (debug mode
+    #: fills and checks free memory only then).
+    host_accessible: bool = False
+    #: Whether memory and handles stay valid in a child after ``os.fork()``
+    #: (GPU runtimes do not survive a fork).
+    survives_fork: bool = True
 
     def malloc(self, size: int, device: int, stream: int) -> int:
         raise NotImplementedError

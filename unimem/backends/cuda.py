@@ -52,6 +52,7 @@ class CUDABackend(Backend):
     """Device memory of every visible GPU, through ``cudaMalloc``/``cudaFree``."""
 
     name = "GPU"
+    survives_fork = False      # CUDA cannot be used in a forked child
 
     def __init__(self, runtime: Optional[Any] = None) -> None:
         self.runtime = runtime if runtime is not None else _default_runtime()
@@ -113,6 +114,8 @@ class CUDAPinnedBackend(Backend):
 
     name = "host"
     pinning = "cuda"          # what unimem.host.backend_name() reports
+    host_accessible = True
+    survives_fork = False
 
     def __init__(self, runtime: Optional[Any] = None) -> None:
         self.runtime = runtime if runtime is not None else _default_runtime()

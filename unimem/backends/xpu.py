@@ -167,6 +167,7 @@ class XPUBackend(Backend):
     """
 
     name = "XPU"
+    survives_fork = False      # SYCL runtimes are not fork-safe
 
     def __init__(self, kind: str = "device") -> None:
         if kind not in USM_KINDS:
@@ -190,6 +191,11 @@ class XPUBackend(Backend):
 
     def device_count(self) -> int:
         return len(self.runtime.devices)
+
+    @property
+    def host_accessible(self) -> bool:
+        """Host and shared USM are; device USM is on CPU devices."""
+        return self.kind != "device" or all(d.has_aspect_cpu for d in self.runtime.devices)
 
     def sycl_device(self, device: int):
         return self.runtime.devices[device]

@@ -1,0 +1,180 @@
+"""Every public function, called with bad input.
+
+Each call either works or raises a documented exception (TypeError,
+ValueError, unimem.OutOfMemoryError; RuntimeError only to say a device type
+is not available), and after a raise every allocator is exactly as before:
+no statistic moved (but num_ooms, which counts refused sizes), no block
+appeared or went.
+"""
+import gc
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import unimem
+import unimem.cuda
+import unimem.xpu
+from unimem import _core, _devices, accelerator, cpu, host, xpu
+from unimem._config import parse_alloc_conf
+from unimem.backends.simulated import SimulatedBackend
+
+DOCUMENTED = (TypeError, ValueError, unimem.OutOfMemoryError)
+
+garbage = st.one_of(
+    st.none(), st.booleans(),
+    st.integers(-3, 3), st.integers(-(1 << 70), 1 << 70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([float("nan"), float("inf"), -0.0, 1e300, 0.5, 2.0]),
+    st.text(max_size=10),
+    st.sampled_from(["cpu", "cpu:0", "xpu", "xpu:0", "xpu:7", "cuda:0", "xpu:-1", "tpu:0", "xpu:0:1", ":", "",
+                     "0", "f4", "object", "device", "host", "all", "state"]),
+    st.binary(max_size=4), st.lists(st.integers(-5, 5), max_size=3), st.tuples(st.integers(-5, 5)),
+    st.just(object()), st.builds(lambda: id(object())),          # a foreign pointer
+    st.builds(lambda: lambda *a: None),
+)
+
+SIMULATED = _core.CachingAllocator(SimulatedBackend(capacity=1 << 30), 0)
+SIMULATED.set_capacity(1 << 30)
+
+
+def allocators():
+    found = [SIMULATED]
+    for name in _devices.KNOWN_TYPES:
+        dtype = _devices._types.get(name)
+        if dtype is not None:
+            found += list(dtype.registry.initialized().values())
+    if host._registry is not None:
+        found += list(host._registry.initialized().values())
+    if xpu._shared_registry is not None:
+        found += list(xpu._shared_registry.initialized().values())
+    return found
+
+
+def state():
+    out = {}
+    for a in allocators():
+        stats = dict(a.memory_stats())
+        stats.pop("num_ooms", None)
+        out[id(a)] = (stats, sorted(a.live_allocations()), a.get_memory_fraction(), a.get_memory_limit())
+    return out
+
+
+def pristine(entry):
+    """An allocator that holds nothing and never did (created lazily, as
+    PyTorch initializes its allocator at the first request, even a refused one)."""
+    stats, live, fraction, limit = entry
+    return (not live and fraction == 1.0 and limit == 0
+            and all(v == 0 for k, v in stats.items() if k != "max_split_size"))
+
+
+def unchanged(before, after):
+    return all(after.get(key) == value for key, value in before.items()) and all(
+        pristine(entry) for key, entry in after.items() if key not in before)
+
+
+CALLS = {
+    # the facade
+    "accelerator.memory_stats": (accelerator.memory_stats, 1),
+    "accelerator.memory_stats_as_nested_dict": (accelerator.memory_stats_as_nested_dict, 1),
+    "accelerator.memory_allocated": (accelerator.memory_allocated, 1),
+    "accelerator.max_memory_allocated": (accelerator.max_memory_allocated, 1),
+    "accelerator.memory_reserved": (accelerator.memory_reserved, 1),
+    "accelerator.max_memory_reserved": (accelerator.max_memory_reserved, 1),
+    "accelerator.reset_peak_memory_stats": (accelerator.reset_peak_memory_stats, 1),
+    "accelerator.reset_accumulated_memory_stats": (accelerator.reset_accumulated_memory_stats, 1),
+    "accelerator.get_memory_info": (accelerator.get_memory_info, 1),
+    "accelerator.memory_summary": (accelerator.memory_summary, 2),
+    "accelerator.set_device_index": (accelerator.set_device_index, 1),
+    "accelerator.caching_allocator_alloc": (accelerator.caching_allocator_alloc, 3),
+    "accelerator.caching_allocator_delete": (accelerator.caching_allocator_delete, 1),
+    "accelerator.set_per_process_memory_fraction": (accelerator.set_per_process_memory_fraction, 2),
+    "accelerator.get_per_process_memory_fraction": (accelerator.get_per_process_memory_fraction, 1),
+    "accelerator.record_stream": (accelerator.record_stream, 2),
+    "accelerator._record_memory_history": (accelerator._record_memory_history, 4),
+    # the namespaces
+    "cpu.caching_allocator_alloc": (cpu.caching_allocator_alloc, 3),
+    "cpu.memory_stats": (cpu.memory_stats, 1),
+    "cpu.empty": (cpu.empty, 2),
+    "cpu.zeros": (cpu.zeros, 2),
+    "cpu.set_device": (cpu.set_device, 1),
+    "xpu.empty": (xpu.empty, 2),
+    "xpu.empty(kw)": (lambda a, b, c: xpu.empty(a, device=b, usm_type=c), 3),
+    "xpu.empty(queue)": (lambda a, b: xpu.empty(a, sycl_queue=b), 2),
+    "xpu.zeros": (xpu.zeros, 2),
+    "xpu.full": (xpu.full, 3),
+    "xpu.asarray": (xpu.asarray, 2),
+    "xpu.record_stream": (xpu.record_stream, 2),
+    "xpu.allocator_for": (xpu.allocator_for, 2),
+    "xpu.stream_handle": (xpu.stream_handle, 1),
+    "xpu.default_queue": (xpu.default_queue, 1),
+    "cuda.allocator": (unimem.cuda.allocator, 1),
+    "cuda.memory_stats": (unimem.cuda.memory_stats, 1),
+    "host.caching_host_alloc": (host.caching_host_alloc, 1),
+    "host.caching_host_delete": (host.caching_host_delete, 1),
+    "unimem.device": (unimem.device, 2),
+    "unimem.PluggableAllocator": (unimem.PluggableAllocator, 2),
+    "unimem.change_current_allocator": (unimem.change_current_allocator, 1),
+    "unimem.attach_out_of_memory_observer": (lambda f: unimem.attach_out_of_memory_observer(f), 1),
+    "parse_alloc_conf": (parse_alloc_conf, 1),
+    # a caching allocator itself
+    "CachingAllocator.malloc": (SIMULATED.malloc, 2),
+    "CachingAllocator.allocate": (SIMULATED.allocate, 2),
+    "CachingAllocator.free": (SIMULATED.free, 1),
+    "CachingAllocator.record_stream": (SIMULATED.record_stream, 2),
+    "CachingAllocator.set_memory_fraction": (SIMULATED.set_memory_fraction, 1),
+    "CachingAllocator.set_memory_limit": (SIMULATED.set_memory_limit, 1),
+    "CachingAllocator.round_size": (SIMULATED.round_size, 1),
+    "CachingAllocator.empty_cache": (SIMULATED.empty_cache, 1),
+}
+
+
+def undo_success(name, result):
+    """Put back what a successful call changed, so the next example starts clean."""
+    if isinstance(result, int) and result > 0 and name.endswith("caching_allocator_alloc"):
+        (cpu if name.startswith("cpu") else accelerator).caching_allocator_delete(result)
+    elif isinstance(result, int) and result > 0 and name == "CachingAllocator.malloc":
+        SIMULATED.free(result)
+    elif isinstance(result, int) and result > 0 and name == "host.caching_host_alloc":
+        host.caching_host_delete(result)
+    elif name == "accelerator._record_memory_history":
+        accelerator._record_memory_history(None, clear_history=True)
+    elif name == "unimem.attach_out_of_memory_observer":
+        unimem._history._oom_observers.clear()
+    for a in allocators():
+        if a.get_memory_limit():
+            a.set_memory_limit(0)
+        if a.get_memory_fraction() != 1.0:
+            a.set_memory_limit(0)
+
+
+@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(name=st.sampled_from(sorted(CALLS)), args=st.lists(garbage, min_size=3, max_size=3))
+def test_every_public_function_either_works_or_raises_a_documented_error(name, args):
+    function, arity = CALLS[name]
+    before = state()
+    try:
+        result = function(*args[:arity])
+    except DOCUMENTED:
+        del function
+        gc.collect()
+        assert unchanged(before, state()), f"{name}{tuple(args[:arity])!r} raised, but the allocators changed"
+        return
+    except RuntimeError as error:
+        assert "no cuda device is available" in str(error), f"{name}{tuple(args[:arity])!r}: {error!r}"
+        assert unchanged(before, state())
+        return
+    undo_success(name, result)
+    del result
+    gc.collect()
+
+
+def test_double_free_and_foreign_pointers_change_nothing():
+    p = accelerator.caching_allocator_alloc(4096)
+    accelerator.caching_allocator_delete(p)
+    before = state()
+    for bad in (p, id(object()), p + 1, 1 << 60, 1):
+        with pytest.raises(ValueError):
+            accelerator.caching_allocator_delete(bad)
+        with pytest.raises(ValueError):
+            SIMULATED.free(bad)
+    assert unchanged(before, state())
