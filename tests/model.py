@@ -73,8 +73,9 @@ class ModelAllocator:
     """PyTorch's policy on a simulated device of ``capacity`` bytes."""
 
     def __init__(self, capacity: int, device: int = 0, max_split_size: Optional[int] = None,
-                 know_capacity: bool = True) -> None:
+                 know_capacity: bool = True, max_reserved_ratio: float = 0.0) -> None:
         self.capacity = capacity
+        self.max_reserved_ratio = max_reserved_ratio
         self.know_capacity = know_capacity
         self.max_split = max_split_size if max_split_size is not None else (1 << 64) - 1
         self.next_address = (device + 1) << 44
@@ -174,17 +175,34 @@ class ModelAllocator:
     def _whole_free(self, seg: Segment) -> bool:
         return len(seg.blocks) == 1 and not seg.blocks[0].allocated and seg.blocks[0].pending_events == 0
 
-    def _release_all_free(self) -> None:
-        """Release every wholly free segment; a segment the device refuses
-        stays, unchanged, and the failure is raised once all were tried."""
+    def _release_segments(self, segments: List[Segment]) -> None:
+        """Release each of ``segments``; one the device refuses stays,
+        unchanged, and the failure is raised once all were tried."""
         failed = False
-        for seg in [s for s in self.segments if self._whole_free(s)]:
+        for seg in segments:
             if seg.base in self.unfreeable:
                 failed = True
             else:
                 self._release(seg)
         if failed:
             raise ModelFreeFailure()
+
+    def _release_all_free(self) -> None:
+        """Release every wholly free segment."""
+        self._release_segments([s for s in self.segments if self._whole_free(s)])
+
+    def _release_to_ratio(self, size: int, alloc_size: int) -> None:
+        """max_reserved_ratio: wholly free segments go, largest first, while
+        reserved memory would exceed the ratio times the memory in use."""
+        limit = self.max_reserved_ratio * (self.stats["allocated_bytes"]["all"].current + size)
+        reserved = self.stats["reserved_bytes"]["all"].current + alloc_size
+        chosen = []
+        for seg in sorted((s for s in self.segments if self._whole_free(s)), key=lambda s: (-s.size, s.base)):
+            if reserved <= limit:
+                break
+            reserved -= seg.size
+            chosen.append(seg)
+        self._release_segments(chosen)
 
     def malloc(self, request: int, stream: int = 0) -> int:
         if request == 0:
@@ -197,6 +215,8 @@ class ModelAllocator:
             if self.know_capacity and alloc_size > self.capacity:
                 self.counters["num_ooms"] += 1
                 raise ModelOOM(request)
+            if self.max_reserved_ratio:
+                self._release_to_ratio(size, alloc_size)
             block = self._new_segment(alloc_size, stream, small, False)
             if block is None and self.max_split != (1 << 64) - 1:
                 raise NotImplementedError("the model does not cover max_split release")

@@ -53,3 +53,10 @@ def test_malformed_options_are_value_errors(text, message):
     with pytest.raises(ValueError, match=message) as info:
         parse_alloc_conf(text)
     assert "UNIMEM_ALLOC_CONF" in str(info.value)
+
+
+def test_max_reserved_ratio():
+    assert parse_alloc_conf("max_reserved_ratio:1.1").max_reserved_ratio == 1.1
+    assert parse_alloc_conf("").max_reserved_ratio == 0.0
+    with pytest.raises(ValueError, match="at least 1.0"):
+        parse_alloc_conf("max_reserved_ratio:0.5")

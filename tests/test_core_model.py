@@ -104,3 +104,19 @@ CoreMatchesModel.TestCase.settings = settings(
     max_examples=150, stateful_step_count=60, deadline=None,
     suppress_health_check=[HealthCheck.too_slow])
 TestCoreMatchesModel = CoreMatchesModel.TestCase
+
+
+class CoreMatchesModelWithReservedRatio(CoreMatchesModel):
+    """The same, with unimem's max_reserved_ratio policy on."""
+
+    def __init__(self):
+        RuleBasedStateMachine.__init__(self)
+        self.backend = SimulatedBackend(capacity=CAPACITY)
+        self.core = _core.CachingAllocator(self.backend, 0, max_reserved_ratio=1.1)
+        self.core.set_capacity(CAPACITY)
+        self.model = ModelAllocator(CAPACITY, max_reserved_ratio=1.1)
+        self.live = {}
+
+
+CoreMatchesModelWithReservedRatio.TestCase.settings = CoreMatchesModel.TestCase.settings
+TestCoreMatchesModelWithReservedRatio = CoreMatchesModelWithReservedRatio.TestCase

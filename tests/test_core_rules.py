@@ -408,3 +408,19 @@ def test_an_allocator_dying_in_a_reference_cycle_still_gives_memory_back():
     del a
     gc.collect()
     assert freed == [20 * MiB]
+
+
+def test_max_reserved_ratio_gives_back_free_segments_before_growing(make_sim):
+    a, backend = make_sim(max_reserved_ratio=1.1)
+    keep = a.malloc(40 * MiB)
+    a.free(a.malloc(60 * MiB))                  # 60 MiB cached, 100 reserved for 40 in use
+    a.malloc(80 * MiB)                          # a miss: 180 > 1.1 x 120, so the 60 MiB goes first
+    s = a.memory_stats()
+    assert s["reserved_bytes.all.current"] == 120 * MiB and s["num_device_free"] == 1
+    a.free(keep)
+    with pytest.raises(ValueError, match="at least 1.0"):
+        _core.CachingAllocator(backend, 0, max_reserved_ratio=0.5)
+    plain, _ = make_sim()
+    plain.free(plain.malloc(60 * MiB))
+    plain.malloc(80 * MiB)                      # PyTorch's policy: the cache is kept
+    assert plain.memory_stats()["reserved_bytes.all.current"] == 140 * MiB

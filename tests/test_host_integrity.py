@@ -2,6 +2,8 @@
 import ctypes
 import random
 
+import pytest
+
 from unimem import _core
 from unimem.backends._host import PageAlignedBackend
 
@@ -44,6 +46,9 @@ def test_host_memory_is_page_aligned():
     backend = PageAlignedBackend()
     ptr = backend.malloc(12345)
     assert ptr % 4096 == 0
-    backend.free(ptr)
+    ctypes.memset(ptr, 1, 12345)
+    backend.free(ptr, 12345)
+    with pytest.raises(TypeError):
+        backend.free(ptr)                  # the size is needed to give memory back
     free, total = backend.memory_info()
     assert 0 < free <= total

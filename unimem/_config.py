@@ -17,6 +17,12 @@ Options (PyTorch's names and rules):
 - ``per_process_memory_fraction`` in [0, 1] (unimem's addition): the share of
   each device's memory this process may reserve, as
   ``set_per_process_memory_fraction`` sets it.
+- ``max_reserved_ratio`` >= 1 (unimem's addition, off by default): on a cache
+  miss, give back wholly free cached segments while reserved memory would
+  exceed this ratio times the memory in use. PyTorch's policy keeps every
+  segment until memory runs short; this bounds the cache's overhead (peak
+  reserved at most about ratio × peak in use), paying with device calls when
+  the working set changes.
 - ``expandable_segments:False`` and ``backend:native`` are accepted (they are
   what unimem does); their alternatives are not supported.
 
@@ -34,7 +40,7 @@ ROUNDUP_INTERVALS = 16           # 1 MiB, 2 MiB, ... 32 GiB and above
 MIN_SPLIT_SIZE_MB = 20           # kLargeBuffer / 1 MiB
 
 SUPPORTED_KEYS = ("max_split_size_mb", "max_non_split_rounding_mb", "roundup_power2_divisions",
-                  "garbage_collection_threshold", "per_process_memory_fraction",
+                  "garbage_collection_threshold", "per_process_memory_fraction", "max_reserved_ratio",
                   "expandable_segments", "backend")
 
 
@@ -47,6 +53,7 @@ class AllocatorSettings:
     roundup_power2_divisions: List[int] = field(default_factory=lambda: [0] * ROUNDUP_INTERVALS)
     garbage_collection_threshold: float = 0.0
     per_process_memory_fraction: Optional[float] = None
+    max_reserved_ratio: float = 0.0
     source: str = ""
 
     def core_kwargs(self) -> Dict[str, object]:
@@ -55,6 +62,7 @@ class AllocatorSettings:
             "max_non_split_rounding": self.max_non_split_rounding,
             "roundup_power2_divisions": list(self.roundup_power2_divisions),
             "garbage_collection_threshold": self.garbage_collection_threshold,
+            "max_reserved_ratio": self.max_reserved_ratio,
         }
 
 
@@ -204,6 +212,11 @@ def parse_alloc_conf(text: Optional[str]) -> AllocatorSettings:
             if not 0.0 <= value <= 1.0:
                 raise p.fail("per_process_memory_fraction must be in [0.0, 1.0]")
             values[key] = value
+        elif key == "max_reserved_ratio":
+            value = p.number(key)
+            if not value >= 1.0:
+                raise p.fail("max_reserved_ratio must be at least 1.0")
+            values[key] = value
         elif key == "expandable_segments":
             if p.boolean(key):
                 raise p.fail("expandable_segments:True is not supported by unimem")
@@ -221,6 +234,7 @@ def parse_alloc_conf(text: Optional[str]) -> AllocatorSettings:
         roundup_power2_divisions=values.get("roundup_power2_divisions", [0] * ROUNDUP_INTERVALS),  # type: ignore[arg-type]
         garbage_collection_threshold=values.get("garbage_collection_threshold", 0.0),  # type: ignore[arg-type]
         per_process_memory_fraction=values.get("per_process_memory_fraction"),  # type: ignore[arg-type]
+        max_reserved_ratio=values.get("max_reserved_ratio", 0.0),  # type: ignore[arg-type]
         source=text,
     )
 

@@ -261,6 +261,7 @@ cdef int N_CORE_VALUES = N_STATS * 3 * 4
 # Blocks and segments
 # ---------------------------------------------------------------------------
 cdef struct Segment
+cdef cppclass FreeIndex
 
 cdef struct Block:
     uintptr_t ptr
@@ -270,6 +271,7 @@ cdef struct Block:
     Block* prev                    # neighbours inside the same segment
     Block* next
     Segment* segment
+    FreeIndex* index               # the free index of its stream and pool
     vector[uintptr_t]* stream_uses # other streams that used it (record_stream)
     int64_t gc_count_base          # pool's get_free_block count when it was freed
     size_t heap_pos                # position in its size class while free
@@ -376,10 +378,13 @@ cdef inline void um_put_unchecked(U64Map* m, uint64_t key, void* val) noexcept n
         m.keys[i] = key
     m.vals[i] = val
 
-cdef int um_reserve(U64Map* m, size_t wanted) noexcept nogil:
+cdef inline int um_reserve(U64Map* m, size_t wanted) noexcept nogil:
     """Make room for ``wanted`` entries at a load of at most one half."""
     if wanted * 2 <= m.mask + 1:
         return 0
+    return um_grow(m, wanted)
+
+cdef int um_grow(U64Map* m, size_t wanted) noexcept nogil:
     cdef U64Map bigger
     cdef size_t log2 = 64 - m.shift
     while ((<size_t>1) << log2) < wanted * 2:
@@ -400,22 +405,33 @@ cdef inline int um_put(U64Map* m, uint64_t key, void* val) noexcept nogil:
     um_put_unchecked(m, key, val)
     return 0
 
+cdef inline size_t um_find_slot(const U64Map* m, uint64_t key) noexcept nogil:
+    """The slot holding ``key``, or one past the table when absent."""
+    cdef size_t i = um_slot(m, key)
+    cdef uint64_t k
+    while True:
+        k = m.keys[i]
+        if k == key:
+            return i
+        if k == 0:
+            return m.mask + 1
+        i = (i + 1) & m.mask
+
 cdef void* um_pop(U64Map* m, uint64_t key) noexcept nogil:
-    """Remove ``key`` and return its value (NULL when absent).
+    """Remove ``key`` and return its value (NULL when absent)."""
+    cdef size_t i = um_find_slot(m, key)
+    if i > m.mask:
+        return NULL
+    return um_erase_slot(m, i)
+
+cdef void* um_erase_slot(U64Map* m, size_t i) noexcept nogil:
+    """Remove the entry in slot ``i``; return its value.
 
     Backward-shift deletion keeps probe sequences intact without tombstones,
     so lookups stay short however many frees happen.
     """
-    cdef size_t i = um_slot(m, key)
     cdef size_t j, home
-    cdef void* val
-    while True:
-        if m.keys[i] == key:
-            break
-        if m.keys[i] == 0:
-            return NULL
-        i = (i + 1) & m.mask
-    val = m.vals[i]
+    cdef void* val = m.vals[i]
     j = i
     while True:
         j = (j + 1) & m.mask
@@ -556,8 +572,10 @@ cdef int fi_insert(FreeIndex* fi, Block* b) noexcept nogil:
     fi.n_blocks += 1
     return 0
 
-cdef void fi_remove(FreeIndex* fi, Block* b) noexcept nogil:
-    cdef SizeClass* sc = <SizeClass*>um_find(&fi.by_size, b.size)
+cdef inline void fi_remove(FreeIndex* fi, Block* b) noexcept nogil:
+    fi_remove_from(fi, <SizeClass*>um_find(&fi.by_size, b.size), b)
+
+cdef void fi_remove_from(FreeIndex* fi, SizeClass* sc, Block* b) noexcept nogil:
     heap_remove(sc, b)
     fi.n_blocks -= 1
     if sc.heap.empty():
@@ -565,10 +583,12 @@ cdef void fi_remove(FreeIndex* fi, Block* b) noexcept nogil:
         if fi.n_empty_classes > 64 and fi.n_empty_classes > 2 * (fi.classes.size() - fi.n_empty_classes):
             fi_sweep_empty(fi)
 
-cdef Block* fi_best_fit(FreeIndex* fi, size_t size) noexcept nogil:
-    """The smallest free block of at least ``size`` bytes, lowest address first."""
+cdef Block* fi_best_fit(FreeIndex* fi, size_t size, SizeClass** found) noexcept nogil:
+    """The smallest free block of at least ``size`` bytes, lowest address
+    first; ``found`` receives its size class."""
     cdef SizeClass* sc = <SizeClass*>um_find(&fi.by_size, size)
     if sc != NULL and not sc.heap.empty():
+        found[0] = sc
         return sc.heap[0]
     if fi.n_blocks == 0:
         return NULL
@@ -576,6 +596,7 @@ cdef Block* fi_best_fit(FreeIndex* fi, size_t size) noexcept nogil:
     while it != fi.classes.end():
         sc = um_second(it)
         if not sc.heap.empty():
+            found[0] = sc
             return sc.heap[0]
         it = um_next(it)
     return NULL
@@ -670,6 +691,7 @@ cdef class CachingAllocator:
     cdef size_t max_non_split_rounding
     cdef size_t roundup_divisions[K_ROUNDUP_INTERVALS]
     cdef double gc_threshold
+    cdef double max_reserved_ratio        # 0: off (PyTorch's policy)
     cdef double fraction
     cdef bint set_fraction
     cdef size_t allowed_memory_maximum
@@ -695,6 +717,9 @@ cdef class CachingAllocator:
     cdef list oom_observers
     cdef bint poisoned
     cdef str poison_reason
+    # Anything above that sends c_malloc off its fastest path (poisoned,
+    # stream events pending, history recording, debug mode): one test.
+    cdef bint unusual
     # How many times this thread holds the (recursive) lock: segments are
     # given back outside it only when it is held once.
     cdef int lock_depth
@@ -717,7 +742,7 @@ cdef class CachingAllocator:
     def __init__(self, backend, int device=0, *, max_split_size=None,
                  max_non_split_rounding=K_LARGE_BUFFER,
                  roundup_power2_divisions=None,
-                 double garbage_collection_threshold=0.0):
+                 double garbage_collection_threshold=0.0, double max_reserved_ratio=0.0):
         if backend is None:
             raise TypeError("a backend is required")
         self.backend = backend
@@ -757,6 +782,9 @@ cdef class CachingAllocator:
         if not (0.0 <= garbage_collection_threshold < 1.0):
             raise ValueError("garbage_collection_threshold must be in [0.0, 1.0)")
         self.gc_threshold = garbage_collection_threshold
+        if max_reserved_ratio != 0.0 and not (max_reserved_ratio >= 1.0):
+            raise ValueError(f"max_reserved_ratio must be at least 1.0 (or 0: off), got {max_reserved_ratio}")
+        self.max_reserved_ratio = max_reserved_ratio
 
         self.fraction = 1.0
         self.set_fraction = False
@@ -775,6 +803,7 @@ cdef class CachingAllocator:
         self.poisoned = False
         self.poison_reason = None
         self.debug_on = False
+        self.unusual = False
         self.debug_sites = {}
         self.debug_sequence = 0
         self.debug_messages = []
@@ -904,8 +933,7 @@ cdef class CachingAllocator:
         return sp.small if is_small else sp.large
 
     cdef inline FreeIndex* _pool_of(self, Block* b) noexcept nogil:
-        # The pool of a block that exists always exists.
-        return self._pool(b.stream, b.is_small)
+        return b.index
 
     # ------------------------------------------------------------------
     # the hot path
@@ -913,7 +941,8 @@ cdef class CachingAllocator:
     cdef Block* _get_free_block(self, FreeIndex* fi, size_t size) noexcept nogil:
         if self._gc_enabled():
             fi.get_free_blocks_call_count += 1
-        cdef Block* b = fi_best_fit(fi, size)
+        cdef SizeClass* sc = NULL
+        cdef Block* b = fi_best_fit(fi, size, &sc)
         if b == NULL:
             return NULL
         # An oversize block is never handed to a normal request, and an
@@ -922,25 +951,31 @@ cdef class CachingAllocator:
             return NULL
         if size >= self.max_split_size and b.size >= size + self.max_non_split_rounding:
             return NULL
-        fi_remove(fi, b)
+        fi_remove_from(fi, sc, b)
         return b
 
     cdef Block* _alloc_found_block(self, Block* block, FreeIndex* fi, size_t size,
-                                   size_t orig_size, Block* spare) noexcept nogil:
+                                   size_t orig_size) noexcept nogil:
         """Hand out ``block`` (already taken off the free index) for a request
-        of ``size`` rounded bytes. ``spare`` is a pre-allocated Block for the
-        split remainder; it is returned to the slab when not needed."""
+        of ``size`` rounded bytes. A split remainder takes the Block that
+        _reserve_for_alloc kept in the slab."""
         cdef DeviceStats* st = &self.stats
         cdef bint is_small = block.is_small
         cdef bint already_split = block.prev != NULL or block.next != NULL
         cdef Block* remaining
         if self._should_split(block, size):
-            # The front part is handed out; the rest stays free.
-            remaining = spare
+            # The front part is handed out; the rest stays free. The Block
+            # was reserved (cannot fail), and every field is set here.
+            remaining = self.slab.free_list
+            self.slab.free_list = remaining.next
+            remaining.requested_size = 0
+            remaining.stream_uses = NULL
+            remaining.event_count = 0
             remaining.ptr = block.ptr + size
             remaining.size = block.size - size
             remaining.stream = block.stream
             remaining.segment = block.segment
+            remaining.index = block.index
             remaining.is_small = is_small
             remaining.allocated = False
             remaining.prev = block
@@ -956,7 +991,6 @@ cdef class CachingAllocator:
                 pool_increase(st, S_INACTIVE_SPLIT_BYTES, is_small, remaining.size)
                 pool_increase(st, S_INACTIVE_SPLIT, is_small, 1)
         else:
-            block_delete(&self.slab, spare)
             if already_split:
                 pool_decrease(st, S_INACTIVE_SPLIT_BYTES, is_small, block.size)
                 pool_decrease(st, S_INACTIVE_SPLIT, is_small, 1)
@@ -996,13 +1030,19 @@ cdef class CachingAllocator:
                 return
             offset += chunk
 
-    cdef int _reserve_for_alloc(self, FreeIndex* fi) noexcept nogil:
+    cdef inline int _reserve_for_alloc(self, FreeIndex* fi) noexcept nogil:
         """Reserve what handing out one block may need, so that nothing can
-        fail half-way: one more active entry and one more size class."""
+        fail half-way: one more active entry, one more size class, and one
+        Block for a split remainder (kept in the slab)."""
         if um_reserve(&self.active, self.active.count + 1) != 0:
             return -1
         if um_reserve(&fi.by_size, fi.by_size.count + 1) != 0:
             return -1
+        if self.slab.free_list == NULL:
+            self.slab.free_list = <Block*>sys_malloc(sizeof(Block))
+            if self.slab.free_list == NULL:
+                return -1
+            self.slab.free_list.next = NULL
         return 0
 
     cdef Block* _malloc_cached(self, size_t orig_size, uintptr_t stream, int* status) noexcept nogil:
@@ -1015,15 +1055,10 @@ cdef class CachingAllocator:
         if fi == NULL or self._reserve_for_alloc(fi) != 0:
             status[0] = -1
             return NULL
-        cdef Block* spare = block_new(&self.slab)
-        if spare == NULL:
-            status[0] = -1
-            return NULL
         cdef Block* b = self._get_free_block(fi, size)
         if b == NULL:
-            block_delete(&self.slab, spare)
             return NULL
-        return self._alloc_found_block(b, fi, size, orig_size, spare)
+        return self._alloc_found_block(b, fi, size, orig_size)
 
     cdef inline void _trace(self, int action, uintptr_t addr, size_t size, uintptr_t stream) noexcept nogil:
         cdef TraceEvent ev
@@ -1119,6 +1154,7 @@ cdef class CachingAllocator:
         b.stream = stream
         b.segment = seg
         b.is_small = is_small
+        b.index = self._pool(stream, is_small)      # exists: the caller made it
         if self.debug_on:
             memset(<void*>ptr, DEBUG_FILL, alloc_size)
         self.total_allocated_memory += alloc_size
@@ -1312,6 +1348,31 @@ cdef class CachingAllocator:
                     victims.push_back(seg)
         return self._release(victims)
 
+    cdef int _release_to_reserved_ratio(self, size_t size, size_t alloc_size) except -1:
+        """unimem's max_reserved_ratio (off by default; PyTorch has no such
+        policy): before growing, give back wholly free cached segments,
+        largest first, while reserved memory would exceed the ratio times
+        the memory in use. It bounds what the cache keeps beyond the live
+        data, at the cost of device calls when the working set shifts."""
+        cdef double in_use = <double>(self.stats.core[S_ALLOCATED_BYTES][POOL_ALL].current + size)
+        cdef double limit = self.max_reserved_ratio * in_use
+        cdef double reserved = <double>(self.total_allocated_memory + alloc_size)
+        if reserved <= limit:
+            return 0
+        cdef Segment* seg = self.segments
+        cdef vector[Segment*] victims
+        free_segments = []
+        while seg != NULL:
+            if self._segment_is_free(seg):
+                free_segments.append((-<int64_t>seg.size, seg.base, <uintptr_t>seg))
+            seg = seg.next_seg
+        for negative_size, _, address in sorted(free_segments):
+            if reserved <= limit:
+                break
+            victims.push_back(<Segment*><uintptr_t>address)
+            reserved += negative_size
+        return self._release(victims)
+
     cdef inline int64_t _gc_age(self, Block* b) noexcept nogil:
         return self._pool_of(b).get_free_blocks_call_count - b.gc_count_base
 
@@ -1328,7 +1389,6 @@ cdef class CachingAllocator:
             alloc_size = (size + K_ROUND_LARGE - 1) // K_ROUND_LARGE * K_ROUND_LARGE
         cdef FreeIndex* fi = self._pool(stream, is_small)
         cdef Block* b
-        cdef Block* spare
         oom[0] = False
         # Reserve the bookkeeping first, so that nothing fails after the
         # backend handed memory over.
@@ -1339,33 +1399,26 @@ cdef class CachingAllocator:
                 self.set_fraction and alloc_size > self.allowed_memory_maximum):
             oom[0] = True
             return NULL
-        spare = block_new(&self.slab)
-        if spare == NULL:
-            raise MemoryError("host memory for the allocator's bookkeeping ran out")
-        try:
-            if self._gc_enabled():
-                self._garbage_collect()
+        if self._gc_enabled():
+            self._garbage_collect()
+        if self.max_reserved_ratio:
+            self._release_to_reserved_ratio(size, alloc_size)
+        b = self._alloc_block(alloc_size, stream, is_small, False)
+        if b == NULL and self._release_available_cached_blocks(size, stream):
             b = self._alloc_block(alloc_size, stream, is_small, False)
-            if b == NULL and self._release_available_cached_blocks(size, stream):
-                b = self._alloc_block(alloc_size, stream, is_small, False)
-            if b == NULL:
-                self._synchronize_and_free_events()
-                self._release_segments(False, False, 0, 0)
-                b = self._alloc_block(alloc_size, stream, is_small, True)
-        except BaseException:
-            block_delete(&self.slab, spare)
-            raise
         if b == NULL:
-            block_delete(&self.slab, spare)
+            self._synchronize_and_free_events()
+            self._release_segments(False, False, 0, 0)
+            b = self._alloc_block(alloc_size, stream, is_small, True)
+        if b == NULL:
             oom[0] = True
             return NULL
-        # A Python backend may have run finalizers that freed blocks and grew
-        # the tables meanwhile; the reservation is cheap to repeat.
+        # A Python backend may have run finalizers that freed blocks and took
+        # the reservation meanwhile; it is cheap to repeat.
         if self._reserve_for_alloc(fi) != 0:
             fi_insert(fi, b)
-            block_delete(&self.slab, spare)
             raise MemoryError("host memory for the allocator's bookkeeping ran out")
-        return self._alloc_found_block(b, fi, size, orig_size, spare)
+        return self._alloc_found_block(b, fi, size, orig_size)
 
     # ------------------------------------------------------------------
     # freeing
@@ -1439,14 +1492,15 @@ cdef class CachingAllocator:
         """Free an allocated block without stream uses. 0: done; 1: unknown
         pointer; 2: the block needs the slow path (stream events); 3: no host
         memory for the bookkeeping. Lock held."""
-        cdef Block* b = <Block*>um_find(&self.active, ptr)
-        if b == NULL:
+        cdef size_t slot = um_find_slot(&self.active, ptr)
+        if slot > self.active.mask:
             return 1
+        cdef Block* b = <Block*>self.active.vals[slot]
         if b.stream_uses != NULL:
             return 2
         if self._reserve_class(b) != 0:
             return 3
-        um_pop(&self.active, ptr)
+        um_erase_slot(&self.active, slot)
         self._account_free_request(b)
         self._free_block(b)
         return 0
@@ -1480,6 +1534,7 @@ cdef class CachingAllocator:
         for ev in events:
             self.pending_events.append((ev, <uintptr_t>b))
         self.n_pending_events = len(self.pending_events)
+        self._update_unusual()
         if b.event_count == 0:
             self._free_block(b)
         return 0
@@ -1509,6 +1564,7 @@ cdef class CachingAllocator:
         finally:
             self.pending_events = still_pending
             self.n_pending_events = len(still_pending)
+            self._update_unusual()
         return 0
 
     cdef int _synchronize_and_free_events(self) except -1:
@@ -1534,6 +1590,7 @@ cdef class CachingAllocator:
         finally:
             self.pending_events = pending[done:]
             self.n_pending_events = len(self.pending_events)
+            self._update_unusual()
         return 0
 
     # ------------------------------------------------------------------
@@ -1593,6 +1650,10 @@ cdef class CachingAllocator:
                 _report_unraisable(exc, "unimem out-of-memory observer")
         return error
 
+    cdef inline void _update_unusual(self) noexcept nogil:
+        self.unusual = (self.poisoned or self.n_pending_events != 0 or self.recording
+                        or self.debug_on)
+
     cdef int _check_usable(self) except -1:
         if self.poisoned:
             raise RuntimeError(self.poison_reason)
@@ -1608,18 +1669,20 @@ cdef class CachingAllocator:
         cdef bint oom = False
         if size == 0:
             return 0
-        if self.poisoned:
-            self._check_usable()
-        if self.n_pending_events:
-            self.process_events()
+        if self.unusual:
+            if self.poisoned:
+                self._check_usable()
+            if self.n_pending_events:
+                self.process_events()
         self._lock()
         b = self._malloc_cached(size, stream, &status)
         if b != NULL:
             self._unlock()
-            if self.recording:
-                self._flush_trace()
-            if self.debug_on:
-                self._debug_after_malloc(b.ptr, size)
+            if self.unusual:
+                if self.recording:
+                    self._flush_trace()
+                if self.debug_on:
+                    self._debug_after_malloc(b.ptr, size)
             return b.ptr
         try:
             if status != 0:
@@ -1706,19 +1769,27 @@ cdef class CachingAllocator:
         self._unlock()
         return found
 
-    def _time_hot_path(self, size, Py_ssize_t pairs, stream=0):
-        """Time ``pairs`` malloc+free pairs of ``size`` bytes through the typed
-        entry points, with no Python in between; returns nanoseconds per pair.
-        (For the benchmarks: the cost of the core itself.)"""
-        cdef size_t n = _check_size(size)
+    def _time_hot_path(self, sizes, Py_ssize_t pairs, stream=0):
+        """Time ``pairs`` malloc+free pairs through the typed entry points,
+        with no Python in between; returns nanoseconds per pair. ``sizes``
+        is one size or a sequence used in turn. (For the benchmarks: the cost
+        of the core itself.)"""
+        cdef vector[size_t] cycle
+        for n in ([sizes] if isinstance(sizes, int) else sizes):
+            cycle.push_back(<size_t>_check_size(n))
         cdef uintptr_t s = _check_stream(stream)
         cdef Py_ssize_t i
+        cdef size_t k = 0, count = cycle.size()
         cdef uintptr_t p
-        self.c_free(self.c_malloc(n, s))          # make sure the size is cached
+        for i in range(<Py_ssize_t>count):                 # make sure every size is cached
+            self.c_free(self.c_malloc(cycle[i], s))
         cdef int64_t t0 = um_now_ns()
         for i in range(pairs):
-            p = self.c_malloc(n, s)
+            p = self.c_malloc(cycle[k], s)
             self.c_free(p)
+            k += 1
+            if k == count:
+                k = 0
         return (um_now_ns() - t0) / <double>pairs
 
     # ------------------------------------------------------------------
@@ -1866,6 +1937,7 @@ cdef class CachingAllocator:
             "max_non_split_rounding": self.max_non_split_rounding,
             "roundup_power2_divisions": [self.roundup_divisions[i] for i in range(K_ROUNDUP_INTERVALS)],
             "garbage_collection_threshold": self.gc_threshold,
+            "max_reserved_ratio": self.max_reserved_ratio or None,
             "memory_fraction": self.fraction if self.set_fraction else None,
         }
 
@@ -2056,6 +2128,7 @@ cdef class CachingAllocator:
         cdef Block* b
         self._lock()
         self.debug_on = True
+        self._update_unusual()
         self.debug_site_fn = site_fn
         seg = self.segments
         while seg != NULL:
@@ -2088,6 +2161,7 @@ cdef class CachingAllocator:
         self._lock()
         self.trace_hook = hook
         self.recording = hook is not None
+        self._update_unusual()
         if hook is None:
             self.trace_buffer.clear()
         self._unlock()
@@ -2104,6 +2178,7 @@ cdef class CachingAllocator:
         """Refuse all further allocation (e.g. in a forked child whose device
         context did not survive the fork)."""
         self.poisoned = True
+        self._update_unusual()
         self.poison_reason = reason
 
     def _reset_lock_after_fork(self):

@@ -3,30 +3,32 @@
 """Page-aligned host memory: the backend of the ``cpu`` device pool, and the
 fallback of the pinned host pool when neither CUDA nor SYCL can pin memory.
 
-Its malloc and free are published to the core as C functions (no Python, no
-GIL on a cache miss)."""
+Segments come straight from the operating system (``mmap``) and go back to it
+(``munmap``), as device memory goes back to a device: ``empty_cache()`` really
+returns host memory, which glibc's malloc would keep in its heap. Its malloc
+and free are published to the core as C functions (no Python, no GIL on a
+cache miss)."""
 from cpython.pycapsule cimport PyCapsule_New
 from libc.stdint cimport uintptr_t, int64_t
-from libc.stdlib cimport free as sys_free
-from posix.stdlib cimport posix_memalign
+from libc.stdlib cimport malloc as sys_malloc, free as sys_free
+from posix.mman cimport mmap, munmap, PROT_READ, PROT_WRITE, MAP_PRIVATE, MAP_ANONYMOUS, MAP_FAILED
 
-from unimem.backends._capi cimport RawAllocatorAPI, RAW_OK, RAW_OUT_OF_MEMORY
+from unimem.backends._capi cimport RawAllocatorAPI, RAW_OK, RAW_OUT_OF_MEMORY, RAW_ERROR
 
 import os
 
 cdef extern from "_csupport.hpp" nogil:
     int64_t um_now_ns()
-
-# Page alignment keeps every segment on its own pages (and lets the debug
-# mode and madvise work on whole pages).
-cdef size_t PAGE = 4096
-
+    void um_escape(void* p)
 
 cdef int host_malloc(void* ctx, size_t size, int device, uintptr_t stream,
                      uintptr_t* out) noexcept nogil:
-    cdef void* p = NULL
-    if size == 0 or posix_memalign(&p, PAGE, size) != 0 or p == NULL:
-        out[0] = 0
+    cdef void* p
+    out[0] = 0
+    if size == 0:
+        return RAW_OUT_OF_MEMORY
+    p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
+    if p == MAP_FAILED:
         return RAW_OUT_OF_MEMORY
     out[0] = <uintptr_t>p
     return RAW_OK
@@ -34,8 +36,7 @@ cdef int host_malloc(void* ctx, size_t size, int device, uintptr_t stream,
 
 cdef int host_free(void* ctx, uintptr_t ptr, size_t size, int device,
                    uintptr_t stream) noexcept nogil:
-    sys_free(<void*>ptr)
-    return RAW_OK
+    return RAW_OK if munmap(<void*>ptr, size) == 0 else RAW_ERROR
 
 
 cdef RawAllocatorAPI HOST_API
@@ -62,7 +63,7 @@ def _meminfo():
 
 
 cdef class PageAlignedBackend:
-    """Plain host memory from ``posix_memalign`` (page aligned, not pinned).
+    """Plain host memory from ``mmap`` (page aligned, not pinned).
 
     Args:
         name: what the device is called in messages ("CPU" for the cpu pool).
@@ -83,11 +84,13 @@ cdef class PageAlignedBackend:
         cdef uintptr_t out = 0
         cdef size_t n = size
         if host_malloc(NULL, n, device, 0, &out) != RAW_OK:
-            raise MemoryError(f"posix_memalign could not provide {n} bytes")
+            raise MemoryError(f"mmap could not provide {n} bytes")
         return out
 
-    def free(self, uintptr_t ptr, size=0, int device=0, stream=0):
-        host_free(NULL, ptr, 0, device, 0)
+    def free(self, uintptr_t ptr, size_t size, int device=0, stream=0):
+        """Give ``size`` bytes at ``ptr`` (as allocated) back to the system."""
+        if host_free(NULL, ptr, size, device, 0) != RAW_OK:
+            raise OSError(f"munmap({ptr:#x}, {size}) failed")
 
     def device_count(self):
         return 1
@@ -109,7 +112,7 @@ cdef class PageAlignedBackend:
         return False
 
     def _time_raw_pairs(self, size_t size, Py_ssize_t pairs):
-        """Nanoseconds per malloc+free pair, called as C (for the benchmarks)."""
+        """Nanoseconds per mmap+munmap pair, called as C (for the benchmarks)."""
         cdef uintptr_t p
         cdef Py_ssize_t i
         cdef int64_t t0 = um_now_ns()
@@ -120,3 +123,16 @@ cdef class PageAlignedBackend:
 
     def __repr__(self):
         return f"<unimem PageAlignedBackend {self.name}>"
+
+
+def _time_libc_pairs(size_t size, Py_ssize_t pairs):
+    """Nanoseconds per glibc malloc+free pair (a peer in the benchmarks: a
+    general-purpose allocator that caches host memory itself)."""
+    cdef void* p
+    cdef Py_ssize_t i
+    cdef int64_t t0 = um_now_ns()
+    for i in range(pairs):
+        p = sys_malloc(size)
+        um_escape(p)                   # or the compiler removes the pair
+        sys_free(p)
+    return (um_now_ns() - t0) / <double>pairs
