@@ -103,3 +103,47 @@ def backends_for_the_mixed_run():
 def test_eight_threads_with_statistics_and_cache_releases(name, make):
     deadline = time.monotonic() + 4.0
     assert run_threads(make(), lambda done: time.monotonic() < deadline, maintenance=True) > 1000
+
+
+def test_threads_contending_for_the_lock_without_the_gil():
+    """Four threads on the cache-hit path with the GIL released (the lock's
+    spinning, yielding and futex sleeping all happen on two cores), beside
+    threads on the Python API: every pair is accounted for exactly."""
+    allocator = _core.CachingAllocator(SimulatedBackend(capacity=64 << 30), 0)
+    sizes = [512, 65536, 4 << 20, 1000, 3 << 20]
+    live = [allocator.malloc(size) for size in sizes for _ in range(8)]
+    for p in live:
+        allocator.free(p)
+    before = allocator.memory_stats()
+    pairs = 200_000
+    errors = []
+
+    def gil_free():
+        try:
+            allocator._time_hot_path(sizes, pairs, release_gil=True)
+        except BaseException as exc:
+            errors.append(exc)
+
+    def python_api():
+        try:
+            for i in range(20_000):
+                allocator.free(allocator.malloc(sizes[i % len(sizes)]))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=gil_free) for _ in range(4)]
+    threads += [threading.Thread(target=python_api) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+        assert not t.is_alive(), "deadlock: a thread did not finish"
+    assert not errors, errors
+    allocator._check_invariants()
+    stats = allocator.memory_stats()
+    assert stats["allocated_bytes.all.current"] == 0
+    # each _time_hot_path call also warms every size once
+    expected = 4 * (pairs + len(sizes)) + 2 * 20_000
+    assert stats["allocation.all.allocated"] - before["allocation.all.allocated"] == expected
+    assert stats["allocation.all.freed"] - before["allocation.all.freed"] == expected
+    assert stats["segment.all.current"] == before["segment.all.current"]   # all hits: nothing new reserved

@@ -58,6 +58,7 @@ cdef extern from "_csupport.hpp" nogil:
         void reset_after_fork()
     int64_t um_now_ns()
     int um_floor_log2(uint64_t x)
+    void um_escape(void* p)
     int UM_MAX_REGISTRIES
     int um_current_device[16]
 
@@ -660,6 +661,7 @@ cdef bint _interpreter_exiting():
 # no_gc_clear: __dealloc__ needs the backend. When an allocator dies in a
 # reference cycle, the collector would otherwise clear its references first.
 @cython.no_gc_clear
+@cython.final          # cdef methods are called directly (and inlined), not through a vtable
 cdef class CachingAllocator:
     """A caching allocator for one device over a raw-memory backend.
 
@@ -870,7 +872,7 @@ cdef class CachingAllocator:
     #      frees its block in one go, without giving the GIL up half-way).
     # Backend calls that may block (returning memory) run outside the lock.
     # ------------------------------------------------------------------
-    cdef inline void _lock(self):
+    cdef inline void _lock(self) noexcept:
         if not self.lock.try_lock():
             with nogil:
                 self.lock.lock()
@@ -1769,11 +1771,12 @@ cdef class CachingAllocator:
         self._unlock()
         return found
 
-    def _time_hot_path(self, sizes, Py_ssize_t pairs, stream=0):
+    def _time_hot_path(self, sizes, Py_ssize_t pairs, stream=0, bint release_gil=False):
         """Time ``pairs`` malloc+free pairs through the typed entry points,
         with no Python in between; returns nanoseconds per pair. ``sizes``
-        is one size or a sequence used in turn. (For the benchmarks: the cost
-        of the core itself.)"""
+        is one size or a sequence used in turn. With ``release_gil`` the
+        loop runs without the GIL (threads then really contend for the
+        allocator's lock). (For the benchmarks: the cost of the core itself.)"""
         cdef vector[size_t] cycle
         for n in ([sizes] if isinstance(sizes, int) else sizes):
             cycle.push_back(<size_t>_check_size(n))
@@ -1781,9 +1784,19 @@ cdef class CachingAllocator:
         cdef Py_ssize_t i
         cdef size_t k = 0, count = cycle.size()
         cdef uintptr_t p
+        cdef int64_t t0, elapsed
         for i in range(<Py_ssize_t>count):                 # make sure every size is cached
             self.c_free(self.c_malloc(cycle[i], s))
-        cdef int64_t t0 = um_now_ns()
+        if release_gil:
+            if self.unusual:
+                raise RuntimeError("the GIL-free timing loop needs an allocator without history, "
+                                   "debug mode or pending events")
+            with nogil:
+                elapsed = self._time_cached_pairs_nogil(&cycle, pairs, s)
+            if elapsed < 0:
+                raise RuntimeError("a size was not cached (another thread emptied the cache?)")
+            return elapsed / <double>pairs
+        t0 = um_now_ns()
         for i in range(pairs):
             p = self.c_malloc(cycle[k], s)
             self.c_free(p)
@@ -1791,6 +1804,33 @@ cdef class CachingAllocator:
             if k == count:
                 k = 0
         return (um_now_ns() - t0) / <double>pairs
+
+    cdef int64_t _time_cached_pairs_nogil(self, vector[size_t]* cycle, Py_ssize_t pairs,
+                                          uintptr_t stream) noexcept nogil:
+        """The cache-hit path alone, as c_malloc/c_free take it: nanoseconds
+        for ``pairs`` pairs, or -1 when a request missed the cache."""
+        cdef int status
+        cdef Block* b
+        cdef uintptr_t p
+        cdef size_t k = 0, count = cycle.size()
+        cdef Py_ssize_t i
+        cdef int64_t t0 = um_now_ns()
+        for i in range(pairs):
+            self.lock.lock()
+            b = self._malloc_cached(cycle[0][k], stream, &status)
+            if b == NULL:
+                self.lock.unlock()
+                return -1
+            p = b.ptr
+            self.lock.unlock()
+            um_escape(<void*>p)
+            self.lock.lock()
+            self._free_fast(p)
+            self.lock.unlock()
+            k += 1
+            if k == count:
+                k = 0
+        return um_now_ns() - t0
 
     # ------------------------------------------------------------------
     # Python API
@@ -2289,9 +2329,27 @@ cdef object _check_size(object size):
     return n
 
 
+cdef inline bint _exact_size(object size, size_t* out):
+    """The hot path's test: ``size`` is an int that fits a size_t (written
+    to ``out``), read without any Python-level operation. False for
+    anything else, which then goes through _check_size."""
+    if type(size) is not int:
+        return False
+    try:
+        out[0] = <size_t>size
+    except OverflowError:          # negative, or beyond 2**64: the slow path explains
+        return False
+    return True
+
+
 cdef uintptr_t _check_pointer(object ptr) except? 0:
     """An address as a pointer, or a clear error: TypeError for what is not
     an integer, ValueError for an integer that is no address."""
+    if type(ptr) is int:
+        try:
+            return <uintptr_t>ptr
+        except OverflowError:
+            raise ValueError(f"invalid pointer {ptr!r}: not an address") from None
     if ptr is None or isinstance(ptr, (bool, float, complex, str, bytes)):
         raise TypeError(f"an address must be an int, not {type(ptr).__name__}")
     try:
@@ -2401,6 +2459,7 @@ cdef Allocation _make_allocation(CachingAllocator allocator, uintptr_t ptr, size
 # ---------------------------------------------------------------------------
 cdef int _n_registries = 0
 
+@cython.final          # its cpdef methods are then called directly from C
 cdef class DeviceRegistry:
     """The caching allocators of one kind of device (``cpu``, ``xpu``,
     ``cuda``), one per device index, created on first use by ``factory``.
@@ -2502,10 +2561,17 @@ cdef class DeviceRegistry:
         return self._alloc(size, device, stream)
 
     cdef object _alloc(self, object size, object device, object stream):
-        cdef object n = _check_size(size)
+        cdef size_t n
+        cdef object checked = None
+        if not _exact_size(size, &n):
+            checked = _check_size(size)            # raises for what is no size
         cdef int index = self.current_index() if device is None else _device_int(device)
         cdef CachingAllocator a = self.get(index)
-        if n > MAX_REQUEST:
+        if checked is not None:
+            if checked > MAX_REQUEST:
+                raise a._out_of_memory(checked)
+            n = checked
+        elif n > MAX_REQUEST:
             raise a._out_of_memory(n)
         return a.c_malloc(n, self.stream_handle(stream, index))
 
