@@ -13,8 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional
 
-from ._common import (command_line, format_time, print_table, seconds_per_call, size_name, targets_table,
-                      write_json)
+from ._common import command_line, format_time, print_table, report, seconds_per_call, size_name
 
 SIZES = [512, 4096, 65536, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20]
 
@@ -99,10 +98,7 @@ def run(quick: bool = False) -> Dict[str, Any]:
                         "measured": f"worst {slowest['unimem_s'] / slowest['rmm_s']:.2f} at "
                                     f"{size_name(slowest['size'])}",
                         "met": slowest["unimem_s"] < slowest["rmm_s"]})
-    targets_table("CUDA targets", targets)
-    result = {"benchmark": "cuda", "device": name, "rows": rows, "targets": targets}
-    write_json("cuda", result)
-    return result
+    return report("cuda", targets, device=name, rows=rows)
 
 
 if __name__ == "__main__":

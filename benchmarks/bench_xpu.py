@@ -13,8 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List
 
-from ._common import (command_line, format_time, median_of, print_table, seconds_per_call, size_name,
-                      targets_table, write_json)
+from ._common import command_line, format_time, median_of, print_table, report, seconds_per_call, size_name
 
 SIZES = [512, 4096, 65536, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20]
 
@@ -60,12 +59,8 @@ def run(quick: bool = False) -> Dict[str, Any]:
          "measured": f"worst {worst_empty['empty_speedup']:.2f}x at {size_name(worst_empty['size'])}",
          "met": worst_empty["empty_speedup"] > 1.0},
     ]
-    targets_table("XPU targets", targets)
-    result = {"benchmark": "xpu", "device": device.name, "backend": str(device.backend),
-              "rows": rows, "targets": targets}
-    write_json("xpu", result)
     unimem.xpu.empty_cache()
-    return result
+    return report("xpu", targets, device=device.name, backend=str(device.backend), rows=rows)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import random
 import time
 from typing import Any, Dict, List
 
-from ._common import print_table, targets_table, write_json
+from ._common import print_table, report
 
 SIZES = [1, 100, 512, 4096, 70_000, 1 << 20, 3 << 20, 12 << 20]
 
@@ -73,9 +73,7 @@ def run(quick: bool = False, ops: int = 10_000_000) -> Dict[str, Any]:
                   f"{result['rss_growth']:.2%}"]])
     targets = [{"target": "RSS growth after warm-up < 5%", "measured": f"{result['rss_growth']:.2%}",
                 "met": result["rss_growth"] < 0.05}]
-    targets_table("soak target", targets)
-    write_json("soak", dict(result, targets=targets))
-    return result
+    return report("soak", targets, **result)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ blocks never overlap, and every statistic equals the model's. At the end,
 freeing everything and emptying the cache gives all memory back.
 """
 from hypothesis import HealthCheck, settings, strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, Bundle, consumes
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, Bundle, consumes
 
 from model import ModelAllocator, ModelOOM
 from unimem import OutOfMemoryError, _core

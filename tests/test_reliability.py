@@ -1,6 +1,5 @@
 """Long runs, debug mode, fork, and exiting with live blocks."""
 import ctypes
-import gc
 import os
 import subprocess
 import sys
@@ -12,7 +11,6 @@ import pytest
 import unimem
 from unimem import _core, _devices
 from unimem.backends._host import PageAlignedBackend
-from unimem.backends.simulated import SimulatedBackend
 
 MiB = 1 << 20
 

@@ -15,7 +15,7 @@ import collections
 import contextlib
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-from . import _core, host
+from . import host
 from ._core import caching_allocator_alloc, caching_allocator_delete
 from ._devices import DeviceLike, DeviceType, current_type, device, device_index as _device_index
 from ._memory_api import MemoryAPI

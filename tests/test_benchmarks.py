@@ -1,0 +1,137 @@
+"""The benchmarks' own machinery: trace reading, replay arithmetic, the runner.
+
+(The benchmarks' timings are not tested here: speed lives in benchmarks/.)
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks import bench_facade, bench_memory, torch_traces
+from unimem import _core
+from unimem._memory_api import nest_stats
+from unimem.backends.simulated import SimulatedBackend
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MiB = 1 << 20
+
+
+def recorded_snapshot():
+    """A PyTorch-format snapshot with history, from a unimem allocator."""
+    from unimem._history import History
+    allocator = _core.CachingAllocator(SimulatedBackend(capacity=1 << 40), 0)
+    history = History("test")
+    history.configure("all", None, "python", 100_000, True, None)
+    allocator.set_trace_hook(history.hook_for(allocator))
+    live = [allocator.malloc(size) for size in (1000, 3 * MiB, 25 * MiB, 512)]
+    allocator.free(live.pop(1))
+    live.append(allocator.malloc(30 * MiB))
+    allocator.free(live.pop(0))
+    live.append(allocator.malloc(40 * MiB))
+    for p in live:
+        allocator.free(p)
+    allocator.flush_history()
+    return allocator, {"device_traces": history.device_traces(1)}
+
+
+def test_a_snapshot_becomes_the_same_allocations_and_reserved_peak():
+    allocator, snapshot = recorded_snapshot()
+    events, reserved_peak = torch_traces.from_snapshot(snapshot)
+    assert reserved_peak == allocator.max_memory_reserved()
+    assert [e[2] for e in events if e[0] == "alloc"] == [1024, 3 * MiB, 26 * MiB, 512, 30 * MiB, 40 * MiB]  # blocks as handed out
+    # every allocation is freed once, after it was made
+    allocated = set()
+    for event in events:
+        if event[0] == "alloc":
+            allocated.add(event[1])
+        else:
+            allocated.remove(event[1])
+    assert not allocated
+    # replayed under the same (PyTorch's) policy, the reserved peak is the recorded one
+    replayed = bench_memory.replay_peak(events)
+    assert replayed["reserved_peak"] == reserved_peak
+
+
+def test_a_snapshot_without_that_device_is_refused():
+    with pytest.raises(ValueError, match="no trace for device 1"):
+        torch_traces.from_snapshot({"device_traces": [[]]}, device=1)
+    with pytest.raises(ValueError):
+        torch_traces.from_snapshot({})
+
+
+def test_frees_of_blocks_from_before_the_recording_are_skipped():
+    trace = [{"action": "free_completed", "addr": 4096, "size": 512},
+             {"action": "alloc", "addr": 8192, "size": 1024},
+             {"action": "free_requested", "addr": 8192, "size": 1024},
+             {"action": "free_completed", "addr": 8192, "size": 1024}]
+    events, peak = torch_traces.from_snapshot({"device_traces": [trace]})
+    assert events == [("alloc", 1, 1024), ("free", 1)]
+    assert peak == 0
+
+
+def test_saved_traces_round_trip(tmp_path):
+    events = [("alloc", 1, 512), ("alloc", 2, 4 * MiB), ("free", 1), ("alloc", 3, 1024), ("free", 3), ("free", 2)]
+    path = tmp_path / "torch_small.json.gz"
+    torch_traces.save(str(path), "small", events, 22 * MiB, gpu="none")
+    saved = torch_traces.load(str(path))
+    assert saved["events"] == events
+    assert saved["reserved_peak"] == 22 * MiB and saved["gpu"] == "none"
+    assert [t["name"] for t in torch_traces.saved_traces(str(tmp_path))] == ["small"]
+
+
+def test_bad_saved_traces_are_refused():
+    with pytest.raises(ValueError, match="count up from 1"):
+        torch_traces.encode([("alloc", 2, 512)])
+    with pytest.raises(ValueError, match="not an event"):
+        torch_traces.decode([512, 0])
+
+
+def test_peak_requested_and_ratios():
+    events = [("alloc", 1, 3 * MiB), ("alloc", 2, 2 * MiB), ("free", 1), ("alloc", 3, 2 * MiB), ("free", 2),
+              ("free", 3)]
+    assert bench_memory.peak_requested(events) == 5 * MiB
+    row = bench_memory.measure("tiny", events)
+    # PyTorch's policy: one 20 MiB segment serves all of it
+    assert row["default"]["reserved_peak"] == 20 * MiB
+    assert row["default"]["ratio"] == pytest.approx(4.0)
+    assert row["torch_reserved_peak"] == 20 * MiB and not row["torch_recorded"]
+    recorded = bench_memory.measure("tiny", events, torch_reserved_peak=40 * MiB)
+    assert recorded["torch_reserved_peak"] == 40 * MiB and recorded["torch_recorded"]
+
+
+def test_pytorch_flattens_the_nested_statistics_back_to_unimems():
+    torch = pytest.importorskip("torch")
+    import torch.cuda.memory as torch_memory
+    flat = {"allocated_bytes.all.current": 1024, "allocated_bytes.large_pool.peak": 5,
+            "num_alloc_retries": 0, "requested_bytes.small_pool.freed": 7}
+    original = torch_memory.is_initialized
+    with bench_facade.torch_cuda_stats(nest_stats(flat)) as memory:
+        assert dict(memory.memory_stats(0)) == flat
+        assert memory.memory_allocated(0) == 1024
+    assert torch_memory.is_initialized is original
+    assert not hasattr(torch._C, "_cuda_memoryStats") or torch.cuda.is_available()
+
+
+def run_benchmarks(*args):
+    return subprocess.run([sys.executable, "-m", "benchmarks", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_the_runner_summarises_every_target():
+    done = run_benchmarks("--quick", "memory", "facade")
+    assert done.returncode == 0, done.stderr
+    assert "all targets" in done.stdout
+    with open(os.path.join(ROOT, "benchmarks", "results", "summary.json")) as f:
+        summary = json.load(f)
+    assert set(summary["benchmarks"]) == {"memory", "facade"}
+    targets = [t for b in summary["benchmarks"].values() for t in b["targets"]]
+    assert len(targets) == 5 and all(isinstance(t["met"], bool) for t in targets)
+    assert summary["missed"] == sum(not t["met"] for t in targets)
+
+
+def test_the_runner_refuses_an_unknown_benchmark():
+    done = run_benchmarks("nonsense")
+    assert done.returncode == 2
+    assert "unknown benchmark nonsense" in done.stderr
