@@ -102,8 +102,17 @@ def _stats(args: argparse.Namespace) -> int:
 
 
 def _cluster(args: argparse.Namespace) -> int:
-    from . import dask as unimem_dask
-    print(unimem_dask.cluster_summary(args.address, timeout=args.timeout))
+    try:
+        from . import dask as unimem_dask
+    except ImportError as exc:
+        print(f"unimem: {exc}", file=sys.stderr)
+        return 1
+    try:
+        print(unimem_dask.cluster_summary(args.address, timeout=args.timeout))
+    except (OSError, TimeoutError, ValueError) as exc:
+        print(f"unimem: cannot read the Dask cluster at {args.address}: {type(exc).__name__}: {exc}",
+              file=sys.stderr)
+        return 1
     return 0
 
 

@@ -244,6 +244,12 @@ def get_type(name: str) -> DeviceType:
         raise RuntimeError(f"unimem: no {name} device is available: {_unavailable[name]}")
 
 
+def probed_types() -> List[DeviceType]:
+    """The device types this process has set up so far (probing none)."""
+    with _lock:
+        return [_types[name] for name in KNOWN_TYPES if name in _types]
+
+
 def is_available(name: str) -> bool:
     try:
         get_type(name)

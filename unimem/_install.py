@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import functools
 import threading
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 from . import _devices
 
+# What install_allocators can route to unimem.
+ARRAY_LIBRARIES = ("cupy", "dpnp")
 DPNP_CREATORS = ("empty", "zeros", "ones", "full", "empty_like", "zeros_like", "ones_like", "full_like")
 
 _lock = threading.Lock()
@@ -99,9 +101,19 @@ def installed_allocators() -> List[str]:
     return [name for name, _ in _undo]
 
 
-def uninstall_allocators() -> None:
-    """Undo :func:`install_allocators`."""
+def uninstall_allocators(names: Optional[Iterable[str]] = None) -> None:
+    """Undo :func:`install_allocators`: for the libraries in ``names`` (as it
+    returned them), or for all of them."""
     with _lock:
-        while _undo:
-            _, undo = _undo.pop()
-            undo()
+        if names is None:
+            chosen = {name for name, _ in _undo}
+        else:
+            chosen = set(names)
+            unknown = chosen - set(ARRAY_LIBRARIES)
+            if unknown:
+                raise ValueError(f"unknown array libraries {sorted(unknown)} (known: {', '.join(ARRAY_LIBRARIES)})")
+        # Newest first, as each undo restores what was there before it.
+        for entry in reversed(list(_undo)):
+            if entry[0] in chosen:
+                _undo.remove(entry)
+                entry[1]()

@@ -68,6 +68,11 @@ def _existing() -> Optional[_core.CachingAllocator]:
     return None if _registry is None else _registry.peek(0)
 
 
+def is_initialized() -> bool:
+    """Whether the pinned host pool has been created (by a first allocation)."""
+    return _existing() is not None
+
+
 class _PinnedBlock:
     """What ``cupy.cuda.PinnedMemoryPointer`` wraps: an address, a size, and
     (here) the pool block it keeps alive."""
