@@ -3,7 +3,8 @@
 
 * the typed core, no Python in between (the default device's allocator and
   the host pool);
-* the Python API: ``unimem.accelerator.caching_allocator_alloc/delete``;
+* the Python API: ``unimem.accelerator.caching_allocator_alloc/delete`` and
+  the same functions of the device's namespace (``unimem.xpu``, ...);
 * the dpnp array path: ``unimem.xpu.empty`` against ``dpnp.empty``;
 * the CuPy allocator path: ``unimem.cuda.allocator`` (on a GPU, with
   ``cupy.empty`` against CuPy's pool; without one, the glue alone over a
@@ -20,6 +21,7 @@ the pool at least 10x faster than its raw backend at every size.
 from __future__ import annotations
 
 import gc
+import importlib
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
@@ -87,6 +89,7 @@ def run(quick: bool = False) -> Dict[str, Any]:
     host_raw = PageAlignedBackend()
     device_raw = getattr(dtype.backend, "raw", None)
     has_xpu = dtype.name == "xpu"
+    namespace = importlib.import_module(f"unimem.{dtype.name}")
     if has_xpu:
         import dpnp
 
@@ -105,6 +108,8 @@ def run(quick: bool = False) -> Dict[str, Any]:
         row["core_host_s"] = best_of(lambda: host._time_hot_path(sizes, pairs), 3 * repeats) * 1e-9
         row["python_api_s"] = python_pairs(accelerator.caching_allocator_alloc,
                                            accelerator.caching_allocator_delete, sizes, pairs // 2, repeats)
+        row["namespace_api_s"] = python_pairs(namespace.caching_allocator_alloc,
+                                              namespace.caching_allocator_delete, sizes, pairs // 2, repeats)
         row["raw_host_s"] = sum(median_of(lambda: host_raw._time_raw_pairs(n, 500), repeats)
                                 for n in sizes) / len(sizes) * 1e-9
         row["glibc_s"] = sum(median_of(lambda: _time_libc_pairs(n, 20_000), repeats)
@@ -128,21 +133,24 @@ def run(quick: bool = False) -> Dict[str, Any]:
 
     print_table(f"alloc+free of a cached size, one run (default device: {dtype.name}; no GPU: CuPy glue "
                 f"over a simulated device)",
-                ["size", "core (device)", "core (host)", "Python API", "CuPy allocator", "unimem.xpu.empty",
+                ["size", "core (device)", "core (host)", "Python API", f"unimem.{dtype.name} API", "CuPy allocator", "unimem.xpu.empty",
                  "dpnp.empty", "raw device", "raw host (mmap)", "glibc malloc"],
                 [[r["case"], cell(r, "core_device_s"), cell(r, "core_host_s"), cell(r, "python_api_s"),
+                  cell(r, "namespace_api_s"),
                   cell(r, "cupy_glue_s"), cell(r, "unimem_xpu_empty_s"), cell(r, "dpnp_empty_s"),
                   cell(r, "raw_device_s"), cell(r, "raw_host_s"), cell(r, "glibc_s")] for r in rows])
-    worst_api = max(rows, key=lambda r: r["python_api_s"])
+    api_pairs = [(r[key], r["case"], way) for r in rows
+                 for key, way in (("python_api_s", "accelerator"), ("namespace_api_s", dtype.name))]
+    worst_api = max(api_pairs)
     worst_core = max(rows, key=lambda r: max(r["core_device_s"], r["core_host_s"]))
     speedups = [(r["raw_host_s"] / r["core_host_s"], r["case"], "host") for r in rows]
     if device_raw is not None:
         speedups += [(r["raw_device_s"] / r["core_device_s"], r["case"], dtype.name) for r in rows]
     least = min(speedups)
     targets = [
-        {"target": "Python API alloc+free <= 250 ns, every size",
-         "measured": f"worst {format_time(worst_api['python_api_s'])} ({worst_api['case']})",
-         "met": worst_api["python_api_s"] <= 250e-9},
+        {"target": "Python API alloc+free <= 250 ns, every size (unimem.accelerator and the device's namespace)",
+         "measured": f"worst {format_time(worst_api[0])} (unimem.{worst_api[2]}, {worst_api[1]})",
+         "met": worst_api[0] <= 250e-9},
         {"target": "typed core alloc+free <= 60 ns, every size",
          "measured": f"worst {format_time(max(worst_core['core_device_s'], worst_core['core_host_s']))} "
                      f"({worst_core['case']})",

@@ -262,3 +262,27 @@ def test_host_memory_stats_keys():
     acc.empty_host_cache()
     assert unimem.host_memory_stats()["reserved_bytes.current"] == 0
     assert host.backend_name() in ("cuda", "sycl", "page-aligned")
+
+
+def test_namespace_alloc_and_delete_follow_the_device_table(monkeypatch):
+    """unimem.cpu.caching_allocator_alloc/delete (typed in the core) look the
+    device type up on every call: a type swapped in is used at once, and a
+    device argument still goes through the checks."""
+    from unimem import _devices
+    from unimem.backends.simulated import SimulatedBackend
+    swapped = _devices.DeviceType("cpu", SimulatedBackend(capacity=1 << 30, devices=2, name="CPU"))
+    monkeypatch.setitem(_devices.types_by_name(), "cpu", swapped)
+    ptr = unimem.cpu.caching_allocator_alloc(1000)
+    assert swapped.registry.peek(0).memory_stats()["allocated_bytes.all.current"] == 1024
+    assert unimem.cpu.memory_allocated(0) == 1024
+    on_second = unimem.cpu.caching_allocator_alloc(1000, device=1)
+    assert swapped.registry.peek(1).memory_stats()["allocated_bytes.all.current"] == 1024
+    with pytest.raises(ValueError, match="out of range"):
+        unimem.cpu.caching_allocator_alloc(1000, device=2)
+    with pytest.raises(TypeError):
+        unimem.cpu.caching_allocator_alloc("1000")
+    unimem.cpu.caching_allocator_delete(ptr)
+    unimem.cpu.caching_allocator_delete(on_second)
+    with pytest.raises(ValueError, match="already freed"):
+        unimem.cpu.caching_allocator_delete(ptr)
+    assert unimem.cpu.memory_allocated(0) == unimem.cpu.memory_allocated(1) == 0

@@ -2677,6 +2677,29 @@ def caching_allocator_delete(mem_ptr):
     _current()._delete(mem_ptr)
 
 
+def namespace_alloc_functions(dict types, str type_name, slow_alloc, slow_delete):
+    """``caching_allocator_alloc`` and ``caching_allocator_delete`` for the
+    namespace of device type ``type_name`` (``unimem.xpu``, ...): the device
+    type is looked up in ``types`` (the front's live table) on every call, so
+    a replaced backend is seen at once; a call naming a device, or on a type
+    not set up yet, goes to ``slow_alloc`` / ``slow_delete`` (the front's
+    checked methods). Typed here because the lookups through Python methods
+    cost more than the allocation itself."""
+    def caching_allocator_alloc(size, device=None, stream=None):
+        dtype = types.get(type_name)
+        if dtype is None or device is not None:
+            return slow_alloc(size, device, stream)
+        return (<DeviceRegistry?>dtype.registry)._alloc(size, None, stream)
+
+    def caching_allocator_delete(mem_ptr):
+        dtype = types.get(type_name)
+        if dtype is None:
+            return slow_delete(mem_ptr)
+        (<DeviceRegistry?>dtype.registry)._delete(mem_ptr)
+
+    return caching_allocator_alloc, caching_allocator_delete
+
+
 # ---------------------------------------------------------------------------
 # fork(): locks held by other threads would stay held in the child
 # ---------------------------------------------------------------------------

@@ -244,6 +244,12 @@ def get_type(name: str) -> DeviceType:
         raise RuntimeError(f"unimem: no {name} device is available: {_unavailable[name]}")
 
 
+def types_by_name() -> Dict[str, DeviceType]:
+    """The table of device types set up so far, by name: the live dict, for
+    hot paths that look a type up without probing (read it, never write it)."""
+    return _types
+
+
 def probed_types() -> List[DeviceType]:
     """The device types this process has set up so far (probing none)."""
     with _lock:

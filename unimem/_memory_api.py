@@ -7,12 +7,13 @@ its methods as module functions.
 from __future__ import annotations
 
 import collections
+import functools
 import numbers
 import sys
 import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
-from . import _core, _history
+from . import _core, _devices, _history
 from ._devices import DISPLAY_NAMES, DeviceLike, DeviceType, device_index, get_type
 from ._summary import memory_summary_table
 
@@ -411,7 +412,20 @@ class MemoryAPI:
 
     def functions(self) -> Dict[str, Any]:
         """The public functions, by name, for a namespace module to export."""
-        return {name: getattr(self, name) for name in PUBLIC_FUNCTIONS}
+        exported = {name: getattr(self, name) for name in PUBLIC_FUNCTIONS}
+        exported.update(self._hot_functions())
+        return exported
+
+    def _hot_functions(self) -> Dict[str, Any]:
+        """``caching_allocator_alloc``/``delete``, typed in the core for the
+        common call (the current device), these methods for the rest."""
+        fast = _core.namespace_alloc_functions(_devices.types_by_name(), self.type_name,
+                                               self.caching_allocator_alloc, self.caching_allocator_delete)
+        exported = {}
+        for function, method in zip(fast, (self.caching_allocator_alloc, self.caching_allocator_delete)):
+            functools.update_wrapper(function, method)
+            exported[method.__name__] = function
+        return exported
 
 
 PUBLIC_FUNCTIONS = (
