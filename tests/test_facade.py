@@ -286,3 +286,46 @@ def test_namespace_alloc_and_delete_follow_the_device_table(monkeypatch):
     with pytest.raises(ValueError, match="already freed"):
         unimem.cpu.caching_allocator_delete(ptr)
     assert unimem.cpu.memory_allocated(0) == unimem.cpu.memory_allocated(1) == 0
+
+
+def test_device_registries_come_and_go():
+    """A process may make (and drop) any number of device registries, as
+    change_current_allocator does; a new one never inherits the current
+    device another one set, and too many alive at once is a clear error."""
+    import gc
+
+    from unimem import _core
+    from unimem.backends.simulated import SimulatedBackend
+
+    def make():
+        return _core.DeviceRegistry("cpu", 4, lambda i: _core.CachingAllocator(SimulatedBackend(devices=4), i))
+    for _ in range(500):
+        registry = make()
+        assert registry.current_index() == 0
+        registry.set_current_index(3)
+        assert registry.current_index() == 3
+        del registry
+    alive = []
+    with pytest.raises(RuntimeError, match="device registries alive at once"):
+        for _ in range(100):
+            alive.append(make())
+    assert 32 < len(alive) < 64
+    del alive
+    gc.collect()
+    assert make().current_index() == 0
+
+
+@pytest.mark.parametrize("dtype", ["f8", "i2", "c16", "M8", "m8[s]", "?", [("a", "i4"), ("b", "f2")]])
+def test_cpu_zeros_is_numpy_zeros_from_the_pool(dtype):
+    import numpy as np
+    before = unimem.cpu.memory_allocated(0)
+    dirty = unimem.cpu.empty((7, 5), dtype="u1")
+    dirty.fill(0xAB)                       # leave garbage where the next block may land
+    del dirty
+    out = unimem.cpu.zeros((3, 5), dtype=dtype, order="F")
+    expected = np.zeros((3, 5), dtype=dtype, order="F")
+    assert out.dtype == expected.dtype and out.flags.f_contiguous
+    assert out.tobytes() == expected.tobytes()
+    assert unimem.cpu.memory_allocated(0) > before
+    del out
+    assert unimem.cpu.memory_allocated(0) == before

@@ -81,3 +81,28 @@ def test_a_failing_observer_is_reported_and_does_not_hide_the_oom(monkeypatch):
     with pytest.raises(OutOfMemoryError):
         a.malloc(4 * MiB)
     assert reported == [ZeroDivisionError]
+
+
+def test_beyond_the_largest_single_allocation_fails_at_once_keeping_the_cache():
+    """SYCL devices cap one allocation (an OpenCL CPU device: half its memory).
+    A request above the cap can never succeed: it is an OutOfMemoryError that
+    says so, without releasing the cache or asking the device."""
+    device = Refusing(8 << 30)
+    a = _core.CachingAllocator(PluggableAllocator(device.malloc, device.free), 0)
+    a.set_max_allocation_size(1 << 30)
+    assert a.max_allocation_size == 1 << 30
+    a.free(a.malloc(100 * MiB))                           # 100 MiB cached
+    before = a.memory_stats()
+    device.calls.clear()
+    with pytest.raises(OutOfMemoryError, match="at most 1.00 GiB in one allocation"):
+        a.malloc((1 << 30) + 1)
+    assert device.calls == []
+    after = a.memory_stats()
+    assert after["num_ooms"] == before["num_ooms"] + 1
+    assert {k: v for k, v in after.items() if k != "num_ooms"} == \
+        {k: v for k, v in before.items() if k != "num_ooms"}
+    a.free(a.malloc(1 << 30))                             # the cap itself is allowed
+    a.set_max_allocation_size(0)                          # 0: no limit known
+    a.free(a.malloc(2 << 30))
+    a.empty_cache()
+    assert device.used == 0

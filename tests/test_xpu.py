@@ -253,6 +253,21 @@ def test_memory_info_and_device_strings(xpu, dpctl):
     assert xpu.device_count() >= 1 and xpu.is_available()
 
 
+def test_more_than_one_sycl_allocation_allows_is_refused_at_once(xpu):
+    """The OpenCL CPU device allows half its memory in one allocation: a
+    request between that and its capacity is an OutOfMemoryError saying so,
+    and the cache is not released for it."""
+    cap = xpu.default_queue(0).sycl_device.max_mem_alloc_size
+    assert xpu.caching_allocator(0).max_allocation_size == cap
+    xpu.caching_allocator_delete(xpu.caching_allocator_alloc(8 * MiB))   # something cached
+    before = dict(stats(xpu))
+    with pytest.raises(unimem.OutOfMemoryError, match="in one allocation"):
+        xpu.empty(cap // 4 + MiB, dtype="f4")
+    after = dict(stats(xpu))
+    assert after.pop("num_ooms") == before.pop("num_ooms") + 1
+    assert after == before
+
+
 def test_zero_size_arrays(xpu):
     z = xpu.empty((0, 5))
     assert z.shape == (0, 5)

@@ -60,7 +60,8 @@ cdef extern from "_csupport.hpp" nogil:
     int um_floor_log2(uint64_t x)
     void um_escape(void* p)
     int UM_MAX_REGISTRIES
-    int um_current_device[16]
+    int um_current_device[64]
+    uint64_t um_current_owner[64]
 
 
 # ---------------------------------------------------------------------------
@@ -698,6 +699,7 @@ cdef class CachingAllocator:
     cdef bint set_fraction
     cdef size_t allowed_memory_maximum
     cdef size_t capacity                  # the device's total memory, 0 if unknown
+    cdef size_t max_allocation            # the device's largest single allocation, 0 if unknown
 
     # state
     cdef UMLock lock
@@ -791,6 +793,7 @@ cdef class CachingAllocator:
         self.fraction = 1.0
         self.set_fraction = False
         self.capacity = 0
+        self.max_allocation = 0
         memset(&self.stats, 0, sizeof(DeviceStats))
         self.total_allocated_memory = 0
         if um_init(&self.active, 10) != 0:
@@ -1398,6 +1401,7 @@ cdef class CachingAllocator:
             raise MemoryError("host memory for the allocator's bookkeeping ran out")
         # A request no device of this size can ever hold does not flush the cache.
         if (self.capacity and alloc_size > self.capacity) or (
+                self.max_allocation and alloc_size > self.max_allocation) or (
                 self.set_fraction and alloc_size > self.allowed_memory_maximum):
             oom[0] = True
             return NULL
@@ -1626,6 +1630,9 @@ cdef class CachingAllocator:
         fraction_info = ""
         if self.set_fraction:
             fraction_info = f" {format_size(self.allowed_memory_maximum)} allowed by the memory fraction;"
+        if self.max_allocation and requested > self.max_allocation:
+            fraction_info += (f" It allows at most {format_size(self.max_allocation)} "
+                              f"in one allocation.")
         self._unlock()
         self._flush_trace()
         try:
@@ -1933,6 +1940,8 @@ cdef class CachingAllocator:
         """Limit this allocator to ``limit`` bytes of the device (0: no limit),
         as ``cupy.cuda.MemoryPool.set_limit(size=...)`` does."""
         cdef object n = _check_size(limit)
+        if n > MAX_REQUEST:
+            raise ValueError(f"memory limit too large: {n} bytes")
         self._lock()
         if n == 0:
             self.set_fraction = False
@@ -1968,6 +1977,18 @@ cdef class CachingAllocator:
     @property
     def capacity(self):
         return self.capacity
+
+    def set_max_allocation_size(self, size_t size):
+        """Tell the allocator the largest single allocation its device allows
+        (0: no limit known; SYCL devices have one). A request whose segment
+        is larger fails at once, without releasing the cache."""
+        self._lock()
+        self.max_allocation = size
+        self._unlock()
+
+    @property
+    def max_allocation_size(self):
+        return self.max_allocation
 
     @property
     def settings(self):
@@ -2457,7 +2478,10 @@ cdef Allocation _make_allocation(CachingAllocator allocator, uintptr_t ptr, size
 # ---------------------------------------------------------------------------
 # The per-device-type table behind the facade's fast functions
 # ---------------------------------------------------------------------------
-cdef int _n_registries = 0
+# Slots of the per-thread current-device table: taken by live registries,
+# given back when one dies. Each registry also has an id never reused.
+_free_registry_slots = list(range(UM_MAX_REGISTRIES - 1, -1, -1))
+cdef uint64_t _last_registry_id = 0
 
 @cython.final          # its cpdef methods are then called directly from C
 cdef class DeviceRegistry:
@@ -2472,6 +2496,7 @@ cdef class DeviceRegistry:
     """
 
     cdef readonly int slot
+    cdef uint64_t owner_id
     cdef readonly str device_type
     cdef readonly int device_count
     cdef object _factory
@@ -2481,13 +2506,18 @@ cdef class DeviceRegistry:
     cdef public object current_stream_fn
     cdef public object stream_handle_fn
 
+    def __cinit__(self, *args, **kwargs):
+        self.slot = -1
+
     def __init__(self, str device_type, int device_count, factory, *,
                  current_device_fn=None, current_stream_fn=None, stream_handle_fn=None):
-        global _n_registries
-        if _n_registries >= 16:
-            raise RuntimeError("too many device registries")
-        self.slot = _n_registries
-        _n_registries += 1
+        global _last_registry_id
+        if self.slot < 0:
+            if not _free_registry_slots:
+                raise RuntimeError(f"more than {UM_MAX_REGISTRIES} device registries alive at once")
+            self.slot = _free_registry_slots.pop()
+            _last_registry_id += 1
+            self.owner_id = _last_registry_id
         self.device_type = device_type
         self.device_count = device_count
         self._factory = factory
@@ -2507,11 +2537,18 @@ cdef class DeviceRegistry:
     cpdef int current_index(self) except -1:
         if self.current_device_fn is not None:
             return self.current_device_fn()
+        if um_current_owner[self.slot] != self.owner_id:
+            return 0                   # not set in this thread (by this registry)
         return um_current_device[self.slot]
 
     def set_current_index(self, int index):
         self.check_index(index)
         um_current_device[self.slot] = index
+        um_current_owner[self.slot] = self.owner_id
+
+    def __dealloc__(self):
+        if self.slot >= 0 and _free_registry_slots is not None:
+            _free_registry_slots.append(self.slot)
 
     cpdef CachingAllocator get(self, int index):
         """The allocator of device ``index``, created if needed."""

@@ -138,6 +138,9 @@ static inline int um_floor_log2(uint64_t x) { return 63 - __builtin_clzll(x); }
 // not remove a malloc/free pair as having no effect.
 static inline void um_escape(void* p) { asm volatile("" : : "g"(p) : "memory"); }
 
-// Per-thread current device index, one slot per device type (registry).
-#define UM_MAX_REGISTRIES 16
+// Per-thread current device index, one slot per live device registry; the
+// owner says which registry set it (slots are reused once a registry dies,
+// and a new one must not inherit another's index).
+#define UM_MAX_REGISTRIES 64
 static thread_local int um_current_device[UM_MAX_REGISTRIES];
+static thread_local uint64_t um_current_owner[UM_MAX_REGISTRIES];

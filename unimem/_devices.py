@@ -135,6 +135,9 @@ def new_allocator(pool: str, backend: Backend, index: int) -> "_core.CachingAllo
         total = 0
     if total:
         allocator.set_capacity(total)
+    max_allocation = getattr(backend, "max_allocation_size", None)    # optional for user backends
+    if max_allocation is not None:
+        allocator.set_max_allocation_size(max_allocation(index))
     if settings.per_process_memory_fraction is not None:
         allocator.set_memory_fraction(settings.per_process_memory_fraction)
     if debug_mode_requested() and getattr(backend, "host_accessible", False):

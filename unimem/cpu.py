@@ -7,6 +7,7 @@ Not to be confused with :mod:`unimem.host`, the pinned staging pool.
 """
 from __future__ import annotations
 
+import ctypes
 import operator
 from typing import Any, Sequence, Tuple, Union
 
@@ -66,5 +67,7 @@ def zeros(shape: Union[int, Sequence[int]], dtype: Any = float, order: str = "C"
           device: Any = None) -> numpy.ndarray:
     """Return a new NumPy array of zeros whose memory comes from the cpu pool."""
     out = empty(shape, dtype, order, device)
-    out.fill(0)
+    # All bytes zero, as numpy.zeros gives for every dtype (out.fill(0) refuses
+    # some, datetime64 without a unit, and the array would then be lost).
+    ctypes.memset(out.ctypes.data, 0, out.nbytes)
     return out

@@ -44,6 +44,10 @@ class Backend:
         """``(free, total)`` bytes of the device."""
         raise NotImplementedError(f"the {self.name} backend does not report its memory")
 
+    def max_allocation_size(self, device: int) -> int:
+        """The largest single allocation the device allows (0: no limit known)."""
+        return 0
+
     # Stream events. Without asynchronous work, memory is reusable at once.
     def record_event(self, stream: int, device: int) -> Any:
         """Mark the current end of the work queued on ``stream``."""

@@ -217,6 +217,11 @@ class XPUBackend(Backend):
                 free = min(free, _meminfo()[0])
         return int(free), total
 
+    def max_allocation_size(self, device: int) -> int:
+        """SYCL's ``max_mem_alloc_size``: OpenCL CPU devices refuse more than
+        half their memory in one allocation."""
+        return int(self.runtime.devices[device].max_mem_alloc_size)
+
     # queues as streams
     def record_event(self, stream: int, device: int):
         return self.runtime.queue(stream, device).submit_barrier()
