@@ -210,6 +210,25 @@ def test_a_worker_added_later_gets_the_plugin(cluster):
     assert rows.value.max() >= arrays
 
 
+def test_an_asynchronous_client_is_refused_clearly(cluster):
+    import asyncio
+    local_cluster, _ = cluster
+
+    async def ask():
+        async with Client(local_cluster.scheduler_address, asynchronous=True) as client:
+            with pytest.raises(TypeError, match="synchronous"):
+                unimem_dask.memory_stats(client)
+    asyncio.run(ask())
+
+
+def test_bad_gather_arguments(cluster):
+    _, client = cluster
+    with pytest.raises(ValueError, match="timeout"):
+        unimem_dask.memory_stats(client, timeout=0)
+    with pytest.raises(TypeError, match="list of worker addresses"):
+        unimem_dask.memory_stats(client, workers="tcp://127.0.0.1:1")
+
+
 def test_unregistering_removes_it_cleanly(cluster):
     _, client = cluster
     client.unregister_worker_plugin("unimem")

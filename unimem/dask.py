@@ -236,6 +236,9 @@ def _gather(client: Client, workers: Optional[List[str]], timeout: float
             ) -> Tuple[Dict[str, Dict[str, Any]], Dict[str, str]]:
     """Ask every worker for its :func:`worker_report`, each bounded by
     ``timeout`` seconds: (reports by worker, why each missing worker is missing)."""
+    if getattr(client, "asynchronous", False):
+        raise TypeError("unimem.dask needs a synchronous distributed.Client (not asynchronous=True); "
+                        "from async code, call it in a thread: await asyncio.to_thread(memory_stats, client)")
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout > 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     if workers is None:
