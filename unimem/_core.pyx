@@ -1627,11 +1627,11 @@ cdef class CachingAllocator:
         if self.recording:
             self._trace(T_OOM, 0, min(requested, <object>INT64_MAX), 0)
         observers = list(self.oom_observers)
-        fraction_info = ""
+        limits_text = ""
         if self.set_fraction:
-            fraction_info = f" {format_size(self.allowed_memory_maximum)} allowed by the memory fraction;"
+            limits_text = f" {format_size(self.allowed_memory_maximum)} allowed by the memory fraction;"
         if self.max_allocation and requested > self.max_allocation:
-            fraction_info += (f" It allows at most {format_size(self.max_allocation)} "
+            limits_text += (f" It allows at most {format_size(self.max_allocation)} "
                               f"in one allocation.")
         self._unlock()
         self._flush_trace()
@@ -1644,7 +1644,7 @@ cdef class CachingAllocator:
                          else "has an unknown capacity.")
         message = (
             f"{self.device_name} out of memory. Tried to allocate {format_size(requested)}. "
-            f"{self.device_name} device {self.device} {capacity_text}{fraction_info} "
+            f"{self.device_name} device {self.device} {capacity_text}{limits_text} "
             f"Of the allocated memory {format_size(allocated)} is allocated by unimem, "
             f"and {format_size(reserved - allocated)} is reserved by unimem but unallocated "
             f"(cached; {format_size(reserved)} reserved in all)."

@@ -129,6 +129,7 @@ class UnimemPlugin(WorkerPlugin):
                  pool_size: Union[None, int, str] = None, device_type: Optional[str] = None) -> None:
         self.alloc_conf = _alloc_conf_text(alloc_conf)
         settings = parse_alloc_conf(self.alloc_conf)          # a bad option fails here, not on the workers
+        self._core_kwargs = settings.core_kwargs()
         self.memory_fraction = None if memory_fraction is None else check_fraction(memory_fraction)
         self.pool_size = _pool_bytes(pool_size)
         if settings.max_split_size is not None and self.pool_size >= settings.max_split_size:
@@ -170,7 +171,7 @@ class UnimemPlugin(WorkerPlugin):
                 self._fraction_before = api.get_per_process_memory_fraction(index)
                 api.set_per_process_memory_fraction(self.memory_fraction, index)
             if self.pool_size:
-                fresh = dtype.registry.peek(index) is None or not api.memory_reserved(index)
+                fresh = not api.memory_reserved(index)
                 # Reserve by allocating and freeing: the segment stays cached.
                 ptr = dtype.registry.alloc(self.pool_size, index, None)
                 dtype.registry.delete(ptr)
@@ -184,9 +185,8 @@ class UnimemPlugin(WorkerPlugin):
     def _refuse_other_settings(self, dtype: _devices.DeviceType) -> None:
         if self.alloc_conf is None:
             return
-        wanted = parse_alloc_conf(self.alloc_conf).core_kwargs()
         for index, allocator in dtype.registry.initialized().items():
-            differ = _settings_differ(allocator.settings, wanted)
+            differ = _settings_differ(allocator.settings, self._core_kwargs)
             if differ:
                 raise RuntimeError(
                     f"unimem: {dtype.name}:{index} on this worker already allocates with other options "
