@@ -76,9 +76,108 @@ def test_plot_of_a_snapshot_without_history(tmp_path):
     check_png(png)
 
 
+def one_line_error(done, *needed, status=2):
+    """The command failed with ``status`` and said why in one line, no traceback."""
+    assert done.returncode == status, (done.returncode, done.stdout, done.stderr)
+    lines = [line for line in done.stderr.splitlines() if line.strip() and not line.startswith("usage:")]
+    assert len(lines) == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    for text in needed:
+        assert text in lines[0], (text, lines[0])
+    return lines[0]
+
+
 def test_plot_of_a_missing_file_fails():
-    done = unimem_cli("plot", "/no/such/snapshot.pickle")
-    assert done.returncode != 0 and "No such file" in done.stderr
+    one_line_error(unimem_cli("plot", "/no/such/snapshot.pickle"), "No such file", "/no/such/snapshot.pickle")
+
+
+class RunsCode:
+    """A "snapshot" that, unpickled, calls ``function(*arguments)``."""
+
+    def __init__(self, function, *arguments):
+        self.function, self.arguments = function, arguments
+
+    def __reduce__(self):
+        return self.function, self.arguments
+
+
+@pytest.mark.parametrize("how", ["os.system", "builtins.open", "nested in a real snapshot"])
+def test_plot_refuses_a_pickle_that_would_run_code(tmp_path, how):
+    """Issue 12 item 1: a crafted snapshot must not run code; it is refused in one line."""
+    marker = tmp_path / "pwned"
+    if how == "os.system":
+        payload = RunsCode(os.system, f"touch {marker}")
+    elif how == "builtins.open":
+        payload = RunsCode(open, str(marker), "w")
+    else:
+        payload = {"segments": [], "device_traces": [[{"action": "alloc", "addr": 0, "size": 512,
+                                                       "frames": [RunsCode(os.system, f"touch {marker}")]}]]}
+    path = tmp_path / "evil.pickle"
+    path.write_bytes(pickle.dumps(payload))
+    done = unimem_cli("plot", str(path), "-o", str(tmp_path / "out.png"))
+    one_line_error(done, "refused", "evil.pickle")
+    assert not marker.exists(), "the pickle ran code"
+    assert not (tmp_path / "out.png").exists()
+
+
+def test_load_snapshot_refuses_code_and_reads_the_snapshot_format(tmp_path):
+    from unimem._plot import SnapshotError, load_snapshot
+    marker = tmp_path / "pwned"
+    path = tmp_path / "evil.pickle"
+    path.write_bytes(pickle.dumps(RunsCode(os.system, f"touch {marker}")))
+    with pytest.raises(SnapshotError, match="refused to load"):
+        load_snapshot(path)
+    assert not marker.exists()
+    # PyTorch's format: dicts, lists, strings, ints, floats, bools, None (every pickle protocol).
+    snapshot = {"segments": [{"device": 0, "address": 1 << 20, "total_size": 2 << 20, "allocated_size": 512,
+                              "active_size": 512, "requested_size": 500, "stream": 0,
+                              "segment_type": "small", "segment_pool_id": (0, 0), "is_expandable": False,
+                              "frames": [], "blocks": [{"address": 1 << 20, "size": 512, "requested_size": 500,
+                                                        "state": "active_allocated", "frames": []}]}],
+                "device_traces": [[{"action": "alloc", "addr": 1 << 20, "size": 512, "stream": 0,
+                                    "time_us": 12, "compile_context": None,
+                                    "frames": [{"filename": "a.py", "line": 3, "name": "f"}]}]],
+                "allocator_settings": {"PYTORCH_CUDA_ALLOC_CONF": "", "max_split_size": -1, "ratio": 0.5}}
+    for protocol in range(pickle.HIGHEST_PROTOCOL + 1):
+        path.write_bytes(pickle.dumps(snapshot, protocol=protocol))
+        assert load_snapshot(path) == snapshot
+    path.write_bytes(pickle.dumps(snapshot["segments"]))          # a memory_snapshot() list
+    assert load_snapshot(path) == {"segments": snapshot["segments"], "device_traces": []}
+
+
+MALFORMED = {
+    "empty": (b"", "empty or truncated"),
+    "truncated": (pickle.dumps({"segments": [{"address": 1}] * 50})[:40], "truncated"),
+    "text": (b"hello, this is not a pickle\n", "not a pickled snapshot"),
+    "a number": (pickle.dumps(42), "int, not a dict"),
+    "a dict without segments": (pickle.dumps({"device_traces": []}), "no 'segments'"),
+    "segments of the wrong shape": (pickle.dumps({"segments": [1, 2]}), "segment 0 is not a dict"),
+    "a block without a size": (pickle.dumps({"segments": [{"address": 0, "total_size": 4, "segment_type": "small",
+                                                           "blocks": [{"state": "inactive"}]}]}), "block 0"),
+    "an event without an address": (pickle.dumps({"segments": [], "device_traces": [[{"action": "alloc",
+                                                                                        "size": 4}]]}), "'addr'"),
+    "traces not a list": (pickle.dumps({"segments": [], "device_traces": 7}), "'device_traces'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_plot_of_a_malformed_file_is_one_line(tmp_path, case):
+    """Issue 12 item 20: truncated, empty, malformed files give one line and a non-zero exit."""
+    content, says = MALFORMED[case]
+    path = tmp_path / "bad.pickle"
+    path.write_bytes(content)
+    one_line_error(unimem_cli("plot", str(path), "-o", str(tmp_path / "out.png")), says, "bad.pickle")
+
+
+def test_plot_argument_mistakes(tmp_path, demo_output):
+    out, _ = demo_output
+    one_line_error(unimem_cli("plot", str(tmp_path)), "cannot read")                    # a folder
+    one_line_error(unimem_cli("plot", str(out / "snapshot.pickle"), "-d", "5",
+                              "-o", str(tmp_path / "x.png")), "no device 5")
+    one_line_error(unimem_cli("plot", str(out / "snapshot.pickle"), "-d", "-1"), "device index")
+    one_line_error(unimem_cli("plot", str(out / "snapshot.pickle"), "-o", str(tmp_path / "no" / "x.png")),
+                   "cannot write")
+    one_line_error(unimem_cli("plot"), "snapshot")
 
 
 WORKLOAD = textwrap.dedent("""
