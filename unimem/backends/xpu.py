@@ -151,7 +151,9 @@ class _SyclRuntime:
                 handle = len(self.queues)
                 self.queues.append(queue)
                 for raw in self.raw_allocators:
-                    assert raw.add_queue(queue) == handle
+                    if raw.add_queue(queue) != handle:
+                        raise RuntimeError(f"the SYCL queue tables disagree on the handle of a new queue "
+                                           f"(expected {handle})")
                 self.handles[queue] = handle
         return handle
 
