@@ -1,8 +1,10 @@
 """A simulated CUDA runtime with the interface of ``cupy_backends.cuda.api.runtime``.
 
 It lets the CUDA backend and ``unimem.cuda`` run on machines without a GPU:
-per-device address spaces with a capacity, a current device (per thread, as
-CUDA's), streams whose work completes when a test says so, and events.
+per-device address spaces with a capacity, a current device and stream (per
+thread, as CUDA's and CuPy's), streams whose work completes when a test says
+so, the legacy and per-thread default streams, and events (counted, so that a
+test sees one leak).
 Wrong use is an error: freeing an address the current device did not
 allocate, setting a device that does not exist.
 """
@@ -12,7 +14,12 @@ import threading
 CUDA_SUCCESS = 0
 CUDA_ERROR_MEMORY_ALLOCATION = 2
 CUDA_ERROR_INVALID_DEVICE = 101
+CUDA_ERROR_INVALID_RESOURCE_HANDLE = 400
 CUDA_ERROR_NOT_READY = 600
+
+STREAM_LEGACY_DEFAULT = 0        # the default stream of code built without per-thread default streams
+CUDA_STREAM_LEGACY = 1           # cudaStreamLegacy
+CUDA_STREAM_PER_THREAD = 2       # cudaStreamPerThread
 
 
 class CUDARuntimeError(RuntimeError):
@@ -34,10 +41,12 @@ class FakeCudaRuntime:
         self.pinned = {}
         self._next = [(d + 1) << 40 for d in range(devices)]
         self._next_host = 7 << 40
-        self._events = {}
+        self._events = {}                    # event -> {stream key: work it waits for}
         self._event_ids = itertools.count(1)
-        self._recorded = {}                  # (device, stream) -> last sequence queued
-        self._completed = {}
+        self._queued = {}                    # stream key -> work queued so far
+        self._completed = {}                 # stream key -> work finished so far
+        self.recorded = []                   # (stream, thread ident) of every eventRecord
+        self.failing_event_streams = set()   # eventRecord on these streams fails
         self.calls = []
 
     # devices
@@ -92,38 +101,86 @@ class FakeCudaRuntime:
             del self.pinned[ptr]
 
     # streams and events
+    #
+    # Work is counted per stream: ``launch`` queues a kernel, ``eventRecord``
+    # queues a marker, ``complete`` finishes everything queued so far. An
+    # event is done when the streams it waits on have finished the work
+    # queued on them before it. Handles 0 and 1 (cudaStreamLegacy) name the
+    # legacy default stream, which waits for every other (blocking) stream of
+    # its device; 2 (cudaStreamPerThread) names the calling thread's own
+    # per-thread default stream, a different stream in every thread.
+    def _stream_key(self, stream, device=None, thread=None):
+        device = self.getDevice() if device is None else device
+        if stream in (STREAM_LEGACY_DEFAULT, CUDA_STREAM_LEGACY):
+            return (device, "legacy")
+        if stream == CUDA_STREAM_PER_THREAD:
+            return (device, "per-thread", threading.get_ident() if thread is None else thread)
+        return (device, stream)
+
     def current_stream(self, device):
         return getattr(self._local, "stream", 0)
 
     def set_stream(self, stream):
         self._local.stream = stream
 
+    def launch(self, stream=None):
+        """Queue work on ``stream`` (default: this thread's current stream) of the current device."""
+        key = self._stream_key(self.current_stream(None) if stream is None else stream)
+        with self._lock:
+            self._queued[key] = self._queued.get(key, 0) + 1
+
     def eventCreateWithFlags(self, flags):
-        event = next(self._event_ids)
-        self._events[event] = None
+        with self._lock:
+            event = next(self._event_ids)
+            self._events[event] = {}
         return event
 
     def eventRecord(self, event, stream):
-        key = (self.getDevice(), stream)
+        key = self._stream_key(stream)
         with self._lock:
-            self._recorded[key] = self._recorded.get(key, 0) + 1
-            self._events[event] = (key, self._recorded[key])
+            if event not in self._events:
+                raise AssertionError(f"cudaEventRecord on event {event}, which does not exist")
+            if stream in self.failing_event_streams:
+                raise CUDARuntimeError(CUDA_ERROR_INVALID_RESOURCE_HANDLE)
+            self._queued[key] = self._queued.get(key, 0) + 1
+            waits = {key: self._queued[key]}
+            if key[1] == "legacy":        # the legacy stream waits for every blocking stream
+                for other, queued in self._queued.items():
+                    if other[0] == key[0]:
+                        waits[other] = queued
+            self._events[event] = waits
+            self.recorded.append((stream, threading.get_ident()))
+
+    def _event_waits(self, event):
+        waits = self._events.get(event)
+        if waits is None:
+            raise AssertionError(f"event {event} does not exist (destroyed, or never created)")
+        return waits
 
     def eventQuery(self, event):
-        key, sequence = self._events[event]
-        return CUDA_SUCCESS if self._completed.get(key, 0) >= sequence else CUDA_ERROR_NOT_READY
+        with self._lock:
+            waits = self._event_waits(event)
+            done = all(self._completed.get(key, 0) >= sequence for key, sequence in waits.items())
+        return CUDA_SUCCESS if done else CUDA_ERROR_NOT_READY
 
     def eventSynchronize(self, event):
-        key, sequence = self._events[event]
-        self._completed[key] = max(self._completed.get(key, 0), sequence)
+        with self._lock:
+            for key, sequence in self._event_waits(event).items():
+                self._completed[key] = max(self._completed.get(key, 0), sequence)
 
     def eventDestroy(self, event):
-        del self._events[event]
+        with self._lock:
+            self._event_waits(event)
+            del self._events[event]
 
-    def complete(self, stream, device=0):
-        """All work queued so far on ``stream`` has finished."""
-        key = (device, stream)
-        self._completed[key] = self._recorded.get(key, 0)
+    def complete(self, stream, device=0, thread=None):
+        """All work queued so far on ``stream`` has finished (stream 2: on the
+        per-thread default stream of ``thread``, by default the calling one)."""
+        key = self._stream_key(stream, device, thread)
+        with self._lock:
+            self._completed[key] = self._queued.get(key, 0)
 
     def events_alive(self):
-        return len(self._events)
+        """How many events exist (created and not destroyed)."""
+        with self._lock:
+            return len(self._events)

@@ -11,7 +11,7 @@ import pytest
 
 import unimem
 from unimem import _core, _devices
-from unimem.backends.cuda import CUDABackend, CUDAPinnedBackend, stream_pointer
+from unimem.backends.cuda import CUDABackend, CUDAPinnedBackend, make_device_type
 from unimem.backends.simulated import SimulatedBackend
 
 from fake_cuda import CUDA_ERROR_INVALID_DEVICE, CUDARuntimeError, FakeCudaRuntime
@@ -52,9 +52,8 @@ def fake():
     """Serve the ``cuda`` device type from a simulated two-GPU runtime."""
     runtime = FakeCudaRuntime(devices=2, capacity=1 << 30)
     saved = (_devices._types.get("cuda"), _devices._unavailable.get("cuda"))
-    _devices._types["cuda"] = _devices.DeviceType(
-        "cuda", CUDABackend(runtime), current_device_fn=runtime.getDevice, set_device_fn=runtime.setDevice,
-        current_stream_fn=runtime.current_stream, stream_handle_fn=stream_pointer)
+    # wired as on a GPU, the current stream read from the fake instead of CuPy
+    _devices._types["cuda"] = make_device_type(runtime, current_stream_fn=runtime.current_stream)
     yield runtime
     gc.collect()
     if saved[0] is None:
@@ -74,7 +73,8 @@ def ucuda(fake):
 def test_the_allocator_gives_cupy_memory_pointers_from_the_pool(fake, ucuda):
     pointer = ucuda.allocator(1000)
     assert isinstance(pointer, cupy.cuda.MemoryPointer)
-    assert pointer.device_id == 0 and pointer.mem.size == 1000
+    assert pointer.device_id == 0
+    assert pointer.mem.size == 1024                        # the block's size, as CuPy's PooledMemory
     s = ucuda.memory_stats(0)
     assert s["allocated_bytes.all.current"] == 1024 and s["requested_bytes.all.current"] == 1000
     assert fake.calls == [("malloc", 0, 2 * MiB)]

@@ -19,15 +19,14 @@ raise ``RuntimeError`` naming the cause (``device_count()`` is 0).
 """
 from __future__ import annotations
 
-import threading
 import warnings
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
-from . import _core
+from . import _core, _devices
 from ._devices import get_type, new_allocator
 from ._memory_api import PUBLIC_FUNCTIONS, MemoryAPI
 from .backends.base import Backend
-from .backends.cuda import stream_pointer
+from .backends.cuda import CUDABackend, OnDevice, stream_key
 
 _api = MemoryAPI("cuda")
 globals().update(_api.functions())
@@ -52,12 +51,14 @@ def _cupy_out_of_memory_class() -> type:
 
             def __init__(self, error: _core.OutOfMemoryError) -> None:
                 MemoryError.__init__(self, str(error))
-                for name in ("device", "requested", "capacity", "free", "allocated", "reserved"):
-                    setattr(self, name, getattr(error, name))
+                self.__dict__.update(error.__dict__)        # device, requested, capacity, ...
+                # what CuPy's OutOfMemoryError keeps (size, total, limit)
                 self._size, self._total, self._limit = error.requested, error.allocated, 0
 
             def __reduce__(self) -> Any:
-                return (MemoryError, (str(self),))
+                # Rebuilt by unimem.cuda, not by calling the class with its
+                # message, so that the class and every attribute survive.
+                return (_restore_out_of_memory_error, (self.args,), dict(self.__dict__))
 
         OutOfMemoryError.__qualname__ = "OutOfMemoryError"
         OutOfMemoryError.__module__ = __name__
@@ -68,15 +69,75 @@ def _cupy_out_of_memory_class() -> type:
 _OOM: Optional[type] = None
 
 
+def _restore_out_of_memory_error(args: Tuple[Any, ...]) -> BaseException:
+    """Unpickle :class:`OutOfMemoryError` (pickle then restores its attributes)."""
+    cls = _cupy_out_of_memory_class()
+    error = cls.__new__(cls)
+    error.args = args
+    return error
+
+
 def __getattr__(name: str) -> Any:
     if name == "OutOfMemoryError":
         return _cupy_out_of_memory_class()
     raise AttributeError(f"module 'unimem.cuda' has no attribute '{name}'")
 
 
-def _memory_pointer(allocation: _core.Allocation, size: int, device: int) -> Any:
-    memory = _cupy().cuda.memory
-    return memory.MemoryPointer(memory.UnownedMemory(allocation.ptr, size, allocation, device), 0)
+def _memory_classes() -> Tuple[type, type]:
+    """CuPy ``Memory`` classes for pool blocks, made once CuPy is imported."""
+    global _MEMORY_CLASSES
+    if _MEMORY_CLASSES is None:
+        memory = _cupy().cuda.memory
+
+        class PooledMemory(memory.UnownedMemory):
+            """A block of a unimem pool, as CuPy's ``PooledMemory`` is one of
+            its pool: ``size`` is the block's (rounded) size, and the block
+            goes back to the pool when this object dies or at :meth:`free`.
+
+            Attributes: ``ptr``, ``size``, ``device_id`` (CuPy's), ``allocation``
+            (the unimem block it holds)."""
+
+            __slots__ = ()
+
+            @property
+            def allocation(self) -> _core.Allocation:
+                return self._owner
+
+            def free(self) -> None:
+                """Frees the memory buffer and returns it to the memory pool.
+
+                This function actually does not free the buffer. It just returns
+                the buffer to the memory pool for reuse. Later calls do nothing."""
+                self._owner.release()
+                self.ptr = 0
+
+        class EmptyMemory(memory.Memory):
+            """What a pool gives for 0 bytes: a CuPy ``Memory`` at address 0, as
+            CuPy's pool gives (``Memory(0)``, made here without a CUDA call)."""
+
+            __slots__ = ()
+
+            def __init__(self, device_id: int) -> None:      # Memory.__init__ would call CUDA
+                self.ptr = 0
+                self.size = 0
+                self.device_id = device_id
+
+        for cls in (PooledMemory, EmptyMemory):
+            cls.__module__, cls.__qualname__ = __name__, cls.__name__
+        _MEMORY_CLASSES = (PooledMemory, EmptyMemory)
+    return _MEMORY_CLASSES
+
+
+_MEMORY_CLASSES: Optional[Tuple[type, type]] = None
+
+
+def _memory_pointer(allocation: _core.Allocation, device: int) -> Any:
+    """A ``cupy.cuda.MemoryPointer`` to a pool block, holding it until CuPy lets go."""
+    pooled, empty = _memory_classes()
+    if allocation.ptr == 0:
+        return _cupy().cuda.memory.MemoryPointer(empty(device), 0)
+    size = allocation.allocator.round_size(allocation.size)
+    return _cupy().cuda.memory.MemoryPointer(pooled(allocation.ptr, size, allocation, device), 0)
 
 
 def allocator(size: int) -> Any:
@@ -93,7 +154,7 @@ def allocator(size: int) -> Any:
         allocation = registry.get(device).allocate(size, registry.stream_handle_of(None, device))
     except _core.OutOfMemoryError as error:
         raise _cupy_out_of_memory_class()(error) from None
-    return _memory_pointer(allocation, size, device)
+    return _memory_pointer(allocation, device)
 
 
 def _base_pointer(memory: Any) -> int:
@@ -120,22 +181,23 @@ def record_stream(memory: Any, stream: Any) -> None:
     owner = registry.find_owner(ptr)
     if owner is None:
         raise ValueError(f"address {ptr:#x} is not a live block of unimem's CUDA pools")
-    owner.record_stream(ptr, stream_pointer(stream))
+    owner.record_stream(ptr, stream_key(stream))
 
 
 class _CupyAllocatorBackend(Backend):
     """Raw memory from a CuPy-style allocator (``size -> MemoryPointer``, such
-    as ``cupy.cuda.malloc_managed``), kept alive until given back."""
+    as ``cupy.cuda.malloc_managed``), kept alive until given back. Stream
+    events are the CUDA backend's."""
 
     name = "GPU"
 
-    def __init__(self, raw_allocator: Any, device_count: int) -> None:
+    def __init__(self, raw_allocator: Any, cuda_backend: CUDABackend) -> None:
         self.raw_allocator = raw_allocator
-        self._count = device_count
+        self.cuda_backend = cuda_backend
         self._held: Dict[int, Any] = {}
 
     def malloc(self, size: int, device: int, stream: int) -> int:
-        with _cupy().cuda.Device(device):
+        with OnDevice(self.cuda_backend.runtime, device):   # as cupy.cuda.Device(device) does
             pointer = self.raw_allocator(size)
         self._held[pointer.ptr] = pointer
         return pointer.ptr
@@ -144,44 +206,72 @@ class _CupyAllocatorBackend(Backend):
         del self._held[ptr]
 
     def device_count(self) -> int:
-        return self._count
+        return self.cuda_backend.device_count()
 
     def memory_info(self, device: int) -> Any:
-        return get_type("cuda").backend.memory_info(device)
+        return self.cuda_backend.memory_info(device)
+
+    def record_event(self, stream: int, device: int) -> Any:
+        return self.cuda_backend.record_event(stream, device)
+
+    def release_event(self, event: Any) -> None:
+        self.cuda_backend.release_event(event)
+
+    def event_done(self, event: Any) -> bool:
+        return self.cuda_backend.event_done(event)
+
+    def event_synchronize(self, event: Any) -> None:
+        self.cuda_backend.event_synchronize(event)
+
+
+def _cuda_stream_functions() -> Tuple[Optional[Callable[[int], int]], Callable[[Any], int]]:
+    """How unimem.cuda finds the current stream's key, and turns a stream into
+    one; without CUDA (a pool on a simulated device), every request is on stream 0."""
+    if not _devices.is_available("cuda"):
+        return None, stream_key
+    registry = get_type("cuda").registry
+    return registry.current_stream_fn, registry.stream_handle_fn
 
 
 class MemoryPool:
     """A drop-in for ``cupy.cuda.MemoryPool``, backed by unimem's caching
-    allocators: PyTorch's policy and statistics behind CuPy's API.
+    allocators: unimem's statistics behind CuPy's API.
 
     ``cupy.cuda.set_allocator(unimem.cuda.MemoryPool().malloc)`` works as with
     CuPy's pool. Every method applies to the current device, as CuPy's do.
+    Blocks are reused in stream order, as in CuPy's pool: a block freed on a
+    stream goes at once only to requests on that stream (CuPy's current
+    stream when the request is made; ``cudaStreamPerThread`` is a different
+    stream in each thread, see :func:`unimem.backends.cuda.stream_key`).
 
     Args:
         allocator: like CuPy's: a raw allocator (``size -> MemoryPointer``,
             for example ``cupy.cuda.malloc_managed``) the pool draws segments
-            from. By default, unimem's CUDA backend, and the pool shares its
-            allocators (and statistics) with :mod:`unimem.cuda`.
-        backend: instead, any unimem backend (for tests: a simulated device).
+            from. The pool then has its own allocators, with CuPy's segment
+            policy (a miss takes a segment of just the rounded request).
+            By default, the pool is unimem's CUDA allocators, shared (with
+            their statistics and PyTorch's policy) with :mod:`unimem.cuda`.
+        backend: instead, any unimem backend (for tests: a simulated
+            device), with the pool's own allocators as for ``allocator``.
     """
 
     def __init__(self, allocator: Any = None, *, backend: Optional[Backend] = None) -> None:
         if allocator is not None and backend is not None:
             raise ValueError("give a CuPy allocator or a unimem backend, not both")
+        current_device_fn = None
         if allocator is not None:
-            backend = _CupyAllocatorBackend(allocator, get_type("cuda").device_count)
-        self._device_fn = None
+            cuda = get_type("cuda")
+            backend = _CupyAllocatorBackend(allocator, cuda.backend)
+            current_device_fn = cuda.registry.current_device_fn
         if backend is None:
             self._registry = get_type("cuda").registry
-            self._stream_fn = lambda device: self._registry.stream_handle_of(None, device)
         else:
+            current_stream_fn, stream_handle_fn = _cuda_stream_functions()
             self._registry = _core.DeviceRegistry(
                 "cuda-pool", backend.device_count(),
                 lambda index: new_allocator("cuda-pool", backend, index),
-                current_device_fn=get_type("cuda").registry.current_device_fn
-                if isinstance(backend, _CupyAllocatorBackend) else None)
-            self._stream_fn = lambda device: 0
-        self._lock = threading.Lock()
+                current_device_fn=current_device_fn, current_stream_fn=current_stream_fn,
+                stream_handle_fn=stream_handle_fn)
 
     def _current(self) -> _core.CachingAllocator:
         return self._registry.get(self._registry.current_index())
@@ -189,16 +279,22 @@ class MemoryPool:
     def malloc(self, size: int) -> Any:
         """Allocate ``size`` bytes on the current device (and stream); returns
         a ``cupy.cuda.MemoryPointer``."""
-        device = self._registry.current_index()
+        registry = self._registry
+        device = registry.current_index()
         try:
-            allocation = self._registry.get(device).allocate(size, self._stream_fn(device))
+            allocation = registry.get(device).allocate(size, registry.stream_handle_of(None, device))
         except _core.OutOfMemoryError as error:
             raise _cupy_out_of_memory_class()(error) from None
-        return _memory_pointer(allocation, size, device)
+        return _memory_pointer(allocation, device)
 
     def free_all_blocks(self, stream: Any = None) -> None:
-        """Release free blocks: of ``stream``'s arena if given, else all."""
-        self._current().empty_cache(None if stream is None else stream_pointer(stream))
+        """Releases free blocks.
+
+        Args:
+            stream (cupy.cuda.Stream): Release free blocks in the arena of the
+                given stream. The default releases blocks in all arenas.
+        """
+        self._current().empty_cache(None if stream is None else stream_key(stream))
 
     def free_all_free(self) -> None:
         """(Deprecated) Use :meth:`free_all_blocks` instead."""

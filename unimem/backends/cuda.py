@@ -12,12 +12,22 @@ machines without a GPU.
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+import itertools
+import threading
+from typing import Any, Callable, Optional, Tuple
 
 from .base import Backend
 
 CUDA_ERROR_MEMORY_ALLOCATION = 2          # cudaErrorMemoryAllocation
 CUDA_SUCCESS = 0
+CUDA_STREAM_LEGACY = 1                    # cudaStreamLegacy: the legacy default stream, from any thread
+CUDA_STREAM_PER_THREAD = 2                # cudaStreamPerThread: the calling thread's default stream
+
+# Per-thread stream keys live above this address: it is non-canonical on every
+# 64-bit CPU CUDA runs on, so no cudaStream_t (a pointer, or 0, 1, 2) is there.
+PER_THREAD_KEY_BASE = 0xFFFF_0000_0000_0000
+_per_thread_keys = itertools.count(PER_THREAD_KEY_BASE + 1)   # next() is atomic under the GIL
+_this_thread = threading.local()
 
 
 def _default_runtime() -> Any:
@@ -29,7 +39,7 @@ def _is_out_of_memory(error: BaseException) -> bool:
     return getattr(error, "status", None) == CUDA_ERROR_MEMORY_ALLOCATION
 
 
-class _OnDevice:
+class OnDevice:
     """Make ``device`` current for a block of code, as ``cupy.cuda.Device`` does."""
 
     __slots__ = ("runtime", "device", "previous")
@@ -63,7 +73,7 @@ class CUDABackend(Backend):
 
     def malloc(self, size: int, device: int, stream: int) -> int:
         try:
-            with _OnDevice(self.runtime, device):
+            with OnDevice(self.runtime, device):
                 return self.runtime.malloc(size)
         except Exception as error:
             if _is_out_of_memory(error):
@@ -71,25 +81,34 @@ class CUDABackend(Backend):
             raise
 
     def free(self, ptr: int, size: int, device: int, stream: int) -> None:
-        with _OnDevice(self.runtime, device):
+        with OnDevice(self.runtime, device):
             self.runtime.free(ptr)
 
     def memory_info(self, device: int) -> Tuple[int, int]:
-        with _OnDevice(self.runtime, device):
+        with OnDevice(self.runtime, device):
             free, total = self.runtime.memGetInfo()
         return int(free), int(total)
 
     # streams: a CUDA event marks the end of the work queued on a stream
     def record_event(self, stream: int, device: int) -> Any:
+        """Record an event after the work queued so far on ``stream``, a pool
+        key (see :func:`stream_key`): a per-thread key is recorded on that
+        thread's per-thread default stream when called from that thread, else
+        on the legacy default stream (see :func:`cuda_stream_of`)."""
         rt = self.runtime
-        with _OnDevice(rt, device):
+        with OnDevice(rt, device):
             event = rt.eventCreateWithFlags(rt.eventDisableTiming)
             try:
-                rt.eventRecord(event, stream)
+                rt.eventRecord(event, cuda_stream_of(stream))
             except BaseException:
                 rt.eventDestroy(event)
                 raise
         return event
+
+    def release_event(self, event: Any) -> None:
+        """Destroy an event the core recorded but will not wait on (another
+        stream's event failed, so the free was undone)."""
+        self.runtime.eventDestroy(event)
 
     def event_done(self, event: Any) -> bool:
         if self.runtime.eventQuery(event) != CUDA_SUCCESS:
@@ -143,31 +162,95 @@ def stream_pointer(stream: Any) -> int:
         return stream
     for attribute in ("ptr", "cuda_stream"):
         value = getattr(stream, attribute, None)
-        if isinstance(value, int):
+        if isinstance(value, int) and not isinstance(value, bool):
             return value
     raise TypeError(f"expected a CUDA stream (CuPy or PyTorch) or an int, got {type(stream).__name__}")
 
 
-def make_device_type(runtime: Optional[Any] = None):
-    """The ``cuda`` device type, or a string saying why there is none."""
+# ---------------------------------------------------------------------------
+# Stream keys: what the pools key free blocks by
+# ---------------------------------------------------------------------------
+def per_thread_stream_key() -> int:
+    """The pool key of the calling thread's per-thread default stream.
+
+    Every thread gets its own key, never reused in the process (a counter,
+    where CuPy uses the ``id`` of a thread-local object, which a later
+    thread may get again)."""
+    key = getattr(_this_thread, "key", None)
+    if key is None:
+        key = _this_thread.key = next(_per_thread_keys)
+    return key
+
+
+def stream_key(stream: Any) -> int:
+    """The key unimem's CUDA pools file ``stream``'s free blocks under.
+
+    A block freed on a stream is reused at once only by requests on the same
+    key, so the key must name one stream. A ``cudaStream_t`` does, except
+    ``cudaStreamPerThread`` (2): in each thread it names that thread's own
+    default stream, and a block thread A freed on its per-thread stream,
+    still used by work queued there, must not go at once to thread B. So, as
+    CuPy's pool does, 2 is keyed per thread: it becomes the calling thread's
+    :func:`per_thread_stream_key`. Every other handle is its own key.
+
+    ``stream`` is a CuPy or PyTorch stream, a ``cudaStream_t`` as an int, or a
+    key this function returned."""
+    pointer = stream_pointer(stream)
+    if pointer == CUDA_STREAM_PER_THREAD:
+        return per_thread_stream_key()
+    return pointer
+
+
+def cuda_stream_of(key: int) -> int:
+    """The ``cudaStream_t`` to record an event on for the pool key ``key``.
+
+    A per-thread key is the per-thread default stream of the thread that
+    owns it. From that thread, ``cudaStreamPerThread`` names that stream. From
+    any other thread (a block is freed, and its events are recorded, by
+    whichever thread lets go of it last) no handle names it; there the event
+    goes on the legacy default stream (``cudaStreamLegacy``), which waits for
+    all work queued before it on every blocking stream of the device, and a
+    per-thread default stream is a blocking stream. So the event still
+    completes only after the owner's work has: later than needed at worst,
+    never earlier. Any other key is the ``cudaStream_t`` itself."""
+    if key <= PER_THREAD_KEY_BASE:
+        return key
+    if key == getattr(_this_thread, "key", None):
+        return CUDA_STREAM_PER_THREAD
+    return CUDA_STREAM_LEGACY
+
+
+def make_device_type(runtime: Optional[Any] = None,
+                     current_stream_fn: Optional[Callable[[int], int]] = None):
+    """The ``cuda`` device type, or a string saying why there is none.
+
+    ``runtime`` is CuPy's runtime module by default; ``current_stream_fn(device)``
+    gives the ``cudaStream_t`` requests use when they name none (CuPy's current
+    stream by default). Pools key blocks by :func:`stream_key`."""
     if runtime is None:
         try:
             import cupy  # noqa: F401
             runtime = _default_runtime()
         except ImportError as exc:
-            return f"CuPy is not installed ({exc}); pip install unimem[cuda]"
+            return (f"CuPy is not installed ({exc}); install unimem with its CUDA extra "
+                    f"from the checkout: pip install -e \".[cuda]\"")
     try:
         count = runtime.getDeviceCount()
     except Exception as exc:
         return f"CUDA cannot be used here: {exc}"
     if count == 0:
         return "CUDA sees no GPU"
+    raw_current_stream = current_stream_fn if current_stream_fn is not None else _cupy_current_stream
+
+    def current_stream_key(device: int) -> int:
+        return stream_key(raw_current_stream(device))
+
     from .._devices import DeviceType
     return DeviceType("cuda", CUDABackend(runtime), current_device_fn=runtime.getDevice,
-                      set_device_fn=runtime.setDevice, current_stream_fn=_current_stream,
-                      stream_handle_fn=stream_pointer)
+                      set_device_fn=runtime.setDevice, current_stream_fn=current_stream_key,
+                      stream_handle_fn=stream_key)
 
 
-def _current_stream(device: int) -> int:
+def _cupy_current_stream(device: int) -> int:
     import cupy
     return cupy.cuda.get_current_stream(device).ptr
