@@ -13,6 +13,7 @@ SYCL device, else ``cpu`` (plain host memory).
 from __future__ import annotations
 
 import functools
+import operator
 import os
 import threading
 import weakref
@@ -42,7 +43,8 @@ class device:
                 if index is not None:
                     raise ValueError(f"type (string) must not include an index because index was passed explicitly: {type}")
                 type, _, index_text = type.partition(":")
-                if not index_text.isdigit():
+                # ASCII digits only: str.isdigit() and int() also take "٠" or "²"
+                if not (index_text.isascii() and index_text.isdigit()):
                     raise ValueError(f"Invalid device string: '{type}:{index_text}'")
                 index = int(index_text)
         else:
@@ -183,7 +185,11 @@ def fork_message(pool: str) -> str:
 
 def _after_fork_in_child() -> None:
     """In a forked child, every allocator whose device does not survive the
-    fork refuses to work, saying why; host memory carries on."""
+    fork refuses to work, saying why; host memory carries on. The table's
+    lock starts unlocked: the thread that held it in the parent does not
+    exist in the child and would never release it."""
+    global _lock
+    _lock = threading.RLock()
     for allocator, pool in list(_pools_by_allocator.items()):
         if not getattr(allocator.backend, "survives_fork", True):
             _broken_by_fork.add(allocator.backend)
@@ -345,7 +351,9 @@ def device_index(device_arg: DeviceLike, dtype: DeviceType, *, optional: bool = 
             if isinstance(kind, str):            # torch.device and friends
                 device_arg = device(kind, getattr(device_arg, "index", None))
             elif hasattr(device_arg, "__index__"):
-                device_arg = int(device_arg.__index__())
+                # operator.index refuses an __index__ that returns a non-int
+                # (int() would truncate a float)
+                device_arg = operator.index(device_arg)
             else:
                 raise TypeError(f"Expected a device index, a device string or a device, "
                                 f"got {type(device_arg).__name__}")

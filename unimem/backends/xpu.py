@@ -161,6 +161,15 @@ class _SyclRuntime:
         return self.default_queues[device] if handle == 0 else self.queues[handle]
 
 
+def _reset_lock_in_forked_child() -> None:
+    # The thread that held the lock in the parent does not exist in the child.
+    _SyclRuntime._lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_lock_in_forked_child)
+
+
 class XPUBackend(Backend):
     """SYCL USM memory of one kind on unimem's XPU devices.
 
