@@ -18,7 +18,7 @@ Quick start::
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import Any, List
 
 from .backends.xpu import ensure_opencl_cpu_runtime
 
@@ -65,10 +65,19 @@ def change_current_allocator(allocator: Backend) -> None:
     _devices.replace_backend(_devices.current_type_name(), allocator)
 
 
+# Submodules imported on first use, so that ``import unimem`` imports neither
+# CuPy, dpctl, prometheus_client nor dask: unimem.xpu / unimem.cuda need their
+# array library, unimem.prometheus / unimem.dask their extra.
+_LAZY_SUBMODULES = ("xpu", "cuda", "prometheus", "dask")
+
+
 def __getattr__(name: str) -> Any:
-    # unimem.xpu and unimem.cuda import dpctl / CuPy: only when asked for.
-    if name in ("xpu", "cuda"):
+    if name in _LAZY_SUBMODULES:
         module = importlib.import_module(f".{name}", __name__)
         globals()[name] = module
         return module
     raise AttributeError(f"module 'unimem' has no attribute '{name}'")
+
+
+def __dir__() -> List[str]:
+    return sorted(set(globals()) | set(_LAZY_SUBMODULES))

@@ -147,9 +147,10 @@ def _run_script(argv: List[str], install: bool, quiet_stdout: bool = False) -> i
         return 0
     _check_script(argv)
     if install:
-        from ._install import install_allocators
+        from ._install import POOL_OF_LIBRARY, install_allocators
         installed = install_allocators()
-        print(f"unimem: serving {', '.join(installed) if installed else 'no array library'} "
+        served = ", ".join(f"{name} from the {POOL_OF_LIBRARY[name]} pool" for name in installed)
+        print(f"unimem: serving {served or 'no array library'} "
               f"(current accelerator: {_current_device_type().name})", file=sys.stderr)
     script = argv[0]
     saved_argv, saved_path = sys.argv, list(sys.path)

@@ -19,8 +19,11 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 from . import _devices
 
-# What install_allocators can route to unimem.
+# What install_allocators can route to unimem, and the device type whose pool
+# serves each: a library's arrays live on its own devices, whatever the current
+# accelerator (UNIMEM_DEVICE=cpu still routes dpnp to the XPU pool).
 ARRAY_LIBRARIES = ("cupy", "dpnp")
+POOL_OF_LIBRARY = {"cupy": "cuda", "dpnp": "xpu"}
 DPNP_CREATORS = ("empty", "zeros", "ones", "full", "empty_like", "zeros_like", "ones_like", "full_like")
 
 _lock = threading.Lock()
@@ -79,7 +82,12 @@ def _install_cupy() -> bool:
 def install_allocators() -> List[str]:
     """Make unimem the allocator of every array library it can serve here;
     returns their names (``["cupy"]``, ``["dpnp"]``, or ``[]`` when neither
-    has a device)."""
+    has a device).
+
+    Each library is served by the pool of its own device type
+    (:data:`POOL_OF_LIBRARY`), not by the current accelerator's: with
+    ``UNIMEM_DEVICE=cpu`` dpnp's arrays still come from the XPU pool, and
+    its statistics are ``unimem.xpu``'s."""
     installed: List[str] = []
     with _lock:
         done = {name for name, _ in _undo}

@@ -20,7 +20,8 @@ worker's array library (CuPy on GPUs, dpnp on SYCL devices, see
 when it is removed. The statistics are gathered with ``client.run``: a worker
 that does not answer in time is reported, not waited for.
 
-``pip install "unimem[dask]"`` brings ``distributed`` and ``pandas``.
+``pip install -e ".[dask]"`` in a checkout of unimem brings ``distributed``
+and ``pandas`` (the name ``unimem`` on PyPI is another project).
 """
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ try:
     from distributed import Client
     from distributed.diagnostics.plugin import WorkerPlugin
 except ImportError as exc:  # pragma: no cover - the message is the point
-    raise ImportError("unimem.dask needs dask.distributed and pandas: pip install 'unimem[dask]'") from exc
+    raise ImportError("unimem.dask needs dask.distributed and pandas: pip install distributed pandas, "
+                      "or pip install -e \".[dask]\" in unimem's checkout") from exc
 
 from . import _core, _devices, host
 from ._config import ENV_VAR, parse_alloc_conf

@@ -17,11 +17,18 @@ host timing counters). For example::
     unimem_num_ooms{device="xpu:0",pool="",metric="value"} 0.0
 
 Only allocators that exist are reported; nothing is created by scraping.
-Needs ``prometheus_client`` (``pip install unimem[prometheus]``).
+Needs ``prometheus_client``: ``pip install -e ".[prometheus]"`` in a checkout
+of unimem (the name ``unimem`` on PyPI is another project).
 """
 from __future__ import annotations
 
 from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+try:
+    import prometheus_client  # noqa: F401
+except ImportError as exc:
+    raise ImportError("unimem.prometheus needs prometheus_client: pip install prometheus_client, "
+                      "or pip install -e \".[prometheus]\" in unimem's checkout") from exc
 
 from . import _devices, host
 
