@@ -335,3 +335,28 @@ def test_gpu_pinned_copies_both_ways():
     finally:
         cupy.cuda.set_pinned_memory_allocator(cupy.get_default_pinned_memory_pool().malloc)
         cupy.cuda.set_allocator(previous)
+
+
+def test_host_memory_stats_has_every_key_zeroed_before_the_first_pinned_allocation():
+    """PyTorch's host_memory_stats gives its keys, zero, before any pinned
+    allocation; unimem's gave {} (a KeyError for ["num_host_alloc"])."""
+    import json
+    import subprocess
+    import sys
+    script = (
+        "import json, unimem\n"
+        "before = dict(unimem.host_memory_stats())\n"
+        "nested = unimem.host.host_memory_stats_as_nested_dict()\n"
+        "unimem.host.caching_host_delete(unimem.host.caching_host_alloc(1000))\n"
+        "after = dict(unimem.host_memory_stats())\n"
+        "print(json.dumps([before, after, sorted(nested)]))\n")
+    env = {**__import__("os").environ, "CUDA_VISIBLE_DEVICES": ""}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stderr
+    before, after, nested_keys = json.loads(result.stdout.strip().splitlines()[-1])
+    assert before, "no keys before the first pinned allocation"
+    assert sorted(before) == sorted(after)
+    assert all(value == 0 for value in before.values())
+    assert before["num_host_alloc"] == 0 and after["num_host_alloc"] == 1
+    assert {"allocated", "allocated_bytes", "segment", "reserved_bytes", "num_host_alloc",
+            "host_alloc_time", "host_free_time"} <= set(nested_keys)

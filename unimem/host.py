@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Mapping, Optional
 
 from . import _core, _history
 from ._devices import new_allocator
@@ -133,15 +133,26 @@ def host_memory_stats() -> "collections.OrderedDict[str, Any]":
     - ``"host_alloc_time.{total,max,min,count,avg}"``
     - ``"host_free_time.{total,max,min,count,avg}"``
 
-    Returns an empty ``OrderedDict`` before the first pinned allocation.
+    Before the first pinned allocation every key is there, zero, as in
+    PyTorch once CUDA is initialized.
     """
     pool = _existing()
-    if pool is None:
-        return collections.OrderedDict()
-    stats = pool.memory_stats()
-    timing = pool.backend_timing()
+    if pool is None:        # not created yet: nothing counted (and no runtime probed to create it)
+        return _host_stats_from(collections.defaultdict(int), _ZERO_TIMING)
+    return _host_stats_from(pool.memory_stats(), pool.backend_timing())
+
+
+_METRICS = ("current", "peak", "allocated", "freed")
+_TIMING_FIELDS = ("total", "max", "min", "count", "avg")
+_ZERO_TIMING: Dict[str, Dict[str, int]] = {which: dict.fromkeys(_TIMING_FIELDS, 0) for which in ("alloc", "free")}
+
+
+def _host_stats_from(stats: Mapping[str, int],
+                     timing: Mapping[str, Mapping[str, int]]) -> "collections.OrderedDict[str, Any]":
+    """The host statistics, named as PyTorch names them, from the host pool's
+    core statistics and backend timing."""
     out: Dict[str, int] = {}
-    for metric in ("current", "peak", "allocated", "freed"):
+    for metric in _METRICS:
         out[f"allocated.{metric}"] = stats[f"allocation.all.{metric}"]
         out[f"allocated_bytes.{metric}"] = stats[f"allocated_bytes.all.{metric}"]
         out[f"segment.{metric}"] = stats[f"segment.all.{metric}"]
@@ -152,8 +163,8 @@ def host_memory_stats() -> "collections.OrderedDict[str, Any]":
     out["num_host_alloc"] = stats["num_device_alloc"]
     out["num_host_free"] = stats["num_device_free"]
     for key, which in (("host_alloc_time", "alloc"), ("host_free_time", "free")):
-        for field, value in timing[which].items():
-            out[f"{key}.{field}"] = value
+        for field in _TIMING_FIELDS:
+            out[f"{key}.{field}"] = timing[which][field]
     return collections.OrderedDict(sorted(out.items()))
 
 
