@@ -304,13 +304,12 @@ def test_caching_allocator_alloc_keys_the_per_thread_stream_per_thread(fake):
 # ---------------------------------------------------------------------------
 def test_a_failed_event_record_leaks_no_event(fake):
     allocator = _devices.get_type("cuda").registry.get(0)
-    block = allocator.allocate(4096, STREAM_1)
-    ptr = block.ptr
+    ptr = allocator.malloc(4096, STREAM_1)
     allocator.record_stream(ptr, STREAM_2)
     allocator.record_stream(ptr, 0x3000)
     fake.failing_event_streams.add(0x3000)
     with pytest.raises(CUDARuntimeError):
-        block.release()
+        allocator.free(ptr)
     assert fake.events_alive() == 0, "the event recorded on the first stream leaked"
     assert allocator.memory_allocated() == 4096         # the block stays allocated: nothing committed
     fake.failing_event_streams.clear()
