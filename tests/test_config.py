@@ -60,3 +60,116 @@ def test_max_reserved_ratio():
     assert parse_alloc_conf("").max_reserved_ratio == 0.0
     with pytest.raises(ValueError, match="at least 1.0"):
         parse_alloc_conf("max_reserved_ratio:0.5")
+
+
+# ---------------------------------------------------------------------------
+# issue 12, item 17: sizes that do not fit, digits that are not ASCII
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("text, option", [
+    ("max_split_size_mb:17592186044416", "max_split_size_mb"),       # 2**44 MiB: overflows a size_t
+    ("max_non_split_rounding_mb:17592186044416", "max_non_split_rounding_mb"),
+    ("max_split_size_mb:99999999999999999999999", "max_split_size_mb"),
+    ("roundup_power2_divisions:18446744073709551616", "roundup_power2_divisions"),   # 2**64
+    ("roundup_power2_divisions:[18446744073709551616:2]", "interval"),
+    ("max_split_size_mb:\u0663\u0660", "max_split_size_mb"),    # ARABIC-INDIC 30: int() takes it
+    ("max_split_size_mb:2\u00b2", "max_split_size_mb"),          # SUPERSCRIPT TWO: isdigit() takes it
+    ("roundup_power2_divisions:\u0664", "roundup_power2_divisions"),
+    ("roundup_power2_divisions:[\u0662\u0665\u0666:2]", "interval"),
+    ("garbage_collection_threshold:\u0660.\u0665", "garbage_collection_threshold"),   # float() takes it
+    ("per_process_memory_fraction:\u0660.\u0665", "per_process_memory_fraction"),
+    ("per_process_memory_fraction:0x1p-1", "per_process_memory_fraction"),
+    ("per_process_memory_fraction:0.5.5", "per_process_memory_fraction"),
+    ("per_process_memory_fraction:inf", "per_process_memory_fraction"),
+    ("per_process_memory_fraction:1_0", "per_process_memory_fraction"),
+    ("max_reserved_ratio:inf", "max_reserved_ratio"),
+    ("max_reserved_ratio:1e999", "max_reserved_ratio"),
+])
+def test_oversized_or_non_ascii_values_are_value_errors_naming_the_option(text, option):
+    with pytest.raises(ValueError, match=option) as info:
+        parse_alloc_conf(text)
+    assert "UNIMEM_ALLOC_CONF" in str(info.value)
+
+
+def test_the_largest_sizes_accepted_fit_the_core():
+    from unimem import _config, _core
+    assert _config.MAX_SIZE_BYTES == _core.MAX_REQUEST_SIZE
+    with pytest.raises(ValueError, match="max_split_size_mb is too large"):
+        parse_alloc_conf(f"max_split_size_mb:{_config.MAX_SIZE_MB + 1}")
+    s = parse_alloc_conf(f"max_split_size_mb:{_config.MAX_SIZE_MB},max_non_split_rounding_mb:{_config.MAX_SIZE_MB}")
+    assert s.max_split_size == _core.MAX_REQUEST_SIZE
+    from unimem.backends.simulated import SimulatedBackend
+    allocator = _core.CachingAllocator(SimulatedBackend(capacity=1 << 30), 0, **s.core_kwargs())
+    allocator.free(allocator.malloc(100 * MiB))       # the core takes them and works
+    s = parse_alloc_conf("roundup_power2_divisions:9223372036854775808")      # 2**63, fits a size_t
+    _core.CachingAllocator(SimulatedBackend(capacity=1 << 30), 0, **s.core_kwargs())
+
+
+def test_decimal_numbers_in_ascii_forms():
+    assert parse_alloc_conf("garbage_collection_threshold:.5").garbage_collection_threshold == 0.5
+    assert parse_alloc_conf("garbage_collection_threshold:5e-1").garbage_collection_threshold == 0.5
+    assert parse_alloc_conf("per_process_memory_fraction:1.").per_process_memory_fraction == 1.0
+    assert parse_alloc_conf("per_process_memory_fraction:+0.25").per_process_memory_fraction == 0.25
+
+
+def test_a_malformed_fraction_fails_when_the_environment_is_read(monkeypatch):
+    from unimem._config import settings_from_env
+    monkeypatch.setenv("UNIMEM_ALLOC_CONF", "per_process_memory_fraction:\u0660.\u0665")
+    with pytest.raises(ValueError, match="per_process_memory_fraction"):
+        settings_from_env()
+
+
+# ---------------------------------------------------------------------------
+# issue 18: every option of PYTORCH_CUDA_ALLOC_CONF, checked as PyTorch does
+# ---------------------------------------------------------------------------
+PYTORCH_OPTIONS_ALL_AT_ONCE = (
+    "backend:native, max_split_size_mb:64, max_non_split_rounding_mb:40,"
+    "garbage_collection_threshold:0.5, roundup_power2_divisions:[64:8,256:4,1024:4,>:1],"
+    "expandable_segments:False, large_segment_size_mb:20,"
+    "release_lock_on_cudamalloc:True, pinned_use_cuda_host_register:True,"
+    "pinned_num_register_threads:8, pinned_reserve_segment_size_mb:64,"
+    "pinned_use_background_threads:True, graph_capture_record_stream_reuse:False")
+
+
+def test_every_pytorch_option_is_accepted():
+    s = parse_alloc_conf(PYTORCH_OPTIONS_ALL_AT_ONCE)
+    assert s.max_split_size == 64 * MiB and s.garbage_collection_threshold == 0.5
+    assert s.inert_options == {
+        "release_lock_on_cudamalloc": True, "pinned_use_cuda_host_register": True,
+        "pinned_num_register_threads": 8, "pinned_reserve_segment_size_mb": 64,
+        "pinned_use_background_threads": True, "graph_capture_record_stream_reuse": False}
+    s = parse_alloc_conf("release_lock_on_hipmalloc:False,pinned_use_hip_host_register:False")
+    assert s.inert_options == {"release_lock_on_hipmalloc": False, "pinned_use_hip_host_register": False}
+
+
+def test_each_inert_option_is_listed_with_a_reason():
+    from unimem import _config
+    for name, reason in _config.INERT_OPTIONS:
+        assert name in _config.SUPPORTED_KEYS and len(reason) > 20
+    assert {name for name, _ in _config.INERT_OPTIONS} >= {
+        "release_lock_on_cudamalloc", "pinned_use_cuda_host_register", "pinned_num_register_threads",
+        "pinned_reserve_segment_size_mb", "pinned_use_background_threads", "graph_capture_record_stream_reuse"}
+
+
+@pytest.mark.parametrize("text, message", [
+    ("expandable_segments:True", "not supported yet"),
+    ("expandable_segments:true", "True or False"),            # PyTorch takes only True/False
+    ("expandable_segments:1", "True or False"),
+    ("backend:cudaMallocAsync", "not supported yet"),
+    ("backend:jemalloc", "unknown allocator backend"),
+    ("large_segment_size_mb:10", "> 10"),
+    ("large_segment_size_mb:64", "not supported yet"),
+    ("release_lock_on_cudamalloc:yes", "release_lock_on_cudamalloc must be True or False"),
+    ("pinned_use_cuda_host_register:1", "pinned_use_cuda_host_register must be True or False"),
+    ("pinned_use_background_threads:on", "pinned_use_background_threads must be True or False"),
+    ("graph_capture_record_stream_reuse:false", "graph_capture_record_stream_reuse must be True or False"),
+    ("pinned_num_register_threads:3", "power of 2"),
+    ("pinned_num_register_threads:0", "power of 2"),
+    ("pinned_num_register_threads:256", "at most 128"),
+    ("pinned_reserve_segment_size_mb:0", "greater than 0"),
+    ("pinned_reserve_segment_size_mb:\u0661", "ASCII"),
+    ("expandable_segments:False,expandable_segments:False", "twice"),
+])
+def test_pytorch_options_are_validated_as_pytorch_does(text, message):
+    with pytest.raises(ValueError, match=message) as info:
+        parse_alloc_conf(text)
+    assert "UNIMEM_ALLOC_CONF" in str(info.value)

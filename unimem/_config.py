@@ -24,24 +24,65 @@ Options (PyTorch's names and rules):
   reserved at most about ratio × peak in use), paying with device calls when
   the working set changes.
 - ``expandable_segments:False`` and ``backend:native`` are accepted (they are
-  what unimem does); their alternatives are not supported.
+  what unimem does); ``expandable_segments:True`` and ``backend:cudaMallocAsync``
+  are refused (not supported yet). ``large_segment_size_mb`` is accepted at
+  its only value here, 20.
+- Every other option of PyTorch's ``PYTORCH_CUDA_ALLOC_CONF`` is accepted and
+  checked as PyTorch checks it, but changes nothing here: see
+  :data:`INERT_OPTIONS` for each one and why.
 
-A malformed value raises :class:`ValueError` naming the option.
+Numbers are ASCII only (``int()`` and ``float()`` also take digits such as
+``"٣"``), and sizes must fit the allocator. A malformed value raises
+:class:`ValueError` naming the option, when the string is parsed.
 """
 from __future__ import annotations
 
+import math
 import os
+import re
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
+
+from ._core import MAX_REQUEST_SIZE
 
 ENV_VAR = "UNIMEM_ALLOC_CONF"
 MiB = 1 << 20
 ROUNDUP_INTERVALS = 16           # 1 MiB, 2 MiB, ... 32 GiB and above
 MIN_SPLIT_SIZE_MB = 20           # kLargeBuffer / 1 MiB
 
+SIZE_T_MAX = (1 << 64) - 1       # what PyTorch parses integers into (std::stoull)
+# The largest request the core accepts: a split or rounding size above it
+# would mean nothing, and could overflow the core's size arithmetic.
+MAX_SIZE_BYTES = MAX_REQUEST_SIZE
+MAX_SIZE_MB = MAX_SIZE_BYTES // MiB
+LARGE_SEGMENT_SIZE_MB = 20       # kLargeBuffer: unimem's segment for requests under 10 MiB
+PINNED_MAX_REGISTER_THREADS = 128   # PyTorch's pinned_max_register_threads()
+
+# PyTorch options that unimem accepts, checks as PyTorch does, and ignores:
+# (option, why it changes nothing here).
+INERT_OPTIONS: Tuple[Tuple[str, str], ...] = (
+    ("release_lock_on_cudamalloc", "unimem's core decides itself when its lock is held around a "
+                                   "backend call; there is no cudaMalloc-specific lock to release"),
+    ("release_lock_on_hipmalloc", "the ROCm spelling of release_lock_on_cudamalloc"),
+    ("pinned_use_cuda_host_register", "unimem's pinned pool allocates page-locked memory directly "
+                                      "(cudaHostAlloc or SYCL host USM), never malloc + cudaHostRegister"),
+    ("pinned_use_hip_host_register", "the ROCm spelling of pinned_use_cuda_host_register"),
+    ("pinned_num_register_threads", "threads for cudaHostRegister, which unimem does not use"),
+    ("pinned_reserve_segment_size_mb", "unimem's pinned pool keeps no pre-reserved segment"),
+    ("pinned_use_background_threads", "unimem's pinned pool processes its events on the calling "
+                                      "thread; it starts no background thread"),
+    ("graph_capture_record_stream_reuse", "unimem has no CUDA graph capture"),
+)
+INERT_KEYS = tuple(name for name, _ in INERT_OPTIONS)
+
 SUPPORTED_KEYS = ("max_split_size_mb", "max_non_split_rounding_mb", "roundup_power2_divisions",
                   "garbage_collection_threshold", "per_process_memory_fraction", "max_reserved_ratio",
-                  "expandable_segments", "backend")
+                  "expandable_segments", "backend", "large_segment_size_mb") + INERT_KEYS
+
+# Strict ASCII numbers: int() and float() take any Unicode decimal digit.
+_ASCII_INTEGER = re.compile(r"[0-9]+")
+_ASCII_DECIMAL = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+_ASCII_SPACE = frozenset(" \t\n\r\f\v")
 
 
 @dataclass(frozen=True)
@@ -55,6 +96,8 @@ class AllocatorSettings:
     per_process_memory_fraction: Optional[float] = None
     max_reserved_ratio: float = 0.0
     source: str = ""
+    # the INERT_OPTIONS given, with their parsed values (they change nothing)
+    inert_options: Dict[str, object] = field(default_factory=dict)
 
     def core_kwargs(self) -> Dict[str, object]:
         return {
@@ -76,7 +119,7 @@ def _tokenize(text: str) -> List[str]:
                 tokens.append("".join(word))
                 word = []
             tokens.append(ch)
-        elif not ch.isspace():
+        elif ch not in _ASCII_SPACE:      # as std::isspace in the C locale
             word.append(ch)
     if word:
         tokens.append("".join(word))
@@ -107,27 +150,36 @@ class _Parser:
         if got != token:
             raise self.fail(f"expected '{token}', found '{got}'")
 
-    def integer(self, what: str) -> int:
-        token = self.take()
-        if not token.isdigit():
-            raise self.fail(f"{what} must be a non-negative integer, got '{token}'")
-        return int(token)
+    def integer(self, what: str, maximum: int = SIZE_T_MAX) -> int:
+        """A non-negative integer in ASCII digits, at most ``maximum``."""
+        return self.integer_token(self.take(), what, maximum)
+
+    def integer_token(self, token: str, what: str, maximum: int = SIZE_T_MAX) -> int:
+        if not _ASCII_INTEGER.fullmatch(token):
+            raise self.fail(f"{what} must be a non-negative integer in ASCII digits, got '{token}'")
+        value = int(token)
+        if value > maximum:
+            raise self.fail(f"{what} is too large: {token} (at most {maximum})")
+        return value
 
     def number(self, what: str) -> float:
+        """A finite decimal number in ASCII (``0.5``, ``.5``, ``5e-1``)."""
         token = self.take()
-        try:
-            value = float(token)
-        except ValueError:
-            raise self.fail(f"{what} must be a number, got '{token}'") from None
-        if value != value:
+        if token.lower() in ("nan", "+nan", "-nan"):
             raise self.fail(f"{what} must be a number, got NaN")
+        if not _ASCII_DECIMAL.fullmatch(token):
+            raise self.fail(f"{what} must be a decimal number, got '{token}'")
+        value = float(token)
+        if not math.isfinite(value):
+            raise self.fail(f"{what} is out of range: {token}")
         return value
 
     def boolean(self, what: str) -> bool:
+        """PyTorch's booleans: exactly ``True`` or ``False``."""
         token = self.take()
-        if token in ("True", "true", "1"):
+        if token == "True":
             return True
-        if token in ("False", "false", "0"):
+        if token == "False":
             return False
         raise self.fail(f"{what} must be True or False, got '{token}'")
 
@@ -136,10 +188,13 @@ def _is_power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
+MAX_DIVISIONS = 1 << 63          # the largest power of two a size_t holds
+
+
 def _parse_divisions(p: _Parser) -> List[int]:
     divisions = [0] * ROUNDUP_INTERVALS
     if p.peek() != "[":
-        value = p.integer("roundup_power2_divisions")
+        value = p.integer("roundup_power2_divisions", MAX_DIVISIONS)
         if not _is_power_of_two(value):
             raise p.fail("roundup_power2_divisions must be a power of 2")
         return [value] * ROUNDUP_INTERVALS
@@ -151,16 +206,17 @@ def _parse_divisions(p: _Parser) -> List[int]:
             raise p.fail("missing ']' at the end of roundup_power2_divisions")
         boundary = p.take()
         p.expect(":")
-        value = p.integer("roundup_power2_divisions")
+        value = p.integer("roundup_power2_divisions", MAX_DIVISIONS)
         if value != 0 and not _is_power_of_two(value):
             raise p.fail("for roundups, the divisions have to be a power of 2 or 0 (no roundup)")
         if boundary == ">":
             for j in range(last_index + 1, ROUNDUP_INTERVALS):
                 divisions[j] = value
         else:
-            if not boundary.isdigit() or not _is_power_of_two(int(boundary)):
+            boundary_mb = p.integer_token(boundary, "a roundup_power2_divisions interval")
+            if not _is_power_of_two(boundary_mb):
                 raise p.fail(f"for roundups, the intervals have to be powers of 2 (MiB), got '{boundary}'")
-            index = min(int(boundary).bit_length() - 1, ROUNDUP_INTERVALS - 1)
+            index = min(boundary_mb.bit_length() - 1, ROUNDUP_INTERVALS - 1)
             if first:
                 for j in range(index):
                     divisions[j] = value
@@ -183,20 +239,23 @@ def parse_alloc_conf(text: Optional[str]) -> AllocatorSettings:
         return AllocatorSettings(source=text or "")
     p = _Parser(text)
     values: Dict[str, object] = {}
+    inert: Dict[str, object] = {}
+    seen = set()
     while p.peek() is not None:
         key = p.take()
-        if key in values:
+        if key in seen:
             raise p.fail(f"option '{key}' is given twice")
         if key not in SUPPORTED_KEYS:
             raise p.fail(f"unrecognized option '{key}' (supported: {', '.join(SUPPORTED_KEYS)})")
+        seen.add(key)
         p.expect(":")
         if key == "max_split_size_mb":
-            mb = p.integer(key)
+            mb = p.integer(key, MAX_SIZE_MB)
             if mb < MIN_SPLIT_SIZE_MB:
                 raise p.fail(f"max_split_size_mb too small, must be >= {MIN_SPLIT_SIZE_MB}")
             values[key] = mb * MiB
         elif key == "max_non_split_rounding_mb":
-            mb = p.integer(key)
+            mb = p.integer(key, MAX_SIZE_MB)
             if mb < MIN_SPLIT_SIZE_MB:
                 raise p.fail(f"max_non_split_rounding_mb too small, must be >= {MIN_SPLIT_SIZE_MB}")
             values[key] = mb * MiB
@@ -219,11 +278,36 @@ def parse_alloc_conf(text: Optional[str]) -> AllocatorSettings:
             values[key] = value
         elif key == "expandable_segments":
             if p.boolean(key):
-                raise p.fail("expandable_segments:True is not supported by unimem")
+                raise p.fail("expandable_segments:True is not supported yet by unimem "
+                             "(segments are fixed-size; use expandable_segments:False)")
         elif key == "backend":
             backend = p.take()
+            if backend in ("cudaMallocAsync", "hipMallocAsync"):
+                raise p.fail(f"backend '{backend}' is not supported yet by unimem (only 'native')")
             if backend != "native":
-                raise p.fail(f"backend '{backend}' is not supported (only 'native')")
+                raise p.fail(f"unknown allocator backend '{backend}', options are native and cudaMallocAsync")
+        elif key == "large_segment_size_mb":
+            mb = p.integer(key)
+            if mb <= 10:        # PyTorch: larger than kMinLargeAlloc (10 MiB)
+                raise p.fail("large_segment_size_mb must be > 10")
+            if mb != LARGE_SEGMENT_SIZE_MB:
+                raise p.fail(f"large_segment_size_mb other than {LARGE_SEGMENT_SIZE_MB} is not supported "
+                             f"yet by unimem")
+        elif key in ("pinned_num_register_threads",):
+            threads = p.integer(key)
+            if not _is_power_of_two(threads):
+                raise p.fail(f"pinned_num_register_threads has to be a power of 2, got {threads}")
+            if threads > PINNED_MAX_REGISTER_THREADS:
+                raise p.fail(f"pinned_num_register_threads should be at most {PINNED_MAX_REGISTER_THREADS}, "
+                             f"got {threads}")
+            inert[key] = threads
+        elif key == "pinned_reserve_segment_size_mb":
+            mb = p.integer(key)
+            if mb == 0:
+                raise p.fail("pinned_reserve_segment_size_mb has to be greater than 0")
+            inert[key] = mb
+        elif key in INERT_KEYS:        # the rest are booleans
+            inert[key] = p.boolean(key)
         if p.peek() is not None:
             p.expect(",")
             if p.peek() is None:
@@ -236,6 +320,7 @@ def parse_alloc_conf(text: Optional[str]) -> AllocatorSettings:
         per_process_memory_fraction=values.get("per_process_memory_fraction"),  # type: ignore[arg-type]
         max_reserved_ratio=values.get("max_reserved_ratio", 0.0),  # type: ignore[arg-type]
         source=text,
+        inert_options=inert,
     )
 
 
