@@ -223,3 +223,180 @@ def test_summary_and_stats(workload):
     assert view["memory_stats"]["allocation.all.allocated"] == 2
     done = unimem_cli("stats")                       # this process, no workload
     assert done.returncode == 0 and done.stdout.startswith("device ")
+
+
+# ---------------------------------------------------------------------------
+# every subcommand's mistakes: exit status and one line
+# ---------------------------------------------------------------------------
+def test_usage_names_the_program():
+    console = subprocess.run([sys.executable, "-c", "import sys; from unimem.__main__ import main; "
+                              "sys.exit(main(['--help']))"], capture_output=True, text=True, timeout=120)
+    assert console.returncode == 0 and console.stdout.startswith("usage: unimem "), console.stdout[:80]
+    assert unimem_cli("--help").stdout.startswith("usage: python -m unimem ")
+    bench = subprocess.run([sys.executable, "-m", "benchmarks", "--help"], capture_output=True, text=True,
+                           cwd=ROOT, timeout=120)
+    assert bench.returncode == 0 and bench.stdout.startswith("usage: python -m benchmarks "), bench.stdout[:80]
+
+
+@pytest.mark.parametrize("steps", ["0", "-5", "many"])
+def test_demo_refuses_steps_that_are_not_positive(steps, tmp_path):
+    done = unimem_cli("demo", "--steps", steps, "--out", str(tmp_path))
+    one_line_error(done, "--steps", "positive integer")
+    assert not os.listdir(tmp_path)
+
+
+def test_demo_help_shows_the_defaults():
+    text = " ".join(unimem_cli("demo", "--help", env={"COLUMNS": "200"}).stdout.split())
+    assert "(default: 300)" in text and "(default: unimem-demo)" in text
+
+
+def test_demo_on_a_missing_device_is_one_line():
+    one_line_error(unimem_cli("demo", env={"UNIMEM_DEVICE": "bogus"}), "UNIMEM_DEVICE", status=2)
+
+
+def test_demo_interrupted_exits_130_with_one_line(tmp_path):
+    import signal
+    import time
+    process = subprocess.Popen([sys.executable, "-m", "unimem", "demo", "--steps", "100000", "--out",
+                                str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    try:
+        process.stdout.readline()                  # the demo's first line: it is running
+        time.sleep(1.0)
+        process.send_signal(signal.SIGINT)
+        stdout, stderr = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    assert process.returncode == 130, (process.returncode, stderr)
+    assert stderr.strip().splitlines()[-1] == "python -m unimem demo: interrupted", stderr
+    assert "Traceback" not in stderr
+
+
+def test_run_of_a_missing_script_is_one_line(tmp_path):
+    done = unimem_cli("run", str(tmp_path / "absent.py"))
+    one_line_error(done, "no such script", "absent.py")
+    assert done.stdout == ""                       # no summary of a run that did not happen
+
+
+def test_run_shows_the_scripts_own_traceback(tmp_path):
+    script = tmp_path / "fails.py"
+    script.write_text("def inner():\n    raise ValueError('the script failed')\n\ninner()\n")
+    done = unimem_cli("run", str(script))
+    assert done.returncode == 1, done.stderr
+    trace = done.stderr[done.stderr.index("Traceback"):]
+    assert "ValueError: the script failed" in trace and "in inner" in trace
+    files = [line.split('"')[1] for line in trace.splitlines() if line.strip().startswith('File "')]
+    assert files and all(f == str(script) for f in files), files          # no runpy or unimem frames
+    assert "memory summary" in done.stdout
+
+
+def test_run_reports_a_scripts_exit_message_and_syntax_error(tmp_path):
+    script = tmp_path / "exits.py"
+    script.write_text("import sys\nsys.exit('stopped: no data')\n")
+    done = unimem_cli("run", str(script))
+    assert done.returncode == 1 and "stopped: no data" in done.stderr
+    script.write_text("def broken(:\n")
+    done = unimem_cli("run", str(script))
+    assert done.returncode == 1 and "SyntaxError" in done.stderr and "runpy" not in done.stderr
+
+
+def test_run_reports_the_pool_the_arrays_went_to(tmp_path):
+    """UNIMEM_DEVICE=cpu: dpnp's arrays go to the XPU pool, and that is the pool reported."""
+    pytest.importorskip("dpnp")
+    import unimem._devices
+    if not unimem._devices.is_available("xpu"):
+        pytest.skip("no SYCL device")
+    script = tmp_path / "where.py"
+    script.write_text("import dpnp\nx = dpnp.ones((1024, 1024), dtype='f4')\n")
+    done = unimem_cli("stats", "--json", str(script), env={"UNIMEM_DEVICE": "cpu"})
+    assert done.returncode == 0, done.stderr
+    view = json.loads(done.stdout)
+    assert view["device"] == "xpu:0"
+    assert view["memory_stats"]["allocated_bytes.all.current"] >= 4 << 20
+    done = unimem_cli("run", str(script), env={"UNIMEM_DEVICE": "cpu"})
+    assert "XPU memory summary" in done.stdout and "dpnp from the xpu pool" in done.stderr
+
+
+NOISY = "import sys, os\nprint('the script talks')\nos.write(1, b'and writes to fd 1\\n')\n" + WORKLOAD
+
+
+def test_stats_json_on_stdout_is_only_json(tmp_path):
+    script = tmp_path / "noisy.py"
+    script.write_text(NOISY)
+    done = unimem_cli("stats", "--json", str(script))
+    assert done.returncode == 0, done.stderr
+    view = json.loads(done.stdout)                 # the whole of stdout
+    assert view["memory_stats"]["allocation.all.allocated"] == 2
+    assert "the script talks" in done.stderr and "and writes to fd 1" in done.stderr
+
+
+def test_stats_into_a_file(tmp_path):
+    script = tmp_path / "noisy.py"
+    script.write_text(NOISY)
+    out = tmp_path / "stats.json"
+    done = unimem_cli("stats", "--json", "-o", str(out), str(script))
+    assert done.returncode == 0, done.stderr
+    assert "the script talks" in done.stdout
+    assert json.loads(out.read_text())["memory_stats"]["allocated_bytes.all.current"] == 3 << 20
+    one_line_error(unimem_cli("stats", "--json", "-o", str(tmp_path / "no" / "s.json")), "cannot write")
+
+
+def test_summary_and_stats_mistakes(tmp_path):
+    one_line_error(unimem_cli("summary", "--device", "7"), "out of range")
+    one_line_error(unimem_cli("stats", "--device", "7"), "out of range")
+    one_line_error(unimem_cli("stats", "--device", "-1"), "device index")
+    one_line_error(unimem_cli("summary", str(tmp_path / "absent.py")), "no such script")
+    one_line_error(unimem_cli("stats", str(tmp_path / "absent.py")), "no such script")
+
+
+def test_cluster_mistakes():
+    one_line_error(unimem_cli("cluster", "tcp://127.0.0.1:1", "--timeout", "-1"), "--timeout")
+    done = unimem_cli("cluster", "tcp://127.0.0.1:1", "--timeout", "2")
+    one_line_error(done, "cannot read the Dask cluster", status=1)
+
+
+# ---------------------------------------------------------------------------
+# the package's optional parts
+# ---------------------------------------------------------------------------
+def test_import_unimem_imports_no_optional_library():
+    code = ("import sys, unimem\n"
+            "print(sorted(m for m in ('cupy', 'dpctl', 'dpnp', 'prometheus_client', 'dask', 'distributed') "
+            "if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", (done.stdout, done.stderr)
+
+
+def test_prometheus_and_dask_are_attributes_of_unimem():
+    pytest.importorskip("prometheus_client")
+    code = ("import unimem\n"
+            "from prometheus_client import CollectorRegistry\n"
+            "registry = CollectorRegistry()\n"
+            "unimem.prometheus.register(registry)\n"
+            "p = unimem.cpu.caching_allocator_alloc(1000)\n"
+            "assert registry.get_sample_value('unimem_allocated_bytes', "
+            "{'device': 'cpu:0', 'pool': 'all', 'metric': 'current'}) == 1024\n"
+            "print(unimem.dask.UnimemPlugin.__name__, 'dask' in dir(unimem))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "UnimemPlugin True", (done.stdout, done.stderr)
+
+
+@pytest.mark.parametrize("module, missing, extra", [("prometheus", "prometheus_client", "prometheus"),
+                                                     ("dask", "distributed", "dask")])
+def test_an_extra_not_installed_is_named(module, missing, extra):
+    code = (f"import sys\nsys.modules[{missing!r}] = None\nimport unimem\n"
+            f"try:\n    unimem.{module}\nexcept ImportError as exc:\n    print(exc)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert f'pip install -e ".[{extra}]"' in done.stdout, done.stdout
+
+
+def test_soak_reports_progress(monkeypatch, capsys):
+    sys.path.insert(0, ROOT)
+    try:
+        from benchmarks import soak
+    finally:
+        sys.path.remove(ROOT)
+    monkeypatch.setattr(soak, "PROGRESS_EVERY", 0.0)
+    soak.soak(200_000, samples=2)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  soak: ")]
+    assert len(lines) >= 3 and "of 200,000 operations" in lines[0]
