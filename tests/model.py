@@ -90,6 +90,7 @@ class ModelAllocator:
         # Faults, as unimem.backends.faults.FaultInjectingBackend injects them.
         self.refuse_next = 0           # device mallocs still to refuse
         self.unfreeable = set()        # segment addresses the device will not take back
+        self.lost: List[int] = []      # segments forgotten after a failed free (still on the device)
 
     # -- statistics helpers ---------------------------------------------------
     def _inc(self, name: str, small: bool, n: int) -> None:
@@ -163,9 +164,10 @@ class ModelAllocator:
         self.counters["num_device_alloc"] += 1
         return block
 
-    def _release(self, seg: Segment) -> None:
+    def _release(self, seg: Segment, device_took_it: bool = True) -> None:
         self.segments.remove(seg)
-        self.used -= seg.size
+        if device_took_it:
+            self.used -= seg.size
         self.counters["num_device_free"] += 1
         self._dec("segment", seg.small, 1)
         self._dec("reserved_bytes", seg.small, seg.size)
@@ -176,12 +178,16 @@ class ModelAllocator:
         return len(seg.blocks) == 1 and not seg.blocks[0].allocated and seg.blocks[0].pending_events == 0
 
     def _release_segments(self, segments: List[Segment]) -> None:
-        """Release each of ``segments``; one the device refuses stays,
-        unchanged, and the failure is raised once all were tried."""
+        """Release each of ``segments``. One whose device free fails is
+        forgotten all the same (never cached again: the free may have
+        happened) and counted as lost; the device keeps it. The failure is
+        raised once all were tried."""
         failed = False
         for seg in segments:
             if seg.base in self.unfreeable:
                 failed = True
+                self.lost.append(seg.base)
+                self._release(seg, device_took_it=False)
             else:
                 self._release(seg)
         if failed:

@@ -92,7 +92,11 @@ class FaultsMatchModel(RuleBasedStateMachine):
     @invariant()
     def nothing_lost_nothing_handed_out_twice(self):
         segments = {s["address"]: s["total_size"] for s in self.core.snapshot()}
-        assert segments == self.device.live[0], "the device holds other memory than the core's segments"
+        on_device = dict(self.device.live[0])
+        lost = {base: on_device.pop(base) for base in self.model.lost}
+        assert segments == on_device, "the device holds other memory than the core's segments"
+        assert self.core.lost_segments() == {"count": len(lost), "bytes": sum(lost.values())}
+        assert not set(lost) & set(segments), "a segment whose free failed was cached again"
         spans = sorted(self.live.items())
         for (a, size), (b, _) in zip(spans, spans[1:]):
             assert a + size <= b
@@ -103,7 +107,8 @@ class FaultsMatchModel(RuleBasedStateMachine):
         for ptr in list(self.live):
             self.core.free(ptr)
         self.core.empty_cache()
-        assert self.device.held() == 0 and self.core.memory_reserved() == 0
+        lost_bytes = self.core.lost_segments()["bytes"]
+        assert self.device.held() == lost_bytes and self.core.memory_reserved() == 0
 
 
 FaultsMatchModel.TestCase.settings = settings(

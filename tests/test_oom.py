@@ -94,7 +94,7 @@ def test_beyond_the_largest_single_allocation_fails_at_once_keeping_the_cache():
     a.free(a.malloc(100 * MiB))                           # 100 MiB cached
     before = a.memory_stats()
     device.calls.clear()
-    with pytest.raises(OutOfMemoryError, match="at most 1.00 GiB in one allocation"):
+    with pytest.raises(OutOfMemoryError, match="at most 1024.00 MiB in one allocation"):
         a.malloc((1 << 30) + 1)
     assert device.calls == []
     after = a.memory_stats()

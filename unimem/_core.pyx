@@ -38,12 +38,15 @@ from libc.stdlib cimport malloc as sys_malloc, free as sys_free, calloc
 from libc.string cimport memset, memcmp
 from libcpp.vector cimport vector
 from libcpp.map cimport map as cmap
+from libcpp.unordered_map cimport unordered_map
+from cython.operator cimport dereference as deref, preincrement as inc
 from libcpp.utility cimport pair
 
 from unimem.backends._capi cimport RawAllocatorAPI, RAW_OK, RAW_OUT_OF_MEMORY
 
 import atexit
 import collections
+from operator import index as _operator_index
 import os
 import sys
 import threading
@@ -53,6 +56,7 @@ import weakref
 cdef extern from "_csupport.hpp" nogil:
     cppclass UMLock:
         bint try_lock()
+        bint lock_for(int64_t timeout_ns)
         void lock()
         void unlock()
         void reset_after_fork()
@@ -76,9 +80,13 @@ cdef extern from *:
     #define K_MIN_LARGE_ALLOC ((size_t)10485760)
     #define K_ROUND_LARGE ((size_t)2097152)      /* larger segments round to 2 MiB */
     #define K_ROUNDUP_INTERVALS 16               /* 1 MiB .. 64 GiB, one per power of 2 */
-    /* A request above this can never be served by a real device; it skips the
-       arithmetic (which would overflow) and goes straight to out-of-memory. */
-    #define MAX_REQUEST ((size_t)1 << 62)
+    /* A request above this (4 PiB) can never be served by a real device; it
+       skips the arithmetic and goes straight to out-of-memory. */
+    #define MAX_REQUEST ((size_t)1 << 52)
+    /* The most memory one allocator holds from its backend (64 PiB): with every
+       segment at most MAX_REQUEST, no byte statistic can overflow int64 even if a
+       backend that reports no capacity hands out all it is asked for. */
+    #define MAX_RESERVED ((size_t)1 << 56)
     """
     const size_t K_MIN_BLOCK
     const size_t K_SMALL_SIZE
@@ -88,6 +96,10 @@ cdef extern from *:
     const size_t K_ROUND_LARGE
     enum: K_ROUNDUP_INTERVALS
     const size_t MAX_REQUEST
+    const size_t MAX_RESERVED
+
+# PyTorch refuses such a request with its own sentence ("more than 1EB").
+cdef object ONE_EXABYTE = 1 << 60
 
 MIN_BLOCK_SIZE = K_MIN_BLOCK
 SMALL_SIZE = K_SMALL_SIZE
@@ -97,6 +109,7 @@ MIN_LARGE_ALLOC = K_MIN_LARGE_ALLOC
 ROUND_LARGE = K_ROUND_LARGE
 ROUNDUP_INTERVALS = K_ROUNDUP_INTERVALS
 MAX_REQUEST_SIZE = MAX_REQUEST
+MAX_RESERVED_SIZE = MAX_RESERVED
 
 cdef size_t SIZE_UNSET = <size_t>-1
 
@@ -111,13 +124,12 @@ class WriteAfterFreeWarning(RuntimeWarning):
     freed: something wrote through a pointer it no longer owned."""
 
 
-# Debug mode fills free memory with this byte and expects it back on reuse.
-DEBUG_FILL_BYTE = 0xDB
-
-
-class OutOfMemoryError(MemoryError):
+class OutOfMemoryError(MemoryError, RuntimeError):
     """Raised when a device allocation cannot be satisfied, even after the cache
     was released (the analogue of ``torch.OutOfMemoryError``).
+
+    It is a ``MemoryError`` and, as ``torch.OutOfMemoryError`` is, a
+    ``RuntimeError``: ``except RuntimeError`` written for PyTorch catches it.
 
     Attributes: ``device`` (the device index), ``requested`` (bytes asked),
     ``capacity``, ``free``, ``allocated``, ``reserved`` (bytes, as reported
@@ -133,6 +145,10 @@ class OutOfMemoryError(MemoryError):
         self.free = free
         self.allocated = allocated
         self.reserved = reserved
+
+    def __reduce__(self):
+        # BaseException pickles as cls(*args): keep the class and the attributes.
+        return (type(self), (str(self),), dict(self.__dict__))
 
 
 # ---------------------------------------------------------------------------
@@ -280,6 +296,7 @@ cdef struct Block:
     int event_count                # outstanding stream events before reuse
     bint allocated
     bint is_small
+    bint by_handle                 # handed out inside an Allocation: only it may free it
 
 cdef struct Segment:
     uintptr_t base
@@ -538,9 +555,11 @@ cdef extern from *:
     """
     template <class It> static inline auto um_second(It it) { return it->second; }
     template <class It> static inline It um_next(It it) { return ++it; }
+    template <class It> static inline It um_prev(It it) { return --it; }
     """
     SizeClass* um_second(cmap[size_t, SizeClass*].iterator it) nogil
     cmap[size_t, SizeClass*].iterator um_next(cmap[size_t, SizeClass*].iterator it) nogil
+    cmap[uintptr_t, Segment*].iterator _map_prev "um_prev"(cmap[uintptr_t, Segment*].iterator it) nogil
 
 cdef void fi_sweep_empty(FreeIndex* fi) noexcept nogil:
     """Drop size classes that have stayed empty (they are kept for a while so
@@ -604,11 +623,23 @@ cdef Block* fi_best_fit(FreeIndex* fi, size_t size, SizeClass** found) noexcept 
     return NULL
 
 
-# The free indexes of one stream.
+# The free indexes of one stream. They live while the stream has segments:
+# a program that uses many short-lived streams (a queue per task) must not
+# keep an index per stream it ever saw.
 cdef struct StreamPools:
     uintptr_t stream
     FreeIndex* small
     FreeIndex* large
+    size_t n_segments
+
+ctypedef unordered_map[uintptr_t, StreamPools*] StreamTable
+
+cdef void _stream_pools_delete(StreamPools* sp) noexcept nogil:
+    if sp.small != NULL:
+        fi_delete(sp.small)
+    if sp.large != NULL:
+        fi_delete(sp.large)
+    sys_free(sp)
 
 
 # ---------------------------------------------------------------------------
@@ -678,6 +709,8 @@ cdef class CachingAllocator:
             request is rounded to (0 or 1: plain 512-byte rounding).
         garbage_collection_threshold (float): with a memory fraction set, free
             old cached blocks once reserved memory passes this share of it.
+        exact_segments (bool): CuPy's pool policy instead of PyTorch's: a new
+            segment is exactly the rounded request (no 2 MiB / 20 MiB segments).
     """
 
     cdef readonly object backend
@@ -706,12 +739,18 @@ cdef class CachingAllocator:
     cdef DeviceStats stats
     cdef size_t total_allocated_memory    # bytes held from the backend
     cdef U64Map active                    # address -> allocated Block
-    cdef vector[StreamPools] streams
-    cdef size_t last_stream_index
+    cdef StreamTable streams              # stream handle -> its free indexes
+    cdef StreamPools* last_pools          # the last stream used (most calls use one)
+    cdef vector[uintptr_t] dropped_streams  # streams whose pools went, for the backend
     cdef Segment* segments                # doubly linked list of all segments
-    cdef size_t n_segments
+    cdef cmap[uintptr_t, Segment*] segments_by_base   # to refuse overlapping memory
+    cdef bint exact_segments              # CuPy's policy: a segment is the rounded request
+    cdef bint limit_in_bytes              # set_memory_limit (CuPy's set_limit), not a fraction
+    cdef int64_t lost_segment_count       # segments whose backend free failed (forgotten)
+    cdef int64_t lost_segment_bytes
     cdef BlockSlab slab
     cdef list pending_events              # [(event, block address)], stream-ordered frees
+    cdef list syncing_events              # taken from pending_events, waited on outside the lock
     cdef size_t n_pending_events
 
     # history and observers
@@ -739,6 +778,7 @@ cdef class CachingAllocator:
 
     def __cinit__(self):
         self.segments = NULL
+        self.last_pools = NULL
         self.slab.free_list = NULL
         self.active.keys = NULL
         self.active.vals = NULL
@@ -746,7 +786,8 @@ cdef class CachingAllocator:
     def __init__(self, backend, int device=0, *, max_split_size=None,
                  max_non_split_rounding=K_LARGE_BUFFER,
                  roundup_power2_divisions=None,
-                 double garbage_collection_threshold=0.0, double max_reserved_ratio=0.0):
+                 double garbage_collection_threshold=0.0, double max_reserved_ratio=0.0,
+                 bint exact_segments=False):
         if backend is None:
             raise TypeError("a backend is required")
         self.backend = backend
@@ -798,9 +839,12 @@ cdef class CachingAllocator:
         self.total_allocated_memory = 0
         if um_init(&self.active, 10) != 0:
             raise MemoryError("cannot allocate the allocator's tables")
-        self.last_stream_index = 0
-        self.n_segments = 0
+        self.exact_segments = exact_segments
+        self.limit_in_bytes = False
+        self.lost_segment_count = 0
+        self.lost_segment_bytes = 0
         self.pending_events = []
+        self.syncing_events = []
         self.n_pending_events = 0
         self.recording = False
         self.trace_hook = None
@@ -829,14 +873,13 @@ cdef class CachingAllocator:
         while seg != NULL:
             nxt = seg.next_seg
             if self._segment_is_free(seg):
+                self._detach_segment(seg)
                 try:
                     self._backend_free(seg.base, seg.size, seg.stream, False)
                 except BaseException as exc:
                     _report_unraisable(exc, "unimem allocator teardown")
-                else:
-                    self._detach_segment(seg)
-                    block_delete(&self.slab, seg.head)
-                    sys_free(seg)
+                block_delete(&self.slab, seg.head)
+                sys_free(seg)
             seg = nxt
 
     def __dealloc__(self):
@@ -845,7 +888,6 @@ cdef class CachingAllocator:
         cdef Segment* nxt
         cdef Block* b
         cdef Block* bn
-        cdef size_t k
         while seg != NULL:
             nxt = seg.next_seg
             b = seg.head
@@ -858,10 +900,12 @@ cdef class CachingAllocator:
             sys_free(seg)
             seg = nxt
         self.segments = NULL
-        for k in range(self.streams.size()):
-            fi_delete(self.streams[k].small)
-            fi_delete(self.streams[k].large)
+        cdef StreamTable.iterator it = self.streams.begin()
+        while it != self.streams.end():
+            _stream_pools_delete(deref(it).second)
+            inc(it)
         self.streams.clear()
+        self.last_pools = NULL
         um_destroy(&self.active)
         slab_destroy(&self.slab)
 
@@ -912,30 +956,57 @@ cdef class CachingAllocator:
     # ------------------------------------------------------------------
     # stream pools
     # ------------------------------------------------------------------
-    cdef FreeIndex* _pool(self, uintptr_t stream, bint is_small) noexcept nogil:
+    cdef inline FreeIndex* _pool(self, uintptr_t stream, bint is_small) noexcept nogil:
         """The free index of (stream, pool), created on first use; NULL when
         host memory for it cannot be had."""
-        cdef size_t i = self.last_stream_index
-        cdef size_t n = self.streams.size()
-        if i < n and self.streams[i].stream == stream:
-            return self.streams[i].small if is_small else self.streams[i].large
-        for i in range(n):
-            if self.streams[i].stream == stream:
-                self.last_stream_index = i
-                return self.streams[i].small if is_small else self.streams[i].large
-        cdef StreamPools sp
-        sp.stream = stream
-        sp.small = fi_new(True)
-        sp.large = fi_new(False)
-        if sp.small == NULL or sp.large == NULL:
-            if sp.small != NULL:
-                fi_delete(sp.small)
-            if sp.large != NULL:
-                fi_delete(sp.large)
-            return NULL
-        self.streams.push_back(sp)
-        self.last_stream_index = n
+        cdef StreamPools* sp = self.last_pools
+        if sp == NULL or sp.stream != stream:
+            sp = self._stream_pools(stream)
+            if sp == NULL:
+                return NULL
         return sp.small if is_small else sp.large
+
+    cdef StreamPools* _stream_pools(self, uintptr_t stream) noexcept nogil:
+        """Find (O(1)) or make the pools of ``stream``."""
+        cdef StreamTable.iterator it = self.streams.find(stream)
+        cdef StreamPools* sp
+        if it != self.streams.end():
+            sp = deref(it).second
+        else:
+            sp = <StreamPools*>calloc(1, sizeof(StreamPools))
+            if sp == NULL:
+                return NULL
+            sp.stream = stream
+            sp.small = fi_new(True)
+            sp.large = fi_new(False)
+            if sp.small == NULL or sp.large == NULL:
+                _stream_pools_delete(sp)
+                return NULL
+            self.streams[stream] = sp
+        self.last_pools = sp
+        return sp
+
+    cdef void _drop_stream_if_unused(self, StreamPools* sp) noexcept nogil:
+        """Forget the pools of a stream that holds no segment (stream 0, the
+        default, stays). Its handle is noted for the backend, which may then
+        let go of what it keeps for the stream (a SYCL queue)."""
+        if sp.n_segments != 0 or sp.stream == 0:
+            return
+        self.streams.erase(sp.stream)
+        if self.last_pools == sp:
+            self.last_pools = NULL
+        self.dropped_streams.push_back(sp.stream)
+        _stream_pools_delete(sp)
+
+    cdef void _drop_unused_streams(self) noexcept nogil:
+        cdef vector[StreamPools*] unused
+        cdef StreamTable.iterator it = self.streams.begin()
+        while it != self.streams.end():
+            if deref(it).second.n_segments == 0:
+                unused.push_back(deref(it).second)
+            inc(it)
+        for sp in unused:
+            self._drop_stream_if_unused(sp)
 
     cdef inline FreeIndex* _pool_of(self, Block* b) noexcept nogil:
         return b.index
@@ -960,7 +1031,7 @@ cdef class CachingAllocator:
         return b
 
     cdef Block* _alloc_found_block(self, Block* block, FreeIndex* fi, size_t size,
-                                   size_t orig_size) noexcept nogil:
+                                   size_t orig_size, bint by_handle) noexcept nogil:
         """Hand out ``block`` (already taken off the free index) for a request
         of ``size`` rounded bytes. A split remainder takes the Block that
         _reserve_for_alloc kept in the slab."""
@@ -1000,6 +1071,7 @@ cdef class CachingAllocator:
                 pool_decrease(st, S_INACTIVE_SPLIT_BYTES, is_small, block.size)
                 pool_decrease(st, S_INACTIVE_SPLIT, is_small, 1)
         block.allocated = True
+        block.by_handle = by_handle
         block.requested_size = orig_size
         if self.debug_on:
             self._debug_check(block)
@@ -1011,8 +1083,8 @@ cdef class CachingAllocator:
         pool_increase(st, S_REQUESTED_BYTES, is_small, orig_size)
         if block.size >= self.max_split_size:
             stat_increase(&st.oversize_allocations, 1)
-        if self.recording:
-            self._trace(T_ALLOC, block.ptr, block.size, block.stream)
+        if self.recording:                # PyTorch's trace records the request
+            self._trace(T_ALLOC, block.ptr, orig_size, block.stream)
         return block
 
     cdef void _debug_check(self, Block* block) noexcept nogil:
@@ -1050,7 +1122,8 @@ cdef class CachingAllocator:
             self.slab.free_list.next = NULL
         return 0
 
-    cdef Block* _malloc_cached(self, size_t orig_size, uintptr_t stream, int* status) noexcept nogil:
+    cdef Block* _malloc_cached(self, size_t orig_size, uintptr_t stream, bint by_handle,
+                               int* status) noexcept nogil:
         """A cache hit, or NULL. ``status`` is set to -1 when host memory for the
         allocator's own bookkeeping ran out. Lock held."""
         cdef size_t size = self._round_size(orig_size)
@@ -1063,7 +1136,7 @@ cdef class CachingAllocator:
         cdef Block* b = self._get_free_block(fi, size)
         if b == NULL:
             return NULL
-        return self._alloc_found_block(b, fi, size, orig_size)
+        return self._alloc_found_block(b, fi, size, orig_size, by_handle)
 
     cdef inline void _trace(self, int action, uintptr_t addr, size_t size, uintptr_t stream) noexcept nogil:
         cdef TraceEvent ev
@@ -1097,7 +1170,9 @@ cdef class CachingAllocator:
         if ptr is None or ptr == 0:
             return 1
         try:
-            out[0] = ptr
+            if isinstance(ptr, (bool, float)):       # 4096.5 is no address, True no pointer
+                raise TypeError
+            out[0] = _operator_index(ptr)
         except (TypeError, OverflowError):
             # The memory (if any) cannot be described, so it cannot be given back.
             raise TypeError(f"backend malloc must return an address as a positive int, got {ptr!r}") from None
@@ -1122,12 +1197,18 @@ cdef class CachingAllocator:
         duration_add(&self.stats.device_free_time, (um_now_ns() - t0) // 1000)
         return 0
 
-    cdef Block* _alloc_block(self, size_t alloc_size, uintptr_t stream, bint is_small,
+    cdef Block* _alloc_block(self, size_t alloc_size, size_t size, uintptr_t stream, bint is_small,
                              bint is_retry) except? NULL:
-        """A new segment from the backend (PyTorch's alloc_block), or NULL."""
+        """A new segment from the backend (PyTorch's alloc_block), or NULL.
+        ``size`` is the rounded request: under a byte limit (CuPy's set_limit)
+        a segment that would pass the limit shrinks to it when it fits."""
         if is_retry:
             self.stats.num_alloc_retries += 1
         if self.set_fraction and self.total_allocated_memory + alloc_size > self.allowed_memory_maximum:
+            if not (self.limit_in_bytes and self.total_allocated_memory + size <= self.allowed_memory_maximum):
+                return NULL
+            alloc_size = size
+        if self.total_allocated_memory + alloc_size > MAX_RESERVED:
             return NULL
         cdef Segment* seg = <Segment*>sys_malloc(sizeof(Segment))
         cdef Block* b = block_new(&self.slab)
@@ -1140,6 +1221,8 @@ cdef class CachingAllocator:
         cdef int rc
         try:
             rc = self._backend_malloc(alloc_size, stream, &ptr)
+            if rc == 0:
+                self._check_new_segment(ptr, alloc_size)
         except BaseException:
             sys_free(seg)
             block_delete(&self.slab, b)
@@ -1148,18 +1231,20 @@ cdef class CachingAllocator:
             sys_free(seg)
             block_delete(&self.slab, b)
             return NULL
+        cdef StreamPools* sp = self._stream_pools(stream)   # exists: the caller made it
         seg.base = ptr
         seg.size = alloc_size
         seg.stream = stream
         seg.is_small = is_small
         seg.head = b
         self._link_segment(seg)
+        sp.n_segments += 1
         b.ptr = ptr
         b.size = alloc_size
         b.stream = stream
         b.segment = seg
         b.is_small = is_small
-        b.index = self._pool(stream, is_small)      # exists: the caller made it
+        b.index = sp.small if is_small else sp.large
         if self.debug_on:
             memset(<void*>ptr, DEBUG_FILL, alloc_size)
         self.total_allocated_memory += alloc_size
@@ -1172,13 +1257,35 @@ cdef class CachingAllocator:
             self._trace(T_SEGMENT_ALLOC, ptr, alloc_size, stream)
         return b
 
+    cdef int _check_new_segment(self, uintptr_t ptr, size_t size) except -1:
+        """A backend that hands out memory this allocator already holds would
+        give two owners the same bytes: refuse it (the memory is not given
+        back, since freeing it could free the live segment)."""
+        if ptr > <uintptr_t>-1 - size:
+            raise RuntimeError(f"the {self.device_name} backend returned {ptr:#x} for {size} bytes: "
+                               f"that range wraps around the address space (a backend error)")
+        cdef cmap[uintptr_t, Segment*].iterator it = self.segments_by_base.upper_bound(ptr)
+        cdef Segment* clash = NULL
+        if it != self.segments_by_base.end() and deref(it).first < ptr + size:
+            clash = deref(it).second
+        elif it != self.segments_by_base.begin():
+            it = _map_prev(it)
+            if deref(it).second.base + deref(it).second.size > ptr:
+                clash = deref(it).second
+        if clash != NULL:
+            raise RuntimeError(
+                f"the {self.device_name} backend returned {ptr:#x} ({size} bytes), which overlaps "
+                f"memory it already gave this allocator ({clash.base:#x}, {clash.size} bytes): "
+                f"a backend error; nothing was allocated")
+        return 0
+
     cdef inline void _link_segment(self, Segment* seg) noexcept nogil:
         seg.prev_seg = NULL
         seg.next_seg = self.segments
         if self.segments != NULL:
             self.segments.prev_seg = seg
         self.segments = seg
-        self.n_segments += 1
+        self.segments_by_base[seg.base] = seg
 
     cdef inline void _unlink_segment(self, Segment* seg) noexcept nogil:
         if seg.prev_seg != NULL:
@@ -1187,11 +1294,12 @@ cdef class CachingAllocator:
             self.segments = seg.next_seg
         if seg.next_seg != NULL:
             seg.next_seg.prev_seg = seg.prev_seg
-        self.n_segments -= 1
+        self.segments_by_base.erase(seg.base)
 
     cdef void _detach_segment(self, Segment* seg) noexcept nogil:
         """Take a wholly free segment out of the allocator (and its statistics)."""
         cdef Block* b = seg.head
+        cdef StreamPools* sp
         fi_remove(self._pool_of(b), b)
         self._unlink_segment(seg)
         self.stats.num_device_free += 1
@@ -1202,23 +1310,10 @@ cdef class CachingAllocator:
             stat_decrease(&self.stats.oversize_segments, 1)
         if self.recording:
             self._trace(T_SEGMENT_FREE, seg.base, seg.size, seg.stream)
-
-    cdef void _reattach_segment(self, Segment* seg) noexcept nogil:
-        """Undo _detach_segment for memory the backend refused to take back:
-        the segment and every statistic are exactly as before the attempt."""
-        cdef Block* b = seg.head
-        cdef FreeIndex* fi = self._pool_of(b)
-        self._link_segment(seg)
-        self.stats.num_device_free -= 1
-        self.total_allocated_memory += seg.size
-        pool_undo_decrease(&self.stats, S_SEGMENT, seg.is_small, 1)
-        pool_undo_decrease(&self.stats, S_RESERVED_BYTES, seg.is_small, seg.size)
-        if seg.size >= self.max_split_size:
-            stat_undo_decrease(&self.stats.oversize_segments, 1)
-        um_reserve(&fi.by_size, fi.by_size.count + 1)
-        fi_insert(fi, b)
-        if self.recording:
-            self._trace(T_SEGMENT_ALLOC, seg.base, seg.size, seg.stream)
+        sp = self._stream_pools(seg.stream)
+        if sp != NULL:
+            sp.n_segments -= 1
+            self._drop_stream_if_unused(sp)
 
     cdef int _release(self, vector[Segment*]& victims) except -1:
         """Give wholly free, unsplit segments back to the backend (PyTorch's
@@ -1226,8 +1321,12 @@ cdef class CachingAllocator:
         is then called outside it (and, for a raw backend, without the GIL),
         because giving memory back may wait for the device (the XPU backend
         waits on the queue, whose host tasks may need the GIL and this lock).
-        A segment the backend fails to take back returns unchanged, and the
-        first error is raised once the others were tried."""
+
+        A backend free that raises may or may not have released the memory
+        (a Ctrl-C can arrive after the driver let go): such a segment is never
+        cached again, since handing it out could hand out freed memory. It is
+        forgotten, counted in :meth:`lost_segments`, and the first error is
+        raised once the other segments were given back."""
         cdef vector[Segment*] detached
         cdef Segment* seg
         cdef size_t i
@@ -1239,7 +1338,7 @@ cdef class CachingAllocator:
         if detached.empty():
             return 0
         cdef bint outside = self.lock_depth == 1
-        failures = []
+        first_error = None
         if outside:
             self._unlock()
         try:
@@ -1248,20 +1347,18 @@ cdef class CachingAllocator:
                 try:
                     self._backend_free(seg.base, seg.size, seg.stream, outside)
                 except BaseException as exc:
-                    failures.append((<uintptr_t>seg, exc))
-                    detached[i] = NULL
+                    if first_error is None:
+                        first_error = exc
+                    self.lost_segment_count += 1
+                    self.lost_segment_bytes += seg.size
         finally:
             if outside:
                 self._lock()
-        for i in range(detached.size()):
-            seg = detached[i]
-            if seg != NULL:
-                block_delete(&self.slab, seg.head)
-                sys_free(seg)
-        for addr, _ in failures:
-            self._reattach_segment(<Segment*><uintptr_t>addr)
-        if failures:
-            raise failures[0][1]
+            for i in range(detached.size()):
+                block_delete(&self.slab, detached[i].head)
+                sys_free(detached[i])
+        if first_error is not None:
+            raise first_error
         return 0
 
     cdef inline bint _segment_is_free(self, Segment* seg) noexcept nogil:
@@ -1381,20 +1478,29 @@ cdef class CachingAllocator:
     cdef inline int64_t _gc_age(self, Block* b) noexcept nogil:
         return self._pool_of(b).get_free_blocks_call_count - b.gc_count_base
 
-    cdef Block* _malloc_slow(self, size_t orig_size, uintptr_t stream, bint* oom) except? NULL:
-        """Everything after a cache miss, in PyTorch's order. Lock held."""
+    cdef inline size_t _segment_size(self, size_t size) noexcept nogil:
+        """The segment a miss of ``size`` rounded bytes asks the backend for
+        (PyTorch's get_allocation_size, or the request itself under CuPy's policy)."""
+        if self.exact_segments:
+            return size
+        if size <= K_SMALL_SIZE:
+            return K_SMALL_BUFFER
+        if size < K_MIN_LARGE_ALLOC:
+            return K_LARGE_BUFFER
+        return (size + K_ROUND_LARGE - 1) // K_ROUND_LARGE * K_ROUND_LARGE
+
+    cdef Block* _malloc_slow(self, size_t orig_size, uintptr_t stream, bint by_handle,
+                             bint* oom, size_t* tried) except? NULL:
+        """Everything after a cache miss, in PyTorch's order. Lock held.
+        ``tried`` receives the segment size asked for (the OOM message names it)."""
         cdef size_t size = self._round_size(orig_size)
         cdef bint is_small = size <= K_SMALL_SIZE
-        cdef size_t alloc_size
-        if is_small:
-            alloc_size = K_SMALL_BUFFER
-        elif size < K_MIN_LARGE_ALLOC:
-            alloc_size = K_LARGE_BUFFER
-        else:
-            alloc_size = (size + K_ROUND_LARGE - 1) // K_ROUND_LARGE * K_ROUND_LARGE
+        cdef size_t alloc_size = self._segment_size(size)
+        cdef size_t smallest = size if self.limit_in_bytes else alloc_size
         cdef FreeIndex* fi = self._pool(stream, is_small)
         cdef Block* b
         oom[0] = False
+        tried[0] = alloc_size
         # Reserve the bookkeeping first, so that nothing fails after the
         # backend handed memory over.
         if fi == NULL or self._reserve_for_alloc(fi) != 0:
@@ -1402,29 +1508,31 @@ cdef class CachingAllocator:
         # A request no device of this size can ever hold does not flush the cache.
         if (self.capacity and alloc_size > self.capacity) or (
                 self.max_allocation and alloc_size > self.max_allocation) or (
-                self.set_fraction and alloc_size > self.allowed_memory_maximum):
+                self.set_fraction and smallest > self.allowed_memory_maximum):
             oom[0] = True
             return NULL
         if self._gc_enabled():
             self._garbage_collect()
         if self.max_reserved_ratio:
             self._release_to_reserved_ratio(size, alloc_size)
-        b = self._alloc_block(alloc_size, stream, is_small, False)
+        b = self._alloc_block(alloc_size, size, stream, is_small, False)
         if b == NULL and self._release_available_cached_blocks(size, stream):
-            b = self._alloc_block(alloc_size, stream, is_small, False)
+            b = self._alloc_block(alloc_size, size, stream, is_small, False)
         if b == NULL:
             self._synchronize_and_free_events()
             self._release_segments(False, False, 0, 0)
-            b = self._alloc_block(alloc_size, stream, is_small, True)
+            b = self._alloc_block(alloc_size, size, stream, is_small, True)
         if b == NULL:
             oom[0] = True
             return NULL
-        # A Python backend may have run finalizers that freed blocks and took
-        # the reservation meanwhile; it is cheap to repeat.
+        # Releasing may have dropped (and _alloc_block made again) the
+        # stream's pools, and a Python backend may have run finalizers that
+        # took the reservation meanwhile: both are cheap to redo.
+        fi = b.index
         if self._reserve_for_alloc(fi) != 0:
             fi_insert(fi, b)
             raise MemoryError("host memory for the allocator's bookkeeping ran out")
-        return self._alloc_found_block(b, fi, size, orig_size)
+        return self._alloc_found_block(b, fi, size, orig_size, by_handle)
 
     # ------------------------------------------------------------------
     # freeing
@@ -1461,7 +1569,7 @@ cdef class CachingAllocator:
         cdef size_t subsumed
         cdef bint is_small = b.is_small
         if self.recording:
-            self._trace(T_FREE_COMPLETED, b.ptr, b.size, b.stream)
+            self._trace(T_FREE_COMPLETED, b.ptr, b.requested_size, b.stream)
         if self.debug_on:
             memset(<void*>b.ptr, DEBUG_FILL, b.size)
         subsumed = self._try_merge(b, b.prev, fi)
@@ -1494,14 +1602,17 @@ cdef class CachingAllocator:
         cdef FreeIndex* fi = self._pool_of(b)
         return um_reserve(&fi.by_size, fi.by_size.count + 1)
 
-    cdef int _free_fast(self, uintptr_t ptr) noexcept nogil:
+    cdef int _free_fast(self, uintptr_t ptr, bint by_handle) noexcept nogil:
         """Free an allocated block without stream uses. 0: done; 1: unknown
         pointer; 2: the block needs the slow path (stream events); 3: no host
-        memory for the bookkeeping. Lock held."""
+        memory for the bookkeeping; 4: the block belongs to an Allocation and
+        this is not it (or the reverse). Lock held."""
         cdef size_t slot = um_find_slot(&self.active, ptr)
         if slot > self.active.mask:
             return 1
         cdef Block* b = <Block*>self.active.vals[slot]
+        if b.by_handle != by_handle:
+            return 4
         if b.stream_uses != NULL:
             return 2
         if self._reserve_class(b) != 0:
@@ -1518,21 +1629,27 @@ cdef class CachingAllocator:
         if b.size >= self.max_split_size:
             stat_decrease(&self.stats.oversize_allocations, 1)
         if self.recording:
-            self._trace(T_FREE_REQUESTED, b.ptr, b.size, b.stream)
+            self._trace(T_FREE_REQUESTED, b.ptr, b.requested_size, b.stream)
 
     cdef int _free_with_events(self, uintptr_t ptr) except -1:
         """Free a block used on other streams: record an event on each, and
-        keep the block out of the pool until all of them have completed."""
-        cdef Block* b = <Block*>um_find(&self.active, ptr)
+        keep the block out of the pool until all of them have completed.
+
+        The block leaves the address index before the backend is called:
+        recording an event is Python code, whose garbage collection may run a
+        finalizer that frees the same address again, and that second free must
+        find nothing. If an event cannot be recorded, the events recorded so
+        far are given back and the block is live again, as before the call."""
+        cdef Block* b = <Block*>um_pop(&self.active, ptr)
         cdef size_t i
         events = []
         try:
             for i in range(b.stream_uses.size()):
                 events.append(self.backend.record_event(b.stream_uses[0][i], self.device))
         except BaseException:
-            # Nothing was committed: the block stays allocated, the caller may retry.
+            self._release_events(events)
+            um_put(&self.active, ptr, b)      # count went down by one: no growth, cannot fail
             raise
-        um_pop(&self.active, ptr)
         self._account_free_request(b)
         del b.stream_uses
         b.stream_uses = NULL
@@ -1544,6 +1661,17 @@ cdef class CachingAllocator:
         if b.event_count == 0:
             self._free_block(b)
         return 0
+
+    cdef void _release_events(self, list events):
+        """Give back events that will not be waited for (optional for a backend)."""
+        release = getattr(self.backend, "release_event", None)
+        if release is None:
+            return
+        for ev in events:
+            try:
+                release(ev)
+            except Exception as exc:
+                _report_unraisable(exc, "unimem: giving back a stream event")
 
     cdef int _process_events(self) except -1:
         """Blocks whose recorded stream work has finished go back to the pool."""
@@ -1575,87 +1703,120 @@ cdef class CachingAllocator:
 
     cdef int _synchronize_and_free_events(self) except -1:
         """Wait for every recorded stream event, then free their blocks
-        (PyTorch's synchronize_and_free_events; counted in num_sync_all_streams)."""
+        (PyTorch's synchronize_and_free_events; counted in num_sync_all_streams).
+
+        Lock held on entry and exit, but not while waiting: a wait on a SYCL
+        queue may need a host task that frees a pool block, and so this lock
+        (when the lock is held more than once by this thread, it cannot be let
+        go, and only the events already complete are processed). The events
+        waited on sit in ``syncing_events`` meanwhile, so that a child forked
+        during the wait finds them (see _after_fork_in_child)."""
         cdef Block* b
-        cdef size_t done = 0
         self.stats.num_sync_all_streams += 1
-        pending = self.pending_events
-        if not pending:
+        if not self.pending_events:
             return 0
-        sync = self.backend.event_synchronize
+        if self.lock_depth != 1:
+            return self._process_events()
+        taken = self.pending_events
+        self.pending_events = []
+        self.syncing_events = self.syncing_events + taken
+        self._unlock()
+        synced = 0
         try:
-            for ev, addr in pending:
+            sync = self.backend.event_synchronize
+            for ev, _ in taken:
                 sync(ev)
-                b = <Block*><uintptr_t>addr
-                if b.event_count == 1 and self._reserve_class(b) != 0:
-                    raise MemoryError("host memory for the allocator's bookkeeping ran out")
-                done += 1
-                b.event_count -= 1
-                if b.event_count == 0:
-                    self._free_block(b)
+                synced += 1
         finally:
-            self.pending_events = pending[done:]
-            self.n_pending_events = len(self.pending_events)
-            self._update_unusual()
+            self._lock()
+            try:
+                for i in range(len(taken)):
+                    if i >= synced:
+                        self.pending_events.append(taken[i])      # wait again next time
+                        continue
+                    b = <Block*><uintptr_t>taken[i][1]
+                    if b.event_count == 1 and self._reserve_class(b) != 0:
+                        self.pending_events.append(taken[i])
+                        continue
+                    b.event_count -= 1
+                    if b.event_count == 0:
+                        self._free_block(b)
+            finally:
+                taken_ids = {id(e) for e in taken}
+                self.syncing_events = [e for e in self.syncing_events if id(e) not in taken_ids]
+                self.n_pending_events = len(self.pending_events)
+                self._update_unusual()
         return 0
 
     # ------------------------------------------------------------------
     # after the lock: history and out-of-memory reporting
     # ------------------------------------------------------------------
-    cdef void _flush_trace(self):
-        """Hand recorded events to the history hook, outside the lock."""
+    cdef int _flush_trace(self) except -1:
+        """Hand recorded events to the history hook, outside the lock. An
+        ordinary exception from the hook is reported as unraisable (the
+        allocation it describes succeeded); a KeyboardInterrupt or SystemExit
+        reaches the caller, as a Ctrl-C must."""
         if self.trace_buffer.empty():
-            return
+            return 0
         cdef vector[TraceEvent] events
         self._lock()
         events.swap(self.trace_buffer)
         hook = self.trace_hook
         self._unlock()
         if hook is None:
-            return
+            return 0
         try:
             hook([(TRACE_ACTIONS[e.action], e.addr, e.size, e.stream, e.time_ns) for e in events])
-        except BaseException as exc:
+        except Exception as exc:
             _report_unraisable(exc, "unimem history hook")
+        return 0
 
-    cdef object _out_of_memory(self, object requested):
-        """Build (and report) the OutOfMemoryError for a failed request."""
+    cdef object _out_of_memory(self, object requested, object tried=None):
+        """Build (and report) the OutOfMemoryError for a failed request of
+        ``requested`` bytes, for which a segment of ``tried`` bytes was asked
+        (PyTorch's message names the latter)."""
+        if tried is None:
+            tried = requested
         self._lock()
         self.stats.num_ooms += 1
         allocated = self.stats.core[S_ALLOCATED_BYTES][POOL_ALL].current
         reserved = self.stats.core[S_RESERVED_BYTES][POOL_ALL].current
         if self.recording:
-            self._trace(T_OOM, 0, min(requested, <object>INT64_MAX), 0)
+            self._trace(T_OOM, 0, min(self._round_size(min(requested, MAX_REQUEST)), <object>INT64_MAX), 0)
         observers = list(self.oom_observers)
-        limits_text = ""
+        allowed_text = ""
         if self.set_fraction:
-            limits_text = f" {format_size(self.allowed_memory_maximum)} allowed by the memory fraction;"
-        if self.max_allocation and requested > self.max_allocation:
-            limits_text += (f" It allows at most {format_size(self.max_allocation)} "
-                              f"in one allocation.")
+            allowed_text = f"{format_size(self.allowed_memory_maximum)} allowed; "
+        if self.max_allocation and tried > self.max_allocation:
+            allowed_text += (f"It allows at most {format_size(self.max_allocation)} "
+                             f"in one allocation. ")
         self._unlock()
         self._flush_trace()
         try:
             free, total = self.backend.memory_info(self.device)
         except Exception:
             free, total = None, (self.capacity or None)
-        capacity_text = (f"has a total capacity of {format_size(total)} of which "
-                         f"{format_size(free)} is free." if total is not None and free is not None
-                         else "has an unknown capacity.")
-        message = (
-            f"{self.device_name} out of memory. Tried to allocate {format_size(requested)}. "
-            f"{self.device_name} device {self.device} {capacity_text}{limits_text} "
-            f"Of the allocated memory {format_size(allocated)} is allocated by unimem, "
-            f"and {format_size(reserved - allocated)} is reserved by unimem but unallocated "
-            f"(cached; {format_size(reserved)} reserved in all)."
-        )
+        name = self.device_name
+        api = getattr(self.backend, "api_name", None) or name
+        if requested >= ONE_EXABYTE:
+            message = f"{api} out of memory. Tried to allocate more than 1EB memory."
+        else:
+            capacity_text = (f"has a total capacity of {format_size(total)} of which "
+                             f"{format_size(free)} is free. " if total is not None and free is not None
+                             else "has an unknown capacity. ")
+            message = (
+                f"{api} out of memory. Tried to allocate {format_size(tried)}. "
+                f"{name} {self.device} {capacity_text}{allowed_text}"
+                f"Of the allocated memory {format_size(allocated)} is allocated by unimem, "
+                f"and {format_size(reserved - allocated)} is reserved by unimem but unallocated."
+            )
         error = OutOfMemoryError(message, device=self.device, requested=requested,
                                  capacity=total or 0, free=free or 0,
                                  allocated=allocated, reserved=reserved)
         for observer in observers:
             try:
                 observer(self.device, requested, allocated, reserved, free)
-            except BaseException as exc:
+            except Exception as exc:        # a Ctrl-C in an observer reaches the caller
                 _report_unraisable(exc, "unimem out-of-memory observer")
         return error
 
@@ -1671,11 +1832,13 @@ cdef class CachingAllocator:
     # ------------------------------------------------------------------
     # the typed entry points (every Python-facing call ends here)
     # ------------------------------------------------------------------
-    cdef uintptr_t c_malloc(self, size_t size, uintptr_t stream) except? 0:
-        """Allocate ``size`` bytes on ``stream``; 0 for size 0. Raises on failure."""
+    cdef uintptr_t c_malloc(self, size_t size, uintptr_t stream, bint by_handle=False) except? 0:
+        """Allocate ``size`` bytes on ``stream``; 0 for size 0. Raises on failure.
+        ``by_handle``: the block goes into an Allocation, and only it frees it."""
         cdef Block* b
         cdef int status
         cdef bint oom = False
+        cdef size_t tried = 0
         if size == 0:
             return 0
         if self.unusual:
@@ -1684,28 +1847,56 @@ cdef class CachingAllocator:
             if self.n_pending_events:
                 self.process_events()
         self._lock()
-        b = self._malloc_cached(size, stream, &status)
+        b = self._malloc_cached(size, stream, by_handle, &status)
         if b != NULL:
             self._unlock()
             if self.unusual:
-                if self.recording:
-                    self._flush_trace()
-                if self.debug_on:
-                    self._debug_after_malloc(b.ptr, size)
+                self._after_malloc(b.ptr, size, by_handle)
             return b.ptr
         try:
             if status != 0:
                 raise MemoryError("host memory for the allocator's bookkeeping ran out")
-            b = self._malloc_slow(size, stream, &oom)
+            b = self._malloc_slow(size, stream, by_handle, &oom, &tried)
         finally:
             self._unlock()
+        if not self.dropped_streams.empty():
+            self._tell_backend_dropped_streams()
+        if oom:
             if self.recording:
                 self._flush_trace()
-        if oom:
-            raise self._out_of_memory(size)
-        if self.debug_on:
-            self._debug_after_malloc(b.ptr, size)
+            raise self._out_of_memory(size, tried)
+        self._after_malloc(b.ptr, size, by_handle)
         return b.ptr
+
+    cdef int _after_malloc(self, uintptr_t ptr, size_t size, bint by_handle) except -1:
+        """History and debug mode, outside the lock. A Ctrl-C raised in the
+        history hook gives the new block back before it reaches the caller,
+        who never saw the address."""
+        try:
+            if self.recording:
+                self._flush_trace()
+        except BaseException:
+            self._try_free(ptr, by_handle, True)
+            raise
+        if self.debug_on:
+            self._debug_after_malloc(ptr, size)
+        return 0
+
+    cdef void _tell_backend_dropped_streams(self):
+        """Tell the backend (``release_stream(stream, device)``, optional) of
+        the streams this allocator no longer keeps anything for."""
+        cdef vector[uintptr_t] dropped
+        self._lock()
+        dropped.swap(self.dropped_streams)
+        self._unlock()
+        release = getattr(self.backend, "release_stream", None)
+        if release is None:
+            return
+        for stream in dropped:
+            try:
+                release(stream, self.device)
+            except Exception as exc:
+                _report_unraisable(exc, "unimem: a backend's release_stream")
 
     cdef void _debug_after_malloc(self, uintptr_t ptr, size_t size):
         """Debug mode, after the lock: remember where the block was allocated,
@@ -1737,16 +1928,25 @@ cdef class CachingAllocator:
                 _report_unraisable(exc, "unimem debug mode")
         self.debug_sites[ptr] = (sequence, size, frames)
 
-    cdef int _try_free(self, uintptr_t ptr, bint from_finalizer=False) except -1:
+    cdef int _try_free(self, uintptr_t ptr, bint by_handle, bint from_finalizer) except -1:
         """Free a live block. Returns 1 (changing nothing) for an address this
-        allocator does not hold. A finalizer's free (``from_finalizer``) runs
-        no Python code: it may run on a runtime's thread (a SYCL host task)
-        that must not give the GIL up half-way; its history events wait in
-        the buffer for the next call from Python."""
+        allocator does not hold, 4 for a block that belongs to an Allocation
+        (``by_handle`` False) or to no Allocation (``by_handle`` True). A
+        finalizer's free (``from_finalizer``) runs no Python code: it may run
+        on a runtime's thread (a SYCL host task) that must not give the GIL up
+        half-way; its history events wait in the buffer for the next call from
+        Python. At interpreter exit a finalizer does not wait for the lock (a
+        daemon thread frozen while holding it would hang the exit): the block
+        is then left to the ending process (returns 0)."""
         cdef int rc
-        self._lock()
-        rc = self._free_fast(ptr)
-        if rc >= 2:
+        if from_finalizer and _exiting:
+            if not self.lock.try_lock():
+                return 0
+            self.lock_depth += 1
+        else:
+            self._lock()
+        rc = self._free_fast(ptr, by_handle)
+        if rc == 2 or rc == 3:
             try:
                 if rc == 3:
                     raise MemoryError("host memory for the allocator's bookkeeping ran out")
@@ -1766,10 +1966,13 @@ cdef class CachingAllocator:
         """Free a pointer from c_malloc. Unknown pointers raise ValueError."""
         if ptr == 0:
             return 0
-        if self._try_free(ptr) == 1:
+        cdef int rc = self._try_free(ptr, False, False)
+        if rc == 1:
             raise ValueError(
                 f"pointer {ptr:#x} was not allocated by this {self.device_name} "
                 f"allocator (device {self.device}), or was already freed")
+        if rc == 4:
+            raise ValueError(_HANDLE_OWNED_MESSAGE.format(ptr))
         return 0
 
     cdef bint c_owns(self, uintptr_t ptr) noexcept:
@@ -1824,7 +2027,7 @@ cdef class CachingAllocator:
         cdef int64_t t0 = um_now_ns()
         for i in range(pairs):
             self.lock.lock()
-            b = self._malloc_cached(cycle[0][k], stream, &status)
+            b = self._malloc_cached(cycle[0][k], stream, False, &status)
             if b == NULL:
                 self.lock.unlock()
                 return -1
@@ -1832,7 +2035,7 @@ cdef class CachingAllocator:
             self.lock.unlock()
             um_escape(<void*>p)
             self.lock.lock()
-            self._free_fast(p)
+            self._free_fast(p, False)
             self.lock.unlock()
             k += 1
             if k == count:
@@ -1842,28 +2045,37 @@ cdef class CachingAllocator:
     # ------------------------------------------------------------------
     # Python API
     # ------------------------------------------------------------------
-    def malloc(self, size, stream=0):
-        """Allocate ``size`` bytes on ``stream`` and return the address (0 for
-        size 0). Raises :class:`OutOfMemoryError` when the device is full."""
-        cdef object n = _check_size(size)
+    cdef int _refuse_huge(self, object n) except -1:
+        """A request no device holds goes straight to out-of-memory (the
+        policy's arithmetic is never run on it)."""
         if n > MAX_REQUEST:
             if self.poisoned:
                 self._check_usable()
             raise self._out_of_memory(n)
-        return self.c_malloc(n, _check_stream(stream))
+        return 0
+
+    def malloc(self, size, stream=0):
+        """Allocate ``size`` bytes on ``stream`` and return the address (0 for
+        size 0). Raises :class:`OutOfMemoryError` when the device is full."""
+        cdef object n = _check_size(size)
+        cdef uintptr_t s = _check_stream(stream)
+        self._refuse_huge(n)
+        return self.c_malloc(n, s)
 
     def free(self, ptr):
         """Free the block at ``ptr``. Raises ValueError for an address this
-        allocator did not hand out or that was already freed."""
+        allocator did not hand out or that was already freed, and for the
+        block of an :class:`Allocation` (which frees itself)."""
         self.c_free(_check_pointer(ptr))
 
     def allocate(self, size, stream=0):
         """Allocate and return an :class:`Allocation` that frees its block when
-        it is garbage collected (what array libraries hold on to)."""
+        it is garbage collected (what array libraries hold on to). Only the
+        Allocation can free the block: :meth:`free` refuses its address."""
         cdef object n = _check_size(size)
-        if n > MAX_REQUEST:
-            raise self._out_of_memory(n)
-        cdef uintptr_t p = self.c_malloc(n, _check_stream(stream))
+        cdef uintptr_t s = _check_stream(stream)
+        self._refuse_huge(n)
+        cdef uintptr_t p = self.c_malloc(n, s, True)
         return _make_allocation(self, p, n)
 
     def owns(self, ptr):
@@ -1875,10 +2087,17 @@ cdef class CachingAllocator:
 
     def record_stream(self, ptr, stream):
         """Mark the block at ``ptr`` as used on ``stream``: when freed, it is
-        reused only after the work queued on ``stream`` by then has completed."""
+        reused only after the work queued on ``stream`` by then has completed.
+
+        The backend may check the stream first (``check_stream(stream,
+        device)``, optional): a handle that names no stream is refused here,
+        not at the free, which could then never happen."""
         cdef uintptr_t p = _check_pointer(ptr)
         cdef uintptr_t s = _check_stream(stream)
         cdef Block* b
+        check = getattr(self.backend, "check_stream", None)
+        if check is not None:
+            check(s, self.device)
         self._lock()
         try:
             b = <Block*>um_find(&self.active, p)
@@ -1906,9 +2125,11 @@ cdef class CachingAllocator:
         try:
             self._synchronize_and_free_events()
             self._release_segments(False, one_stream, handle, 0)
+            self._drop_unused_streams()
         finally:
             self._unlock()
-            self._flush_trace()
+        self._tell_backend_dropped_streams()
+        self._flush_trace()
 
     def process_events(self):
         """Move blocks whose stream events completed back to the pool."""
@@ -1918,7 +2139,16 @@ cdef class CachingAllocator:
                 self._process_events()
         finally:
             self._unlock()
-            self._flush_trace()
+        self._flush_trace()
+
+    def lost_segments(self):
+        """Segments whose backend free raised, as ``{"count": n, "bytes": n}``.
+
+        Such a free may have released the memory or not (an interrupt can
+        arrive after the driver let go), so the segment is never cached
+        again: it is forgotten (it no longer counts as reserved) and counted
+        here. Memory a failed free did not release stays with the process."""
+        return {"count": self.lost_segment_count, "bytes": self.lost_segment_bytes}
 
     def set_memory_fraction(self, double fraction):
         """Limit this allocator to ``fraction`` of the device's total memory."""
@@ -1929,6 +2159,7 @@ cdef class CachingAllocator:
         self.capacity = total
         self.fraction = fraction
         self.set_fraction = True
+        self.limit_in_bytes = False
         self.allowed_memory_maximum = <size_t>(fraction * total)
         self._unlock()
 
@@ -1938,16 +2169,20 @@ cdef class CachingAllocator:
 
     def set_memory_limit(self, limit):
         """Limit this allocator to ``limit`` bytes of the device (0: no limit),
-        as ``cupy.cuda.MemoryPool.set_limit(size=...)`` does."""
+        as ``cupy.cuda.MemoryPool.set_limit(size=...)`` does: a request whose
+        segment would pass the limit gets a segment of just its rounded size
+        when that fits (CuPy's pool allocates no more than asked)."""
         cdef object n = _check_size(limit)
-        if n > MAX_REQUEST:
+        if n > MAX_RESERVED:
             raise ValueError(f"memory limit too large: {n} bytes")
         self._lock()
         if n == 0:
             self.set_fraction = False
+            self.limit_in_bytes = False
             self.fraction = 1.0
         else:
             self.set_fraction = True
+            self.limit_in_bytes = True
             self.allowed_memory_maximum = n
             self.fraction = (<double>n / self.capacity) if self.capacity else 1.0
         self._unlock()
@@ -1958,10 +2193,13 @@ cdef class CachingAllocator:
 
     def free_block_count(self):
         """How many free blocks the cache holds (``MemoryPool.n_free_blocks``)."""
-        cdef size_t k, n = 0
+        cdef size_t n = 0
+        cdef StreamTable.iterator it
         self._lock()
-        for k in range(self.streams.size()):
-            n += self.streams[k].small.n_blocks + self.streams[k].large.n_blocks
+        it = self.streams.begin()
+        while it != self.streams.end():
+            n += deref(it).second.small.n_blocks + deref(it).second.large.n_blocks
+            inc(it)
         self._unlock()
         return n
 
@@ -2000,6 +2238,7 @@ cdef class CachingAllocator:
             "garbage_collection_threshold": self.gc_threshold,
             "max_reserved_ratio": self.max_reserved_ratio or None,
             "memory_fraction": self.fraction if self.set_fraction else None,
+            "exact_segments": bool(self.exact_segments),
         }
 
     def round_size(self, size):
@@ -2149,9 +2388,9 @@ cdef class CachingAllocator:
                                    "state": state, "frames": []})
                     if b.allocated:
                         allocated_size += b.size
-                        requested_size += b.requested_size
-                    if state != "inactive":
+                    if state != "inactive":     # as PyTorch: what waits on a stream counts
                         active_size += b.size
+                        requested_size += b.requested_size
                     b = b.next
                 segments.append({
                     "device": self.device, "address": seg.base, "total_size": seg.size,
@@ -2242,9 +2481,26 @@ cdef class CachingAllocator:
         self._update_unusual()
         self.poison_reason = reason
 
+    cdef bint _lock_for_fork(self):
+        """Take the lock before fork(), waiting at most about 0.2 s."""
+        cdef bint got
+        with nogil:
+            got = self.lock.lock_for(200000000)
+        if got:
+            self.lock_depth += 1
+        return got
+
     def _reset_lock_after_fork(self):
+        """In the child: only this thread survived. The lock is free, and the
+        events another thread was waiting on are pending again."""
         self.lock.reset_after_fork()
+        self.lock_depth = 0
         self.trace_buffer.clear()
+        if self.syncing_events:
+            self.pending_events = self.syncing_events + self.pending_events
+            self.syncing_events = []
+            self.n_pending_events = len(self.pending_events)
+            self._update_unusual()
 
     def _check_invariants(self):
         """Verify the allocator's internal consistency (for tests): segments
@@ -2257,7 +2513,9 @@ cdef class CachingAllocator:
         cdef Stat s
         cdef size_t k
         cdef int p
+        cdef StreamTable.iterator it
         expect = {name: [0, 0, 0] for name in _CORE_STAT_NAMES}
+        segment_streams = []
         n_free_blocks = 0
         self._lock()
         try:
@@ -2265,6 +2523,8 @@ cdef class CachingAllocator:
             reserved = 0
             while seg != NULL:
                 assert seg.head.prev == NULL and seg.head.ptr == seg.base, "segment head"
+                segment_streams.append(seg.stream)
+                assert self.segments_by_base[seg.base] == seg, "segment indexed by its base"
                 p = POOL_SMALL if seg.is_small else POOL_LARGE
                 for pool in (POOL_ALL, p):
                     expect["segment"][pool] += 1
@@ -2305,8 +2565,17 @@ cdef class CachingAllocator:
                 seg = seg.next_seg
             assert reserved == self.total_allocated_memory
             indexed = 0
-            for k in range(self.streams.size()):
-                indexed += self.streams[k].small.n_blocks + self.streams[k].large.n_blocks
+            it = self.streams.begin()
+            while it != self.streams.end():
+                indexed += deref(it).second.small.n_blocks + deref(it).second.large.n_blocks
+                segments_of_stream = deref(it).second.n_segments
+                stream = deref(it).first
+                assert segments_of_stream == sum(1 for seg_stream in segment_streams if seg_stream == stream), \
+                    "each stream's pools count its segments"
+                inc(it)
+            for stream in set(segment_streams):
+                assert self.streams.find(stream) != self.streams.end(), "every segment's stream has pools"
+            assert self.segments_by_base.size() == len(segment_streams), "the segment index holds the segments"
             assert indexed == n_free_blocks, f"free index holds {indexed} blocks, segments {n_free_blocks}"
             for k in range(N_STATS):
                 name = _CORE_STAT_NAMES[k]
@@ -2334,17 +2603,22 @@ cdef inline size_t roundup_power2_next_division(size_t size, size_t divisions) n
     return size if round_floor == size else round_floor + power2_division
 
 
+cdef object _as_integer(object value, str what):
+    """``value`` as a Python int, as ``operator.index`` reads it: bools,
+    floats and objects whose ``__index__`` returns no int are refused."""
+    if type(value) is int:
+        return value
+    if value is None or isinstance(value, (bool, float, complex, str, bytes)):
+        raise TypeError(f"{what} must be an integer, not {type(value).__name__}")
+    try:
+        return _operator_index(value)
+    except TypeError:
+        raise TypeError(f"{what} must be an integer, not {type(value).__name__}") from None
+
+
 cdef object _check_size(object size):
     """A request size as a non-negative Python int, or a clear error."""
-    if isinstance(size, int):
-        n = size
-    else:
-        if isinstance(size, (float, complex, str, bytes)) or size is None:
-            raise TypeError(f"size must be an integer number of bytes, not {type(size).__name__}")
-        try:
-            n = size.__index__()
-        except AttributeError:
-            raise TypeError(f"size must be an integer number of bytes, not {type(size).__name__}") from None
+    n = _as_integer(size, "size (a number of bytes)")
     if n < 0:
         raise ValueError(f"size must be non-negative, got {n}")
     return n
@@ -2371,12 +2645,7 @@ cdef uintptr_t _check_pointer(object ptr) except? 0:
             return <uintptr_t>ptr
         except OverflowError:
             raise ValueError(f"invalid pointer {ptr!r}: not an address") from None
-    if ptr is None or isinstance(ptr, (bool, float, complex, str, bytes)):
-        raise TypeError(f"an address must be an int, not {type(ptr).__name__}")
-    try:
-        ptr = ptr.__index__()
-    except AttributeError:
-        raise TypeError(f"an address must be an int, not {type(ptr).__name__}") from None
+    ptr = _as_integer(ptr, "an address")
     if ptr < 0 or ptr >= (1 << 64):
         raise ValueError(f"invalid pointer {ptr!r}: not an address")
     return ptr
@@ -2385,17 +2654,12 @@ cdef uintptr_t _check_pointer(object ptr) except? 0:
 cdef uintptr_t _check_stream(object stream) except? 0:
     if stream is None:
         return 0
-    if not isinstance(stream, int):
-        try:
-            stream = stream.__index__()
-        except AttributeError:
-            raise TypeError(f"stream must be an int handle, not {type(stream).__name__}") from None
+    stream = _as_integer(stream, "a stream handle")
     if stream < 0:
         raise ValueError(f"stream handle must be non-negative, got {stream}")
-    try:
-        return stream
-    except OverflowError:
-        raise ValueError(f"stream handle {stream} does not fit in a pointer") from None
+    if stream >= (1 << 64):
+        raise ValueError(f"stream handle {stream} does not fit in a pointer")
+    return stream
 
 
 cdef extern from "Python.h":
@@ -2411,16 +2675,25 @@ cdef void _report_unraisable(BaseException exc, str where):
 
 
 def format_size(size):
-    """Bytes as PyTorch's OOM messages write them: 1.50 GiB, 20.00 MiB, 512 bytes."""
+    """Bytes as PyTorch's out-of-memory messages write them (c10's
+    format_size): up to 1024 in bytes, then KiB, MiB, and GiB however large
+    ("800000000.00 GiB")."""
     if size is None:
         return "unknown"
     size = int(size)
-    if size < 1024:
+    if size <= 1024:
         return f"{size} bytes"
-    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB", "EiB"):
-        size /= 1024.0
-        if size < 1024 or unit == "EiB":
-            return f"{size:.2f} {unit}"
+    if size <= 1048576:
+        return f"{size / 1024.0:.2f} KiB"
+    if size <= 1073741824:
+        return f"{size / 1048576.0:.2f} MiB"
+    return f"{size / 1073741824.0:.2f} GiB"
+
+
+_HANDLE_OWNED_MESSAGE = (
+    "pointer {:#x} belongs to an unimem Allocation: release it with Allocation.release() "
+    "or drop the Allocation (freeing its address directly would let the Allocation "
+    "free another owner's block later)")
 
 
 # ---------------------------------------------------------------------------
@@ -2444,7 +2717,7 @@ cdef class Allocation:
         if ptr != 0 and self.allocator is not None:
             self.ptr = 0
             try:
-                if self.allocator._try_free(ptr, True) == 1:
+                if self.allocator._try_free(ptr, True, True) != 0:
                     raise ValueError(f"the block at {ptr:#x} was freed behind its Allocation's back")
             except BaseException as exc:
                 _report_unraisable(exc, "unimem Allocation finalizer")
@@ -2454,7 +2727,8 @@ cdef class Allocation:
         cdef uintptr_t ptr = self.ptr
         if ptr != 0:
             self.ptr = 0
-            self.allocator.c_free(ptr)
+            if self.allocator._try_free(ptr, True, False) != 0:
+                raise ValueError(f"the block at {ptr:#x} was freed behind its Allocation's back")
 
     def __int__(self):
         return self.ptr
@@ -2482,6 +2756,8 @@ cdef Allocation _make_allocation(CachingAllocator allocator, uintptr_t ptr, size
 # given back when one dies. Each registry also has an id never reused.
 _free_registry_slots = list(range(UM_MAX_REGISTRIES - 1, -1, -1))
 cdef uint64_t _last_registry_id = 0
+# Every registry alive, so that a forked child gets fresh creation locks.
+_live_registries = weakref.WeakSet()
 
 @cython.final          # its cpdef methods are then called directly from C
 cdef class DeviceRegistry:
@@ -2502,6 +2778,8 @@ cdef class DeviceRegistry:
     cdef object _factory
     cdef list _allocators
     cdef object _create_lock
+    cdef object _thread_current         # threading.local, when no C table slot was free
+    cdef object __weakref__
     cdef public object current_device_fn
     cdef public object current_stream_fn
     cdef public object stream_handle_fn
@@ -2512,17 +2790,21 @@ cdef class DeviceRegistry:
     def __init__(self, str device_type, int device_count, factory, *,
                  current_device_fn=None, current_stream_fn=None, stream_handle_fn=None):
         global _last_registry_id
-        if self.slot < 0:
-            if not _free_registry_slots:
-                raise RuntimeError(f"more than {UM_MAX_REGISTRIES} device registries alive at once")
-            self.slot = _free_registry_slots.pop()
-            _last_registry_id += 1
-            self.owner_id = _last_registry_id
+        if self.slot < 0 and self._thread_current is None:
+            if _free_registry_slots:
+                self.slot = _free_registry_slots.pop()
+                _last_registry_id += 1
+                self.owner_id = _last_registry_id
+            else:
+                # The C table is full (many MemoryPools alive): this registry
+                # keeps its per-thread current device in Python instead.
+                self._thread_current = threading.local()
         self.device_type = device_type
         self.device_count = device_count
         self._factory = factory
         self._allocators = [None] * device_count
         self._create_lock = threading.Lock()
+        _live_registries.add(self)
         self.current_device_fn = current_device_fn
         self.current_stream_fn = current_stream_fn
         self.stream_handle_fn = stream_handle_fn
@@ -2537,12 +2819,17 @@ cdef class DeviceRegistry:
     cpdef int current_index(self) except -1:
         if self.current_device_fn is not None:
             return self.current_device_fn()
+        if self.slot < 0:
+            return getattr(self._thread_current, "index", 0)
         if um_current_owner[self.slot] != self.owner_id:
             return 0                   # not set in this thread (by this registry)
         return um_current_device[self.slot]
 
     def set_current_index(self, int index):
         self.check_index(index)
+        if self.slot < 0:
+            self._thread_current.index = index
+            return
         um_current_device[self.slot] = index
         um_current_owner[self.slot] = self.owner_id
 
@@ -2563,6 +2850,10 @@ cdef class DeviceRegistry:
                     raise TypeError("the registry's factory must return a CachingAllocator")
                 self._allocators[index] = allocator
             return self._allocators[index]
+
+    def _reset_after_fork(self):
+        # Another thread may have held it while creating an allocator.
+        self._create_lock = threading.Lock()
 
     def peek(self, int index):
         """The allocator of device ``index`` if it was created, else None."""
@@ -2622,13 +2913,22 @@ cdef class DeviceRegistry:
             return 0
         cdef int current = self.current_index() if self.device_count else 0
         cdef CachingAllocator a
+        cdef int rc
         if 0 <= current < self.device_count:
             a = <CachingAllocator>self._allocators[current]
-            if a is not None and a._try_free(p) == 0:
-                return 0
+            if a is not None:
+                rc = a._try_free(p, False, False)
+                if rc == 0:
+                    return 0
+                if rc == 4:
+                    raise ValueError(_HANDLE_OWNED_MESSAGE.format(p))
         for a in self._allocators:
-            if a is not None and a._try_free(p) == 0:
-                return 0
+            if a is not None:
+                rc = a._try_free(p, False, False)
+                if rc == 0:
+                    return 0
+                if rc == 4:
+                    raise ValueError(_HANDLE_OWNED_MESSAGE.format(p))
         raise ValueError(f"pointer {p:#x} was not allocated by the unimem "
                          f"{self.device_type} allocator, or was already freed")
 
@@ -2740,10 +3040,36 @@ def namespace_alloc_functions(dict types, str type_name, slow_alloc, slow_delete
 # ---------------------------------------------------------------------------
 # fork(): locks held by other threads would stay held in the child
 # ---------------------------------------------------------------------------
+# Before fork() each allocator's lock is taken (waiting a little at most), so
+# that the child gets allocators in a consistent state, not one caught half-way
+# through another thread's update. A lock that cannot be had in time (its
+# holder waits on something) is reset in the child as before.
+cdef list _held_for_fork = []
+
+
+def _before_fork():
+    cdef CachingAllocator allocator
+    _held_for_fork.clear()
+    for allocator in list(_live_allocators):
+        if allocator._lock_for_fork():
+            _held_for_fork.append(allocator)
+
+
+def _after_fork_in_parent():
+    cdef CachingAllocator allocator
+    for allocator in _held_for_fork:
+        allocator._unlock()
+    _held_for_fork.clear()
+
+
 def _after_fork_in_child():
+    _held_for_fork.clear()
     for allocator in list(_live_allocators):
         allocator._reset_lock_after_fork()
+    for registry in list(_live_registries):
+        registry._reset_after_fork()
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                        after_in_child=_after_fork_in_child)

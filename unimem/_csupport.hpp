@@ -91,6 +91,20 @@ struct UMLock {
         }
         waiters.fetch_sub(1);
     }
+    // lock(), giving up after ``timeout_ns`` (before fork(): a holder that
+    // waits on something must not hang the fork).
+    bool lock_for(int64_t timeout_ns) {
+        if (try_lock())
+            return true;
+        const auto deadline = std::chrono::steady_clock::now() + std::chrono::nanoseconds(timeout_ns);
+        while (std::chrono::steady_clock::now() < deadline) {
+            if (try_lock_if_free())
+                return true;
+            struct timespec pause = {0, 100000};
+            nanosleep(&pause, nullptr);
+        }
+        return false;
+    }
     void unlock() {
         if (--depth == 0) {
             owner.store(0, std::memory_order_relaxed);
