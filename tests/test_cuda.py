@@ -158,7 +158,7 @@ def test_out_of_memory_is_unimems_and_cupys(fake, ucuda):
         ucuda.allocator(600 * MiB)
     assert isinstance(info.value, unimem.OutOfMemoryError)
     assert "GPU out of memory. Tried to allocate 600.00 MiB" in str(info.value)
-    assert "GPU device 0 has a total capacity of 1.00 GiB" in str(info.value)
+    assert "GPU 0 has a total capacity of 1024.00 MiB" in str(info.value)      # PyTorch's wording
     s = ucuda.memory_stats(0)
     assert s["num_ooms"] == 1 and s["num_alloc_retries"] == 1
     assert ucuda.allocator(100 * MiB).mem.size == 100 * MiB          # still usable after

@@ -19,6 +19,8 @@ raise ``RuntimeError`` naming the cause (``device_count()`` is 0).
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import warnings
 from typing import Any, Callable, Dict, Optional, Tuple
 
@@ -31,7 +33,7 @@ from .backends.cuda import CUDABackend, OnDevice, stream_key
 _api = MemoryAPI("cuda")
 globals().update(_api.functions())
 
-__all__ = list(PUBLIC_FUNCTIONS) + ["allocator", "record_stream", "MemoryPool", "OutOfMemoryError"]
+__all__ = list(PUBLIC_FUNCTIONS) + ["allocator", "record_stream", "MemoryPool", "OutOfMemoryError", "PooledMemory"]
 
 
 def _cupy() -> Any:
@@ -80,6 +82,8 @@ def _restore_out_of_memory_error(args: Tuple[Any, ...]) -> BaseException:
 def __getattr__(name: str) -> Any:
     if name == "OutOfMemoryError":
         return _cupy_out_of_memory_class()
+    if name == "PooledMemory":
+        return _memory_classes()[0]
     raise AttributeError(f"module 'unimem.cuda' has no attribute '{name}'")
 
 
@@ -224,6 +228,22 @@ class _CupyAllocatorBackend(Backend):
         self.cuda_backend.event_synchronize(event)
 
 
+# The pool's own allocators take CuPy's segment policy (a miss takes a segment
+# of just the rounded request) through new_allocator's core options; until
+# new_allocator forwards them, they keep PyTorch's policy.
+_FORWARDS_CORE_OPTIONS = any(
+    parameter.kind is inspect.Parameter.VAR_KEYWORD or name == "exact_segments"
+    for name, parameter in inspect.signature(new_allocator).parameters.items())
+
+
+def _cupy_policy_allocator(backend: Backend, index: int) -> _core.CachingAllocator:
+    """An allocator for a pool of its own, with CuPy's segment policy, so that
+    CuPy's numbers (``total_bytes``, ``n_free_blocks``, ``set_limit``) hold."""
+    if _FORWARDS_CORE_OPTIONS:
+        return new_allocator("cuda-pool", backend, index, exact_segments=True)
+    return new_allocator("cuda-pool", backend, index)
+
+
 def _cuda_stream_functions() -> Tuple[Optional[Callable[[int], int]], Callable[[Any], int]]:
     """How unimem.cuda finds the current stream's key, and turns a stream into
     one; without CUDA (a pool on a simulated device), every request is on stream 0."""
@@ -269,7 +289,7 @@ class MemoryPool:
             current_stream_fn, stream_handle_fn = _cuda_stream_functions()
             self._registry = _core.DeviceRegistry(
                 "cuda-pool", backend.device_count(),
-                lambda index: new_allocator("cuda-pool", backend, index),
+                functools.partial(_cupy_policy_allocator, backend),
                 current_device_fn=current_device_fn, current_stream_fn=current_stream_fn,
                 stream_handle_fn=stream_handle_fn)
 
