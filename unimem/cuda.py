@@ -12,7 +12,8 @@ The memory functions of ``torch.cuda.memory`` (``memory_stats``,
 ``memory_allocated``, ``empty_cache``, ...), :func:`allocator` for
 ``cupy.cuda.set_allocator``, :func:`record_stream`, and :class:`MemoryPool`,
 a drop-in for ``cupy.cuda.MemoryPool``. Blocks are reused in stream order,
-keyed by CuPy's current stream.
+keyed by CuPy's current stream; ``cudaStreamPerThread`` is keyed per thread,
+as in CuPy (see :func:`unimem.backends.cuda.stream_key`).
 
 Without a usable GPU this module still imports; functions that need a device
 raise ``RuntimeError`` naming the cause (``device_count()`` is 0).
@@ -149,7 +150,9 @@ def allocator(size: int) -> Any:
 
     Install with ``cupy.cuda.set_allocator(unimem.cuda.allocator)``. Returns a
     ``cupy.cuda.MemoryPointer`` whose memory goes back to unimem's pool when
-    CuPy lets go of it.
+    CuPy lets go of it. Its ``mem`` is a :class:`PooledMemory` (the block's
+    rounded size, ``free()`` to give it back early), as from CuPy's pool; for
+    0 bytes, a CuPy ``Memory`` at address 0.
     """
     dtype = get_type("cuda")
     registry = dtype.registry
