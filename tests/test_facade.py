@@ -291,7 +291,8 @@ def test_namespace_alloc_and_delete_follow_the_device_table(monkeypatch):
 def test_device_registries_come_and_go():
     """A process may make (and drop) any number of device registries, as
     change_current_allocator does; a new one never inherits the current
-    device another one set, and too many alive at once is a clear error."""
+    device another one set, and there is no limit on how many live at once
+    (issue 12 item 19: CuPy has none)."""
     import gc
 
     from unimem import _core
@@ -305,11 +306,10 @@ def test_device_registries_come_and_go():
         registry.set_current_index(3)
         assert registry.current_index() == 3
         del registry
-    alive = []
-    with pytest.raises(RuntimeError, match="device registries alive at once"):
-        for _ in range(100):
-            alive.append(make())
-    assert 32 < len(alive) < 64
+    alive = [make() for _ in range(100)]
+    for number, registry in enumerate(alive):
+        registry.set_current_index(number % 4)
+    assert [registry.current_index() for registry in alive] == [n % 4 for n in range(100)]
     del alive
     gc.collect()
     assert make().current_index() == 0

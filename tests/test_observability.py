@@ -8,7 +8,7 @@ import sys
 import pytest
 
 import unimem
-from unimem import _core
+from unimem import _core, _history
 from unimem._summary import format_count, format_size, memory_summary_table
 from unimem.backends.simulated import SimulatedBackend
 
@@ -149,17 +149,183 @@ def test_history_is_a_ring_of_max_entries():
         unimem.cpu._record_memory_history(None, clear_history=True)
 
 
-def test_state_mode_keeps_frames_but_no_trace():
-    unimem.cpu._record_memory_history("state", clear_history=True)
+def test_state_mode_keeps_frames_and_only_the_last_entry():
+    """PyTorch's _record_memory_history: max_entries is 1 unless enabled == "all"."""
+    unimem.cpu._record_memory_history("state", max_entries=100, clear_history=True)
     try:
         p = allocate_here(2048)
         s = unimem.cpu._snapshot()
-        assert s["device_traces"][0] == []
+        assert [(e["action"], e["addr"]) for e in s["device_traces"][0]] == [("alloc", p)]
         block = next(b for seg in s["segments"] for b in seg["blocks"] if b["address"] == p)
         assert block["frames"] and block["frames"][0]["name"] == "allocate_here"
         unimem.cpu.caching_allocator_delete(p)
     finally:
         unimem.cpu._record_memory_history(None, clear_history=True)
+
+
+def allocate_first(size):
+    return unimem.cpu.caching_allocator_alloc(size)
+
+
+def allocate_later(size):
+    return unimem.cpu.caching_allocator_alloc(size)
+
+
+def frames_of(snapshot, address):
+    block = next(b for seg in snapshot["segments"] for b in seg["blocks"] if b["address"] == address)
+    return [f["name"] for f in block["frames"]]
+
+
+def test_disabling_drops_the_trace_and_reenabling_starts_fresh():
+    """Issue 18: PyTorch's recordHistory clears the trace when disabled."""
+    unimem.cpu._record_memory_history(clear_history=True)
+    try:
+        unimem.cpu.caching_allocator_delete(allocate_here(4096))
+        assert unimem.cpu._snapshot()["device_traces"][0]
+        unimem.cpu._record_memory_history(None)
+        assert unimem.cpu._snapshot()["device_traces"][0] == []
+        unimem.cpu._record_memory_history()
+        p = allocate_here(4096)
+        assert [e["action"] for e in unimem.cpu._snapshot()["device_traces"][0]] == ["alloc"]
+        unimem.cpu.caching_allocator_delete(p)
+    finally:
+        unimem.cpu._record_memory_history(None, clear_history=True)
+
+
+def test_frames_of_memory_freed_while_history_was_off_are_dropped():
+    """Issue 12 item 16: a block reallocated while history was paused must not
+    show the stack of the freed allocation that had its address."""
+    unimem.cpu._record_memory_history(clear_history=True)
+    try:
+        first = allocate_first(8192)
+        unimem.cpu._record_memory_history(None)
+        unimem.cpu.caching_allocator_delete(first)
+        second = allocate_later(8192)
+        assert second == first                    # best fit hands the same block back
+        assert "allocate_first" not in frames_of(unimem.cpu._snapshot(), second)
+        unimem.cpu._record_memory_history()
+        assert "allocate_first" not in frames_of(unimem.cpu._snapshot(), second)
+        unimem.cpu.caching_allocator_delete(second)
+    finally:
+        unimem.cpu._record_memory_history(None, clear_history=True)
+
+
+def test_frames_of_live_blocks_outlast_a_pause_without_frees():
+    """As in PyTorch, a live block keeps the stack that allocated it after recording stops."""
+    unimem.cpu._record_memory_history(clear_history=True)
+    try:
+        kept = allocate_first(8192)
+        unimem.cpu._record_memory_history(None)
+        assert frames_of(unimem.cpu._snapshot(), kept)[0] == "allocate_first"
+        unimem.cpu._record_memory_history()
+        assert frames_of(unimem.cpu._snapshot(), kept)[0] == "allocate_first"
+        unimem.cpu.caching_allocator_delete(kept)
+    finally:
+        unimem.cpu._record_memory_history(None, clear_history=True)
+
+
+def release_cached_memory():
+    unimem.cpu.empty_cache()
+
+
+@pytest.mark.parametrize("context", ["state", "alloc", "all"])
+def test_which_entries_carry_frames_follows_pytorchs_context(context):
+    """PyTorch's RecordContext: "state" frames only on live blocks and
+    segments; "alloc" also on entries (a free's entry with the allocating
+    stack); "all" a free's entry with the freeing stack."""
+    unimem.cpu.empty_cache()
+    unimem.cpu._record_memory_history(context=context, clear_history=True)
+    try:
+        big = allocate_first(30 * MiB)                 # a segment of its own
+        live = allocate_first(3000)
+        s = unimem.cpu._snapshot()
+        assert frames_of(s, live)[0] == "allocate_first"
+        segment = next(seg for seg in s["segments"] if seg["address"] == big)
+        assert segment["frames"][0]["name"] == "allocate_first"
+        unimem.cpu.caching_allocator_delete(big)
+        release_cached_memory()
+        trace = unimem.cpu._snapshot()["device_traces"][0]
+        names = {e["action"]: [f["name"] for f in e["frames"]] for e in trace if e.get("addr") == big}
+        expected_alloc = [] if context == "state" else ["allocate_first"]
+        assert names["alloc"][:1] == names["segment_alloc"][:1] == expected_alloc
+        expected_free = {"state": [], "alloc": ["allocate_first"],
+                         "all": ["test_which_entries_carry_frames_follows_pytorchs_context"]}[context]
+        assert names["free_requested"][:1] == names["free_completed"][:1] == expected_free
+        expected_segment_free = {"state": [], "alloc": ["allocate_first"],
+                                 "all": ["release_cached_memory"]}[context]
+        assert names["segment_free"][:1] == expected_segment_free
+        unimem.cpu.caching_allocator_delete(live)
+    finally:
+        unimem.cpu._record_memory_history(None, clear_history=True)
+
+
+def test_dump_snapshot_takes_only_paths(tmp_path):
+    """Issue 12 item 20: _dump_snapshot(1) wrote the pickle to stdout and closed it."""
+    code = (
+        "import os, unimem\n"
+        "for bad in (1, 2.5, None, [b'x']):\n"
+        "    try:\n"
+        "        unimem.cpu._dump_snapshot(bad)\n"
+        "    except TypeError as e:\n"
+        "        print('refused', type(bad).__name__)\n"
+        "os.fstat(1)\n"
+        "unimem.cpu._dump_snapshot(os.fsencode(os.path.join(%r, 'snap.pickle')))\n"
+        "print('done')\n" % str(tmp_path)
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=300)
+    assert done.returncode == 0, done.stderr.decode()
+    assert done.stdout.decode().split() == ["refused", "int", "refused", "float", "refused", "NoneType",
+                                            "refused", "list", "done"]
+    assert (tmp_path / "snap.pickle").stat().st_size > 0
+
+
+FORK_UNDER_HISTORY = """
+import os, sys, threading, time
+import unimem
+from unimem import _history
+
+unimem.cpu._record_memory_history(max_entries=1000)
+stop = False
+
+def churn():
+    while not stop:
+        unimem.cpu.caching_allocator_delete(unimem.cpu.caching_allocator_alloc(4096))
+
+# The history lock is held by the churning thread for most of its time: hold
+# it longer at random moments so that forks land inside it.
+original_frames = _history.python_frames
+def slow_frames(limit=64):
+    time.sleep(0.0005)
+    return original_frames(limit)
+_history.python_frames = slow_frames
+
+thread = threading.Thread(target=churn, daemon=True)
+thread.start()
+children = []
+for _ in range(40):
+    time.sleep(0.002)
+    pid = os.fork()
+    if pid == 0:
+        p = unimem.cpu.caching_allocator_alloc(8192)     # hangs if a lock stayed held
+        unimem.cpu.caching_allocator_delete(p)
+        unimem.cpu._snapshot()
+        os._exit(0)
+    children.append(pid)
+for pid in children:
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+stop = True
+print("all children exited")
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_fork_while_another_thread_is_in_the_history_hook():
+    """Issue 12 item 7: History.lock was not reset in a forked child."""
+    done = subprocess.run([sys.executable, "-c", FORK_UNDER_HISTORY], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "all children exited" in done.stdout
 
 
 def test_context_none_and_skip_actions():
@@ -226,26 +392,144 @@ def test_pytorchs_viewer_renders_a_unimem_snapshot(tmp_path, recording):
 # ---------------------------------------------------------------------------
 # out-of-memory observers
 # ---------------------------------------------------------------------------
-def test_oom_observers_run_once_per_oom():
+def test_oom_observers_take_pytorchs_arguments():
+    """PyTorch's observer signature: (device, alloc, device_allocated, device_free), ints."""
     seen = []
 
-    def observer(device, requested, stats):
-        seen.append((device, requested, stats["num_ooms"]))
+    def observer(device, alloc, device_allocated, device_free):
+        seen.append((device, alloc, device_allocated, device_free, unimem.cpu.memory_allocated(0)))
 
+    keep = allocate_here(3000)
     unimem.attach_out_of_memory_observer(observer)
     try:
-        unimem.cpu.caching_allocator_delete(allocate_here(1))
-        before = unimem.cpu.memory_stats(0)["num_ooms"]
         for _ in range(2):
             with pytest.raises(unimem.OutOfMemoryError):
                 allocate_here(1 << 52)
         unimem.cpu.caching_allocator_delete(allocate_here(1))     # no OOM, no call
     finally:
         unimem.detach_out_of_memory_observer(observer)
+        unimem.cpu.caching_allocator_delete(keep)
+    assert len(seen) == 2
+    for device, alloc, device_allocated, device_free, allocated_then in seen:
+        assert all(type(v) is int for v in (device, alloc, device_allocated, device_free))
+        assert device == 0 and alloc >= 1 << 52
+        assert device_allocated == allocated_then >= 3072
+        assert 0 <= device_free <= unimem.cpu.get_memory_info(0)[1]
+    with pytest.raises(TypeError):
+        unimem.attach_out_of_memory_observer("not callable")
+    with pytest.raises(ValueError):
+        unimem.detach_out_of_memory_observer(observer)
+
+
+def test_oom_stats_observers_name_the_pool_and_see_its_statistics():
+    seen = []
+
+    def observer(device, requested, stats):
+        seen.append((device, requested, stats["num_ooms"]))
+
+    _history.attach_out_of_memory_stats_observer(observer)
+    try:
+        unimem.cpu.caching_allocator_delete(allocate_here(1))
+        before = unimem.cpu.memory_stats(0)["num_ooms"]
+        for _ in range(2):
+            with pytest.raises(unimem.OutOfMemoryError):
+                allocate_here(1 << 52)
+    finally:
+        _history.detach_out_of_memory_stats_observer(observer)
     assert seen == [(unimem.device("cpu", 0), 1 << 52, before + 1),
                     (unimem.device("cpu", 0), 1 << 52, before + 2)]
     with pytest.raises(TypeError):
-        unimem.attach_out_of_memory_observer("not callable")
+        _history.attach_out_of_memory_stats_observer(42)
+
+
+def test_a_failing_oom_observer_does_not_stop_the_others(monkeypatch):
+    reported = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda args: reported.append(args.exc_value))
+    calls = []
+
+    def failing(*args):
+        calls.append("failing")
+        raise ZeroDivisionError("observer bug")
+
+    def working(*args):
+        calls.append("working")
+
+    unimem.attach_out_of_memory_observer(failing)
+    unimem.attach_out_of_memory_observer(working)
+    try:
+        with pytest.raises(unimem.OutOfMemoryError):
+            allocate_here(1 << 52)
+    finally:
+        unimem.detach_out_of_memory_observer(failing)
+        unimem.detach_out_of_memory_observer(working)
+    assert calls == ["failing", "working"]
+    assert [type(e) for e in reported] == [ZeroDivisionError]
+
+
+@pytest.mark.parametrize("interrupt", [KeyboardInterrupt, SystemExit])
+def test_an_interrupt_in_an_oom_observer_goes_through_the_dispatcher(interrupt):
+    """Issue 12 item 9 (unimem's side): Ctrl-C in an observer is not held back
+    like an ordinary error, and stops the observers after it."""
+    calls = []
+
+    def interrupted(*args):
+        calls.append("interrupted")
+        raise interrupt()
+
+    def after(*args):
+        calls.append("after")
+
+    allocator = unimem.cpu.caching_allocator(0)
+    dispatcher = _history._OOMDispatcher("cpu", allocator)
+    unimem.attach_out_of_memory_observer(interrupted)
+    unimem.attach_out_of_memory_observer(after)
+    try:
+        with pytest.raises(interrupt):
+            dispatcher(0, 1 << 52, 0, 0, 0)
+    finally:
+        unimem.detach_out_of_memory_observer(interrupted)
+        unimem.detach_out_of_memory_observer(after)
+    assert calls == ["interrupted"]
+
+
+def test_ctrl_c_in_an_oom_observer_reaches_the_program():
+    """Issue 12 item 9, end to end (needs the core to let KeyboardInterrupt through)."""
+    code = (
+        "import unimem\n"
+        "def observer(*args):\n"
+        "    raise KeyboardInterrupt\n"
+        "unimem.attach_out_of_memory_observer(observer)\n"
+        "try:\n"
+        "    unimem.cpu.caching_allocator_alloc(1 << 52)\n"
+        "except KeyboardInterrupt:\n"
+        "    print('interrupted')\n"
+        "except MemoryError:\n"
+        "    print('out of memory')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "interrupted", done.stderr
+
+
+def test_ctrl_c_in_the_history_hook_reaches_the_program():
+    """Issue 12 item 9: a KeyboardInterrupt raised while the history hook runs."""
+    code = (
+        "import unimem\n"
+        "from unimem import _history\n"
+        "unimem.cpu._record_memory_history()\n"
+        "def interrupting_frames(limit=64):\n"
+        "    raise KeyboardInterrupt\n"
+        "_history.python_frames = interrupting_frames\n"
+        "try:\n"
+        "    unimem.cpu.caching_allocator_alloc(4096)\n"
+        "except KeyboardInterrupt:\n"
+        "    print('interrupted')\n"
+        "else:\n"
+        "    print('swallowed')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "interrupted", done.stderr
 
 
 def test_oom_snapshot_is_written(tmp_path):

@@ -13,13 +13,14 @@ The core reports its actions to a hook only while recording is on; the hook
 from __future__ import annotations
 
 import collections
+import functools
 import os
 import pickle
 import sys
 import threading
 import time
 import weakref
-from typing import Any, Callable, Deque, Dict, List, Optional
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple, Union
 
 from . import _core, _devices
 
@@ -49,7 +50,14 @@ def python_frames(limit: int = 64) -> List[Frame]:
 
 
 class History:
-    """The recorded history of one pool ("xpu", "cpu", "host", ...)."""
+    """The recorded history of one pool ("xpu", "cpu", "host", ...).
+
+    As in PyTorch's caching allocator, two things are kept: the trace (the
+    last ``max_entries`` actions with ``enabled="all"``, the last one with
+    ``"state"``) and the frames
+    that allocated each live block and segment (whenever ``context`` is set),
+    which the snapshot attaches to its segments and blocks.
+    """
 
     def __init__(self, pool: str) -> None:
         self.pool = pool
@@ -60,10 +68,17 @@ class History:
         self.traces: Dict[int, Deque[Dict[str, Any]]] = {}
         self.block_frames: Dict[int, Dict[int, List[Frame]]] = {}
         self.segment_frames: Dict[int, Dict[int, List[Frame]]] = {}
+        # While recording is off the core reports nothing, so a block freed
+        # then cannot be seen leaving. Per device: the free counters when
+        # recording stopped; once they move, the remembered frames may
+        # belong to freed memory and are dropped (see _drop_stale_frames).
+        self.paused_counters: Dict[int, Tuple[int, int]] = {}
         self.lock = threading.Lock()
 
-    def configure(self, enabled: Optional[str], context: Optional[str], stacks: str,
-                  max_entries: int, clear_history: bool, skip_actions: Optional[List[str]]) -> None:
+    @staticmethod
+    def check_arguments(enabled: Optional[str], context: Optional[str], stacks: str,
+                        max_entries: int, skip_actions: Optional[List[str]]) -> frozenset:
+        """The arguments of ``_record_memory_history`` checked; the actions to skip."""
         if enabled not in (None, "state", "all"):
             raise ValueError(f"enabled must be None, 'state' or 'all', got {enabled!r}")
         if context not in (None, "state", "alloc", "all"):
@@ -76,17 +91,50 @@ class History:
         unknown = skip - set(ACTIONS) - {"snapshot"}
         if unknown:
             raise ValueError(f"unknown actions in skip_actions: {sorted(unknown)}")
+        return skip
+
+    def configure(self, enabled: Optional[str], context: Optional[str], max_entries: int,
+                  clear_history: bool, skip: frozenset) -> None:
         with self.lock:
             self.enabled = enabled
             self.context = context if enabled else None
             self.skip_actions = skip
-            if clear_history or max_entries != self.max_entries:
-                self.traces = {d: collections.deque(t if not clear_history else (), maxlen=max_entries)
-                               for d, t in self.traces.items()}
+            # PyTorch's recordHistory: disabling, or clear_history, drops the
+            # recorded actions; re-enabling without it appends to them.
+            drop = enabled is None or clear_history
+            # As PyTorch's _record_memory_history: "state" keeps one entry, the last.
+            max_entries = max_entries if enabled == "all" else 1
+            self.traces = {d: collections.deque(() if drop else t, maxlen=max_entries)
+                           for d, t in self.traces.items()}
             self.max_entries = max_entries
-            if clear_history:
-                self.block_frames.clear()
-                self.segment_frames.clear()
+
+    def pause(self, allocators: Dict[int, _core.CachingAllocator]) -> None:
+        """Recording stops: remember where the free counters stand."""
+        with self.lock:
+            for device, allocator in allocators.items():
+                if device not in self.paused_counters:
+                    self.paused_counters[device] = _free_counters(allocator)
+
+    def resume(self, allocators: Dict[int, _core.CachingAllocator]) -> None:
+        """Recording starts again: forget the frames of what was freed meanwhile."""
+        with self.lock:
+            self._drop_stale_frames(allocators)
+            self.paused_counters.clear()
+
+    def _drop_stale_frames(self, allocators: Dict[int, _core.CachingAllocator]) -> None:
+        """Drop the frames that may describe memory freed while recording was
+        off (called with the lock held). Which blocks were freed is not known,
+        so when any block (segment) was freed every remembered block
+        (segment) frame of that device goes: a missing stack rather than a
+        wrong one."""
+        for device, before in list(self.paused_counters.items()):
+            allocator = allocators.get(device)
+            now = _free_counters(allocator) if allocator is not None else (-1, -1)
+            if now[0] != before[0]:
+                self.block_frames.pop(device, None)
+            if now[1] != before[1]:
+                self.segment_frames.pop(device, None)
+            self.paused_counters[device] = now
 
     def hook_for(self, allocator: _core.CachingAllocator) -> Callable[[list], None]:
         # The allocator holds the hook: the hook holds the allocator weakly
@@ -95,8 +143,13 @@ class History:
         allocator_ref = weakref.ref(allocator)
 
         def hook(events: list) -> None:
+            # PyTorch's RecordContext: "state" keeps the allocating stack of
+            # live blocks and segments only; "alloc" also puts it on the
+            # trace entries (a free's entry carries the stack that allocated
+            # the block); "all" gives frees the freeing stack.
             context = self.context
-            frames: Optional[List[Frame]] = None
+            on_entries = context in ("alloc", "all")
+            here: Optional[List[Frame]] = None
             with self.lock:
                 trace = self.traces.get(device)
                 if trace is None:
@@ -104,27 +157,27 @@ class History:
                 blocks = self.block_frames.setdefault(device, {})
                 segments = self.segment_frames.setdefault(device, {})
                 for action, addr, size, stream, time_ns in events:
-                    is_free = action in ("free_requested", "free_completed")
-                    wants_frames = context is not None and (context == "all" or not is_free)
                     entry_frames: List[Frame] = []
-                    if wants_frames:
-                        if frames is None:
-                            frames = python_frames()
-                        entry_frames = frames
-                    if action == "alloc" and wants_frames:
-                        blocks[addr] = entry_frames
-                    elif action == "free_completed":
-                        blocks.pop(addr, None)
-                    elif action == "segment_alloc" and wants_frames:
-                        segments[addr] = entry_frames
-                    elif action == "segment_free":
-                        segments.pop(addr, None)
-                    if self.enabled != "all" or action in self.skip_actions:
+                    if action in ("alloc", "segment_alloc", "oom") or context == "all":
+                        if context is not None and here is None:
+                            here = python_frames()
+                        entry_frames = here or []
+                    known = blocks if action in ("alloc", "free_requested", "free_completed") else segments
+                    if action in ("alloc", "segment_alloc"):
+                        if context is not None:
+                            known[addr] = entry_frames
+                        else:
+                            known.pop(addr, None)
+                    elif action in ("free_requested", "free_completed", "segment_free"):
+                        if context == "alloc":
+                            entry_frames = known.get(addr, [])
+                        if action != "free_requested":
+                            known.pop(addr, None)
+                    if action in self.skip_actions:
                         continue
                     entry = {"action": action, "addr": addr, "size": size, "stream": stream,
                              "time_us": (time_ns + _MONOTONIC_TO_EPOCH_NS) // 1000,
-                             "frames": entry_frames if context in ("alloc", "all") or
-                             (context == "state" and action == "alloc") else []}
+                             "frames": entry_frames if on_entries else []}
                     if action == "oom":
                         del entry["addr"]
                         try:
@@ -139,6 +192,7 @@ class History:
             allocator.flush_history()        # frees done by finalizers are buffered
         out: List[Dict[str, Any]] = []
         with self.lock:
+            self._drop_stale_frames(allocators)
             for device, allocator in allocators.items():
                 blocks = self.block_frames.get(device, {})
                 seg_frames = self.segment_frames.get(device, {})
@@ -153,6 +207,13 @@ class History:
     def device_traces(self, device_count: int) -> List[List[Dict[str, Any]]]:
         with self.lock:
             return [list(self.traces.get(d, ())) for d in range(device_count)]
+
+
+def _free_counters(allocator: _core.CachingAllocator) -> Tuple[int, int]:
+    """How many blocks and segments ``allocator`` has freed (counts that only
+    grow, but for a reset of the accumulated statistics, which also shows)."""
+    stats = allocator.memory_stats()
+    return stats.get("allocation.all.freed", 0), stats.get("segment.all.freed", 0)
 
 
 _histories: Dict[str, History] = {}
@@ -182,9 +243,20 @@ def record_memory_history(pool: str, registry: _core.DeviceRegistry, enabled: Op
                           context: Optional[str] = "all", stacks: str = "python",
                           max_entries: int = sys.maxsize, clear_history: bool = False,
                           skip_actions: Optional[List[str]] = None) -> None:
+    skip = History.check_arguments(enabled, context, stacks, max_entries, skip_actions)
     recorder = history(pool)
-    recorder.configure(enabled, context, stacks, max_entries, clear_history, skip_actions)
-    for allocator in registry.initialized().values():
+    was_enabled = recorder.enabled
+    allocators = registry.initialized()
+    if was_enabled and not enabled:
+        # Counted before the buffered actions reach the hook: one that slips
+        # in between moves the counters, and the frames it concerns are dropped.
+        recorder.pause(allocators)
+        for allocator in allocators.values():
+            allocator.flush_history()
+    recorder.configure(enabled, context, max_entries, clear_history, skip)
+    if enabled and not was_enabled:
+        recorder.resume(allocators)
+    for allocator in allocators.values():
         allocator.set_trace_hook(recorder.hook_for(allocator) if enabled else None)
 
 
@@ -200,7 +272,13 @@ def snapshot(pool: str, registry: _core.DeviceRegistry) -> Dict[str, Any]:
     }
 
 
-def dump_snapshot(pool: str, registry: _core.DeviceRegistry, filename: str) -> None:
+PathLike = Union[str, bytes, "os.PathLike[str]", "os.PathLike[bytes]"]
+
+
+def dump_snapshot(pool: str, registry: _core.DeviceRegistry, filename: PathLike) -> None:
+    # open() would also take an int as a file descriptor, and close it.
+    if not isinstance(filename, (str, bytes, os.PathLike)):
+        raise TypeError(f"filename must be a path (str or os.PathLike), got {type(filename).__name__}")
     data = snapshot(pool, registry)
     with open(filename, "wb") as f:
         pickle.dump(data, f)
@@ -209,23 +287,57 @@ def dump_snapshot(pool: str, registry: _core.DeviceRegistry, filename: str) -> N
 # ---------------------------------------------------------------------------
 # out-of-memory observers
 # ---------------------------------------------------------------------------
-OOMObserver = Callable[[Any, int, "collections.OrderedDict[str, int]"], Any]
+OOMObserver = Callable[[int, int, int, int], Any]
+OOMStatsObserver = Callable[[_devices.device, int, "collections.OrderedDict[str, int]"], Any]
 _oom_observers: List[OOMObserver] = []
+_oom_stats_observers: List[OOMStatsObserver] = []
 _registries_by_pool: Dict[str, Callable[[], _core.DeviceRegistry]] = {}
 
 
 def attach_out_of_memory_observer(observer: OOMObserver) -> None:
-    """Call ``observer(device, requested_bytes, memory_stats)`` on every
-    out-of-memory error of any unimem pool, before it is raised. ``device``
-    is a :class:`unimem.device` (``device("xpu", 0)``; the pinned pool is
-    ``device("cpu", 0)``)."""
+    r"""Attach an out-of-memory observer to every unimem pool.
+
+    ``observer(device, alloc, device_allocated, device_free)`` is called on
+    every out-of-memory error, before it is raised, with PyTorch's arguments
+    (``torch._C._cuda_attach_out_of_memory_observer``), all ints: the device
+    index, the bytes the allocator tried to get from the device, the bytes
+    allocated on the device by the pool, and the bytes free on the device
+    (0 where the device does not say).
+
+    PyTorch's C++ passes the device's total memory (or the memory fraction's
+    limit) as ``device_allocated``; unimem passes what the name says. The
+    index does not say which pool ran out (``xpu`` 0 or the pinned pool):
+    :func:`attach_out_of_memory_stats_observer` does.
+
+    An exception raised by one observer does not stop the others; it is
+    reported through :func:`sys.unraisablehook` after they ran.
+    ``KeyboardInterrupt`` and ``SystemExit`` reach the program at once.
+    """
     if not callable(observer):
         raise TypeError("an out-of-memory observer must be callable")
     _oom_observers.append(observer)
 
 
 def detach_out_of_memory_observer(observer: OOMObserver) -> None:
+    """Detach an observer attached with :func:`attach_out_of_memory_observer`
+    (``ValueError`` if it is not attached)."""
     _oom_observers.remove(observer)
+
+
+def attach_out_of_memory_stats_observer(observer: OOMStatsObserver) -> None:
+    """Call ``observer(device, requested, memory_stats)`` on every
+    out-of-memory error of any unimem pool, before it is raised: ``device``
+    is a :class:`unimem.device` naming the pool (``device("xpu", 0)``; the
+    pinned pool is ``device("cpu", 0)``), ``requested`` the bytes asked
+    for, ``memory_stats`` the pool's statistics at the failure."""
+    if not callable(observer):
+        raise TypeError("an out-of-memory observer must be callable")
+    _oom_stats_observers.append(observer)
+
+
+def detach_out_of_memory_stats_observer(observer: OOMStatsObserver) -> None:
+    """Detach an observer attached with :func:`attach_out_of_memory_stats_observer`."""
+    _oom_stats_observers.remove(observer)
 
 
 def register_pool(pool: str, registry: Callable[[], _core.DeviceRegistry]) -> None:
@@ -245,14 +357,30 @@ class _OOMDispatcher:
         allocator = self.allocator()
         if allocator is None:
             return
-        stats = allocator.memory_stats()
-        kind = self.pool if self.pool in _devices.KNOWN_TYPES else "cpu" if self.pool == "host" else "xpu"
-        where = _devices.device(kind, device)
-        for observer in list(_oom_observers):
-            observer(where, requested, stats)
+        calls: List[Callable[[], Any]] = [
+            functools.partial(observer, device, requested, allocated, free or 0)
+            for observer in list(_oom_observers)]
+        if _oom_stats_observers:
+            stats = allocator.memory_stats()
+            kind = self.pool if self.pool in _devices.KNOWN_TYPES else "cpu" if self.pool == "host" else "xpu"
+            where = _devices.device(kind, device)
+            calls += [functools.partial(observer, where, requested, stats)
+                      for observer in list(_oom_stats_observers)]
         path = os.environ.get(OOM_SNAPSHOT_ENV)
         if path:
-            dump_snapshot(self.pool, registry_of(self.pool), path)
+            calls.append(functools.partial(dump_snapshot, self.pool, registry_of(self.pool), path))
+        # One failing observer must not silence the others; only Exception is
+        # held back (KeyboardInterrupt and SystemExit go through at once).
+        errors: List[Exception] = []
+        for call in calls:
+            try:
+                call()
+            except Exception as exc:
+                if errors:
+                    exc.__context__ = errors[-1]
+                errors.append(exc)
+        if errors:
+            raise errors[-1]
 
 
 def registry_of(pool: str) -> _core.DeviceRegistry:
@@ -260,3 +388,19 @@ def registry_of(pool: str) -> _core.DeviceRegistry:
     if pool in _registries_by_pool:
         return _registries_by_pool[pool]()
     return _devices.get_type(pool).registry
+
+
+# ---------------------------------------------------------------------------
+# fork(): a lock held by another thread at the fork stays held in the child
+# ---------------------------------------------------------------------------
+def _new_locks_in_child() -> None:
+    """In a forked child only the forking thread lives on: a history lock held
+    by any other thread (inside the history hook) would never be released."""
+    global _histories_lock
+    _histories_lock = threading.Lock()
+    for recorder in list(_histories.values()):
+        recorder.lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_locks_in_child)

@@ -14,6 +14,7 @@ import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
 from . import _core, _devices, _history
+from ._config import settings_from_env
 from ._devices import DISPLAY_NAMES, DeviceLike, DeviceType, device_index, get_type
 from ._summary import memory_summary_table
 
@@ -140,13 +141,31 @@ class MemoryAPI:
             device (int, str or device, optional): selected device. If it is
                 ``None`` the default device is used.
         """
+        dtype = self._type()
+        index = device_index(device, dtype)
+        # PyTorch takes a float and nothing else (an int 1 is a TypeError).
+        if not isinstance(fraction, float):
+            raise TypeError("Invalid type for fraction argument, must be `float`")
         fraction = check_fraction(fraction)
-        self.caching_allocator(device).set_memory_fraction(fraction)
+        dtype.allocator(index).set_memory_fraction(fraction)
 
     def get_per_process_memory_fraction(self, device: DeviceLike = None) -> float:
-        r"""Get memory fraction for a process (1.0 unless one was set)."""
+        r"""Get memory fraction for a process.
+
+        Args:
+            device (int, str or device, optional): selected device. If it is
+                ``None`` the default device is used.
+        Returns:
+            memory fraction, in range 0~1. Allowed memory equals total_memory * fraction.
+            Before the first allocation on the device, the fraction its
+            allocator will start with (``per_process_memory_fraction`` of
+            ``UNIMEM_ALLOC_CONF``, else 1.0), as PyTorch reads its config.
+        """
         allocator = self._existing(device)
-        return 1.0 if allocator is None else allocator.get_memory_fraction()
+        if allocator is not None:
+            return allocator.get_memory_fraction()
+        configured = settings_from_env().per_process_memory_fraction
+        return 1.0 if configured is None else configured
 
     def empty_cache(self) -> None:
         r"""Release all unoccupied cached memory currently held by the caching
@@ -357,14 +376,19 @@ class MemoryAPI:
 
         Args:
             enabled (Literal[None, "state", "all"], optional):
-                `None`, disable recording memory history.
-                `"state"`, keep information for currently allocated memory.
+                `None`, disable recording memory history (the recorded
+                alloc/free history is dropped, as in PyTorch; the frames of
+                blocks still live stay until they are freed).
+                `"state"`, keep information for currently allocated memory
+                (and, as PyTorch, only the last alloc/free entry).
                 `"all"`, additionally keep a history of all alloc/free calls.
                 Defaults to "all".
             context (Literal[None, "state", "alloc", "all"], optional):
                 `None`, Do not record any tracebacks.
                 `"state"`, Record tracebacks for currently allocated memory.
-                `"alloc"`, additionally keep tracebacks for alloc calls.
+                `"alloc"`, additionally keep tracebacks for alloc calls (the
+                history entry of a free carries the traceback that allocated
+                the memory).
                 `"all"`, additionally keep tracebacks for free calls.
                 Defaults to "all".
             stacks (Literal["python", "all"], optional): Python frames are
@@ -387,10 +411,15 @@ class MemoryAPI:
         and pytorch.org/memory_viz."""
         return _history.snapshot(self.type_name, self._type().registry)
 
-    def _dump_snapshot(self, filename: str = "dump_snapshot.pickle") -> None:
+    def _dump_snapshot(self, filename: "_history.PathLike" = "dump_snapshot.pickle") -> None:
         r"""Save a pickled version of the :func:`_snapshot` dictionary to a file.
 
         This file can be opened by the interactive snapshot viewer at pytorch.org/memory_viz
+
+        Args:
+            filename (str or os.PathLike, optional): Name of the file to create.
+                Defaults to "dump_snapshot.pickle". Anything but a path (a file
+                descriptor, say) is a ``TypeError``.
         """
         _history.dump_snapshot(self.type_name, self._type().registry, filename)
 
