@@ -49,6 +49,7 @@ def test_demo_trains_reports_and_writes_files(demo_output):
     out, text = demo_output
     for needed in ("unimem demo: a 512-1024-256-10 MLP, 12 training steps", "memory summary",
                    "cache hit rate:", "training:", "allocation alone", "out of memory",
+                   "where the training times differ", "making arrays", "page faults",
                    "snapshot.pickle", "timeline.png", "12/12 steps"):
         assert needed in text, needed
     with open(out / "snapshot.pickle", "rb") as f:

@@ -10,6 +10,10 @@ recorded. Then it shows what the pool did:
 * the time saved, measured in the same run: the same training with the array
   library's own allocation, and the same sequence of allocations replayed
   through the raw backend and through the pool;
+* where the training times differ beyond that: the time the loop spent making
+  and dropping arrays, and the page faults and operating-system time of each
+  run (memory the device maps afresh is faulted in on first touch; the pool's
+  is already mapped);
 * the snapshot (``snapshot.pickle``, readable by pytorch.org/memory_viz) and
   the timeline picture (``timeline.png``) in the output folder.
 """
@@ -138,10 +142,24 @@ class Progress:
 
 
 def train(work: Workload, empty: Empty, steps: int, progress: Optional[Progress] = None,
-          seed: int = 0) -> Tuple[float, float]:
+          seed: int = 0, timing: Optional[Dict[str, float]] = None) -> Tuple[float, float]:
     """Train the MLP (mean squared error, plain SGD) for ``steps`` steps with
-    every array from ``empty``; returns (seconds, last loss)."""
+    every array from ``empty``; returns (seconds, last loss).
+
+    With ``timing``, adds to ``timing["create"]`` the seconds spent making
+    arrays and to ``timing["free"]`` those spent dropping them (where the
+    array library gives their memory back), measured inside the loop."""
     xp = work.xp
+    if timing is not None:
+        timing.setdefault("create", 0.0)
+        timing.setdefault("free", 0.0)
+        make = empty
+
+        def empty(*args: Any, **kwargs: Any) -> Any:       # noqa: F811 - the same, timed
+            started = time.perf_counter()
+            made = make(*args, **kwargs)
+            timing["create"] += time.perf_counter() - started
+            return made
     rng = numpy.random.default_rng(seed)
     d_in, d_h1, d_h2, d_out = LAYERS
     inputs = rng.standard_normal((2048, d_in)).astype("f4")
@@ -195,7 +213,10 @@ def train(work: Workload, empty: Empty, steps: int, progress: Optional[Progress]
         for w, g in ((w1, grad_w1), (w2, grad_w2), (w3, grad_w3)):
             xp.multiply(g, lr / batch, out=g)
             xp.subtract(w, g, out=w)
+        freeing = time.perf_counter()
         del x, t, h1, h2, y, grad_y, grad_w1, grad_w2, grad_w3, grad_h1, grad_h2, mask1, mask2
+        if timing is not None:
+            timing["free"] += time.perf_counter() - freeing
         if progress is not None:
             progress.update(step + 1, loss if step % 20 == 0 or step == steps - 1 else None)
     work.synchronize()
@@ -235,14 +256,21 @@ def run(steps: int = 300, out_dir: str = "unimem-demo", out: Optional[TextIO] = 
     train(work, work.pool_empty, 3)
 
     # 1. The array library's own allocation.
+    native_timing: Dict[str, float] = {}
+    before = _process_costs()
     native_seconds, native_loss = train(work, work.native_empty, steps,
-                                        Progress(steps, "native", out))
+                                        Progress(steps, "native", out), timing=native_timing)
+    native_costs = _process_costs(since=before)
     # 2. The same training through the pool, history recorded.
     allocator.empty_cache()
     allocator.reset_accumulated_stats()
     allocator.reset_peak_stats()
     work.memory_api._record_memory_history(max_entries=200_000, clear_history=True)
-    pool_seconds, pool_loss = train(work, work.pool_empty, steps, Progress(steps, "unimem pool", out))
+    pool_timing: Dict[str, float] = {}
+    before = _process_costs()
+    pool_seconds, pool_loss = train(work, work.pool_empty, steps, Progress(steps, "unimem pool", out),
+                                    timing=pool_timing)
+    pool_costs = _process_costs(since=before)
     stats = allocator.memory_stats()
     if show_oom:
         _provoke_out_of_memory(allocator, out)
@@ -272,6 +300,17 @@ def run(steps: int = 300, out_dir: str = "unimem-demo", out: Optional[TextIO] = 
           f"{pool_alloc_seconds * 1e3:.1f} ms through the pool vs {raw_alloc_seconds * 1e3:.1f} ms "
           f"of raw {DISPLAY_NAMES[dtype.name]} malloc/free: "
           f"{_difference(raw_alloc_seconds, pool_alloc_seconds)}", file=out)
+    # Where the training times differ beyond the allocator's own work: the
+    # arrays' creation and release as the loop saw them, and what the
+    # operating system did for the process (a page fault is a first touch of
+    # newly mapped memory), all measured in the two runs above.
+    print(f"where the training times differ (pool vs {work.xp.__name__}, measured in the runs above): "
+          f"making arrays {pool_timing['create']:.2f} s vs {native_timing['create']:.2f} s, "
+          f"dropping them {pool_timing['free']:.2f} s vs {native_timing['free']:.2f} s"
+          + ("" if pool_costs is None or native_costs is None else
+             f", {pool_costs[0]:,} vs {native_costs[0]:,} page faults (first touches of newly mapped "
+             f"memory) and {pool_costs[1]:.2f} s vs {native_costs[1]:.2f} s of operating-system time"),
+          file=out)
     print(f"peak reserved {_core.format_size(stats['reserved_bytes.all.peak'])} for a peak of "
           f"{_core.format_size(stats['requested_bytes.all.peak'])} requested", file=out)
 
@@ -288,7 +327,23 @@ def run(steps: int = 300, out_dir: str = "unimem-demo", out: Optional[TextIO] = 
     return {"device": f"{dtype.name}:{index}", "steps": steps, "hit_rate": hit_rate,
             "pool_seconds": pool_seconds, "native_seconds": native_seconds,
             "pool_alloc_seconds": pool_alloc_seconds, "raw_alloc_seconds": raw_alloc_seconds,
-            "snapshot": snapshot_path, "picture": picture_path, "loss": pool_loss}
+            "snapshot": snapshot_path, "picture": picture_path, "loss": pool_loss,
+            "pool_timing": pool_timing, "native_timing": native_timing,
+            "pool_faults_and_system_seconds": pool_costs, "native_faults_and_system_seconds": native_costs}
+
+
+def _process_costs(since: Optional[Tuple[int, float]] = None) -> Optional[Tuple[int, float]]:
+    """(page faults, system CPU seconds) of this process so far, or since an
+    earlier reading; None where the platform does not report them."""
+    try:
+        import resource
+    except ImportError:                              # not on Windows
+        return None
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    now = (usage.ru_minflt + usage.ru_majflt, usage.ru_stime)
+    if since is None:
+        return now
+    return now[0] - since[0], now[1] - since[1]
 
 
 def _difference(baseline: float, pooled: float) -> str:
