@@ -329,3 +329,83 @@ def test_cpu_zeros_is_numpy_zeros_from_the_pool(dtype):
     assert unimem.cpu.memory_allocated(0) > before
     del out
     assert unimem.cpu.memory_allocated(0) == before
+
+
+# ---------------------------------------------------------------------------
+# torch.accelerator's shape: the memory submodule, synchronize, the fraction
+# ---------------------------------------------------------------------------
+def test_the_memory_submodule_holds_the_same_functions():
+    """Issue 15: as torch.accelerator.memory, re-exported by torch.accelerator."""
+    import unimem.accelerator.memory as memory
+    assert acc.memory is memory
+    for name in memory.__all__:
+        assert getattr(acc, name) is getattr(memory, name), name
+    assert set(memory.__all__) <= set(acc.__all__)
+    for name in ("empty_cache", "empty_host_cache", "get_memory_info", "max_memory_allocated",
+                 "max_memory_reserved", "memory_allocated", "memory_reserved", "memory_stats",
+                 "reset_accumulated_memory_stats", "reset_peak_memory_stats"):
+        assert name in memory.__all__, name           # torch.accelerator.memory.__all__
+    assert acc.memory_stats is memory.memory_stats
+
+
+def test_synchronize_checks_its_device_and_returns():
+    acc.synchronize()
+    acc.synchronize(0)
+    acc.synchronize(f"{current_type()}:0")
+    with pytest.raises(ValueError):
+        acc.synchronize(acc.device_count())
+    with pytest.raises(TypeError):
+        acc.synchronize(1.5)
+    with pytest.raises(TypeError):
+        acc.synchronize(device=0)                     # positional-only, as torch.accelerator
+
+
+@pytest.mark.skipif(not unimem.xpu.is_available(), reason="needs a SYCL device")
+def test_synchronize_waits_on_every_queue_of_the_xpu_device():
+    code = """
+        import dpctl
+        import unimem
+        from unimem import _devices, accelerator as acc
+        assert acc.current_accelerator().type == "xpu"
+        device = unimem.xpu.default_queue(0).sycl_device
+        unimem.xpu.stream_handle(dpctl.SyclQueue(device))    # a second queue unimem knows
+        acc.synchronize(0)                                    # the real queues: returns
+        waited = []
+
+        class WatchedQueue:
+            def __init__(self, name):
+                self.name, self.sycl_device = name, device
+
+            def wait(self):
+                waited.append(self.name)
+
+        runtime = _devices.get_type("xpu").backend.runtime
+        runtime.default_queues[0] = WatchedQueue("default")
+        runtime.queues[1] = WatchedQueue("other")
+        acc.synchronize(0)
+        print(sorted(waited))
+    """
+    out = run_fresh(code, UNIMEM_DEVICE="xpu")
+    assert out.strip() == "['default', 'other']"
+
+
+def test_set_per_process_memory_fraction_takes_a_float_only():
+    """Issue 18: PyTorch's check is isinstance(fraction, float); an int is a TypeError."""
+    before = acc.get_per_process_memory_fraction()
+    for bad in (1, 0, True, "0.5"):
+        with pytest.raises(TypeError, match="Invalid type for fraction argument, must be `float`"):
+            acc.set_per_process_memory_fraction(bad)
+    assert acc.get_per_process_memory_fraction() == before
+
+
+def test_the_configured_fraction_is_reported_before_the_first_allocation():
+    """Issue 18: get_per_process_memory_fraction() read 1.0 until the first allocation."""
+    out = run_fresh("""
+        import unimem
+        from unimem import accelerator as acc
+        assert acc.memory_stats() == {}                # nothing allocated yet
+        print(acc.get_per_process_memory_fraction(), unimem.cpu.get_per_process_memory_fraction(0))
+        acc.caching_allocator_delete(acc.caching_allocator_alloc(512))
+        print(acc.get_per_process_memory_fraction())
+    """, UNIMEM_ALLOC_CONF="per_process_memory_fraction:0.5")
+    assert out.split() == ["0.5", "0.5", "0.5"]

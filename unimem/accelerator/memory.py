@@ -1,28 +1,22 @@
-"""``unimem.accelerator``: memory functions for the current accelerator, shaped
-like ``torch.accelerator`` (and ``torch.accelerator.memory``).
-
-The current accelerator is CUDA when CuPy sees a GPU, else XPU when dpctl sees
-a SYCL device, else ``cpu`` (host memory); ``UNIMEM_DEVICE`` overrides the
-choice. Every function dispatches by device index to that device type's
-caching allocator. As in PyTorch, ``device_index`` is positional-only and may
-be ``None`` (the current device), an ``int``, a string such as ``"xpu:0"`` or
-a :class:`unimem.device`; a string or device of another type than the current
-accelerator is a ``ValueError``.
+"""``unimem.accelerator.memory``: the memory functions of the current
+accelerator, shaped like ``torch.accelerator.memory`` (and the
+``torch.cuda.memory`` names users still call). Every function here is also
+``unimem.accelerator.<name>``, the same object.
 """
 from __future__ import annotations
 
 import collections
-import contextlib
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
-from . import host
-from ._core import caching_allocator_alloc, caching_allocator_delete
-from ._devices import DeviceLike, DeviceType, current_type, device, device_index as _device_index
-from ._memory_api import MemoryAPI
+from .. import host
+from .._core import caching_allocator_alloc, caching_allocator_delete
+from .._devices import DeviceLike, DeviceType, current_type, device_index as _device_index
+from .._memory_api import MemoryAPI
+
+if TYPE_CHECKING:
+    from .._history import PathLike
 
 __all__ = [
-    "current_accelerator", "device_count", "is_available", "current_device_index",
-    "set_device_index", "device_index",
     "empty_cache", "empty_host_cache", "get_memory_info", "max_memory_allocated",
     "max_memory_reserved", "memory_allocated", "memory_reserved", "memory_stats",
     "reset_accumulated_memory_stats", "reset_peak_memory_stats",
@@ -38,76 +32,12 @@ _apis: Dict[str, MemoryAPI] = {}
 
 
 def _current() -> Tuple[DeviceType, MemoryAPI]:
+    """The current accelerator's device type and its memory functions."""
     dtype = current_type()
     api = _apis.get(dtype.name)
     if api is None:
         api = _apis[dtype.name] = MemoryAPI(dtype.name)
     return dtype, api
-
-
-# ---------------------------------------------------------------------------
-# devices
-# ---------------------------------------------------------------------------
-def current_accelerator(check_available: bool = False) -> Optional[device]:
-    r"""Return the device of the current accelerator (``cuda``, ``xpu`` or ``cpu``).
-
-    Args:
-        check_available (bool, optional): if True, also check that at least one
-            device of that type is usable; return ``None`` if not.
-
-    .. note:: The index of the returned :class:`device` is ``None``; use
-        :func:`current_device_index` to know the current index being used.
-    """
-    dtype = current_type()
-    if check_available and dtype.device_count == 0:
-        return None
-    return device(dtype.name)
-
-
-def device_count() -> int:
-    r"""Return the number of devices of the current accelerator (0 if none)."""
-    return current_type().device_count
-
-
-def is_available() -> bool:
-    r"""Check if the current accelerator has at least one device."""
-    return device_count() > 0
-
-
-def current_device_index() -> int:
-    r"""Return the index of a currently selected device for the current accelerator."""
-    return current_type().current_index()
-
-
-def set_device_index(device: DeviceLike, /) -> None:
-    r"""Set the current device index to a given device.
-
-    Args:
-        device (:class:`unimem.device`, str, int): a given device that must match the current
-            accelerator device type.
-    """
-    dtype = current_type()
-    dtype.set_current_index(_device_index(device, dtype, optional=False))
-
-
-@contextlib.contextmanager
-def device_index(device: Optional[int], /) -> Iterator[None]:
-    r"""Context manager to set the current device index for the current accelerator.
-
-    Temporarily changes the current device index to the specified value for the duration
-    of the context, and automatically restores the previous device index when exiting
-    the context. ``None`` does nothing.
-    """
-    if device is None:
-        yield
-        return
-    dtype = current_type()
-    previous = dtype.current_index()
-    dtype.set_current_index(_device_index(device, dtype, optional=False))
-    try:
-        yield
-    finally:
-        dtype.set_current_index(previous)
 
 
 # ---------------------------------------------------------------------------
@@ -318,7 +248,7 @@ def _snapshot(device: DeviceLike = None) -> Dict[str, Any]:
     return _current()[1]._snapshot(device)
 
 
-def _dump_snapshot(filename: str = "dump_snapshot.pickle") -> None:
+def _dump_snapshot(filename: PathLike = "dump_snapshot.pickle") -> None:
     r"""Save a pickled :func:`_snapshot` to a file (readable by pytorch.org/memory_viz)."""
     _current()[1]._dump_snapshot(filename)
 

@@ -1,0 +1,140 @@
+"""``unimem.accelerator``: the current accelerator's devices and memory,
+shaped like ``torch.accelerator``; the memory functions live in
+:mod:`unimem.accelerator.memory` (as ``torch.accelerator.memory``) and are
+re-exported here.
+
+The current accelerator is CUDA when CuPy sees a GPU, else XPU when dpctl sees
+a SYCL device, else ``cpu`` (host memory); ``UNIMEM_DEVICE`` overrides the
+choice. Every function dispatches by device index to that device type's
+caching allocator. As in PyTorch, ``device_index`` is positional-only and may
+be ``None`` (the current device), an ``int``, a string such as ``"xpu:0"`` or
+a :class:`unimem.device`; a string or device of another type than the current
+accelerator is a ``ValueError``.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Optional
+
+from .._devices import DeviceLike, current_type, device, device_index as _device_index
+from . import memory
+from .memory import (  # noqa: F401 - torch.accelerator re-exports its memory functions too
+    _dump_snapshot, _record_memory_history, _snapshot, caching_allocator_alloc,
+    caching_allocator_delete, empty_cache, empty_host_cache, get_memory_info,
+    get_per_process_memory_fraction, host_memory_stats, max_memory_allocated, max_memory_cached,
+    max_memory_reserved, memory_allocated, memory_cached, memory_reserved, memory_snapshot,
+    memory_stats, memory_stats_as_nested_dict, memory_summary, record_stream,
+    reset_accumulated_host_memory_stats, reset_accumulated_memory_stats, reset_max_memory_allocated,
+    reset_max_memory_cached, reset_peak_host_memory_stats, reset_peak_memory_stats,
+    set_per_process_memory_fraction,
+)
+
+__all__ = [
+    "current_accelerator", "device_count", "is_available", "current_device_index",
+    "set_device_index", "device_index", "synchronize", "memory",
+] + memory.__all__
+
+
+# ---------------------------------------------------------------------------
+# devices
+# ---------------------------------------------------------------------------
+def current_accelerator(check_available: bool = False) -> Optional[device]:
+    r"""Return the device of the current accelerator (``cuda``, ``xpu`` or ``cpu``).
+
+    Args:
+        check_available (bool, optional): if True, also check that at least one
+            device of that type is usable; return ``None`` if not.
+
+    .. note:: The index of the returned :class:`device` is ``None``; use
+        :func:`current_device_index` to know the current index being used.
+    """
+    dtype = current_type()
+    if check_available and dtype.device_count == 0:
+        return None
+    return device(dtype.name)
+
+
+def device_count() -> int:
+    r"""Return the number of devices of the current accelerator (0 if none)."""
+    return current_type().device_count
+
+
+def is_available() -> bool:
+    r"""Check if the current accelerator has at least one device."""
+    return device_count() > 0
+
+
+def current_device_index() -> int:
+    r"""Return the index of a currently selected device for the current accelerator."""
+    return current_type().current_index()
+
+
+def set_device_index(device: DeviceLike, /) -> None:
+    r"""Set the current device index to a given device.
+
+    Args:
+        device (:class:`unimem.device`, str, int): a given device that must match the current
+            accelerator device type.
+    """
+    dtype = current_type()
+    dtype.set_current_index(_device_index(device, dtype, optional=False))
+
+
+@contextlib.contextmanager
+def device_index(device: Optional[int], /) -> Iterator[None]:
+    r"""Context manager to set the current device index for the current accelerator.
+
+    Temporarily changes the current device index to the specified value for the duration
+    of the context, and automatically restores the previous device index when exiting
+    the context. ``None`` does nothing.
+    """
+    if device is None:
+        yield
+        return
+    dtype = current_type()
+    previous = dtype.current_index()
+    dtype.set_current_index(_device_index(device, dtype, optional=False))
+    try:
+        yield
+    finally:
+        dtype.set_current_index(previous)
+
+
+def synchronize(device: DeviceLike = None, /) -> None:
+    r"""Wait for all kernels in all streams on the given device to complete.
+
+    Args:
+        device (:class:`unimem.device`, str, int, optional): device for which to synchronize.
+            It must match the current accelerator device type. If not given,
+            use :func:`current_device_index` by default.
+
+    Devices without asynchronous work (``cpu``) have nothing to wait for. An
+    XPU device waits on every SYCL queue unimem knows on it (its default
+    queue and those given as streams); a CUDA device on all of its streams.
+    """
+    dtype = current_type()
+    index = _device_index(device, dtype)
+    backend = dtype.backend
+    device_synchronize = getattr(backend, "synchronize", None)
+    if callable(device_synchronize):
+        device_synchronize(index)
+        return
+    runtime = getattr(backend, "runtime", None)
+    sycl_queues = getattr(runtime, "default_queues", None)
+    if sycl_queues is not None:
+        _wait_on_sycl_queues(runtime, index)
+        return
+    # A backend with events only: the end of the work on the default stream.
+    event = backend.record_event(0, index)
+    if event is not None:
+        backend.event_synchronize(event)
+
+
+def _wait_on_sycl_queues(runtime: Any, index: int) -> None:
+    """Wait on the default queue of XPU device ``index`` and on every other
+    queue of that device unimem has handed a stream handle."""
+    target = runtime.devices[index]
+    queues = [runtime.default_queues[index]] + [q for q in list(runtime.queues) if q is not None]
+    for queue in queues:
+        if queue.sycl_device == target:
+            queue.wait()
