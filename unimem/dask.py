@@ -6,12 +6,13 @@ statistics of the whole cluster in one place.
     from dask.distributed import Client, LocalCluster
     import unimem.dask
 
-    client = Client(LocalCluster(n_workers=2))
-    client.register_plugin(unimem.dask.UnimemPlugin(alloc_conf="max_split_size_mb:256",
-                                                    pool_size="1 GiB"))
-    ...                                            # CuPy / dpnp work on the workers
-    print(unimem.dask.memory_summary(client))      # per worker: allocated, reserved, peaks
-    df = unimem.dask.memory_stats(client)          # columns: worker, device, statistic, value
+    if __name__ == "__main__":                     # LocalCluster starts processes
+        client = Client(LocalCluster(n_workers=2))
+        client.register_plugin(unimem.dask.UnimemPlugin(alloc_conf="roundup_power2_divisions:4",
+                                                        pool_size="1 GiB"))
+        ...                                        # CuPy / dpnp work on the workers
+        print(unimem.dask.memory_summary(client))  # per worker: allocated, reserved, peaks
+        df = unimem.dask.memory_stats(client)      # columns: worker, device, statistic, value
 
 The plugin is what ``dask_cuda.LocalCUDACluster(rmm_pool_size=...)`` does for
 RMM: on every worker, present and future, it makes unimem the allocator of the
