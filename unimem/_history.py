@@ -93,8 +93,14 @@ class History:
             raise ValueError(f"unknown actions in skip_actions: {sorted(unknown)}")
         return skip
 
-    def configure(self, enabled: Optional[str], context: Optional[str], max_entries: int,
-                  clear_history: bool, skip: frozenset) -> None:
+    def configure(self, enabled: Optional[str], context: Optional[str], stacks: str,
+                  max_entries: int, clear_history: bool, skip_actions: Optional[List[str]]) -> None:
+        """Set what is recorded, with ``_record_memory_history``'s arguments."""
+        skip = self.check_arguments(enabled, context, stacks, max_entries, skip_actions)
+        self._apply(enabled, context, max_entries, clear_history, skip)
+
+    def _apply(self, enabled: Optional[str], context: Optional[str], max_entries: int,
+               clear_history: bool, skip: frozenset) -> None:
         with self.lock:
             self.enabled = enabled
             self.context = context if enabled else None
@@ -253,7 +259,7 @@ def record_memory_history(pool: str, registry: _core.DeviceRegistry, enabled: Op
         recorder.pause(allocators)
         for allocator in allocators.values():
             allocator.flush_history()
-    recorder.configure(enabled, context, max_entries, clear_history, skip)
+    recorder._apply(enabled, context, max_entries, clear_history, skip)
     if enabled and not was_enabled:
         recorder.resume(allocators)
     for allocator in allocators.values():
