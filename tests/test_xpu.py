@@ -328,3 +328,81 @@ def test_training_with_history_recorded_does_not_hang(tmp_path):
     for attempt in range(4):
         done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
         assert done.returncode == 0 and "trained" in done.stdout, done.stderr
+
+
+# ---------------------------------------------------------------------------
+# issue 12, item 14: temporary queues are not kept alive by unimem
+# ---------------------------------------------------------------------------
+def _runtime_drops_queues():
+    from unimem.backends import xpu as xpu_backend
+    return xpu_backend._SyclRuntime.get().drops_queues
+
+
+def test_temporary_queues_are_let_go_of_after_empty_cache(xpu, dpctl):
+    import weakref
+    from unimem.backends import xpu as xpu_backend
+    if not _runtime_drops_queues():
+        pytest.skip("unimem/backends/_dpctl_api was built from an older source: rebuild it")
+
+    class TemporaryQueue(dpctl.SyclQueue):      # dpctl's queues take no weak reference; a subclass does
+        pass
+
+    runtime = xpu_backend._SyclRuntime.get()
+    device = xpu.default_queue().sycl_device
+    xpu.empty_cache()
+    held_before = sum(q is not None for q in runtime.queues)
+    reserved_before = stats(xpu).get("reserved_bytes.all.current", 0)
+    active_before = stats(xpu).get("active_bytes.all.current", 0)
+
+    def churn(count):
+        """Make, use and drop ``count`` queues; weak references to them."""
+        refs, handles = [], set()
+        for i in range(count):
+            queue = TemporaryQueue(device, property="in_order")
+            refs.append(weakref.ref(queue))
+            for usm_type in ("device", "shared"):
+                x = xpu.full(1000, i, dtype="i4", sycl_queue=queue, usm_type=usm_type)
+                assert int(x[999]) == i
+                del x
+            handles.add(xpu.stream_handle(queue))
+        del queue
+        gc.collect()
+        assert stats(xpu)["active_bytes.all.current"] == active_before
+        # dpctl itself keeps every queue dpnp (or unimem's keep-alive bound)
+        # ran work on, in its SequentialOrderManager, until told to let go
+        dpctl.utils.SequentialOrderManager.clear()
+        xpu.empty_cache()
+        xpu.allocator_for("shared").empty_cache()
+        gc.collect()
+        alive = sum(r() is not None for r in refs)
+        assert alive == 0, f"{alive} of {count} temporary queues are still referenced after empty_cache"
+        assert sum(q is not None for q in runtime.queues) <= held_before     # earlier tests' queues may go too
+        assert stats(xpu)["reserved_bytes.all.current"] == reserved_before
+        return handles
+
+    first = churn(300)
+    table_size = len(runtime.queues)
+    second = churn(300)
+    # handles are reused: the table does not grow with every queue ever seen
+    assert len(runtime.queues) == table_size and len(second) == 300
+    # and a reused handle serves its new queue: data and bookkeeping stay right
+    queue = dpctl.SyclQueue(device, property="in_order")
+    y = xpu.full(4096, 7, dtype="u1", sycl_queue=queue)
+    assert int(y.sum()) == 7 * 4096 and xpu.stream_handle(queue) < table_size
+    assert stats(xpu)["active_bytes.all.current"] == active_before + 4096
+    del y
+
+
+def test_a_queue_still_held_by_its_caller_keeps_its_handle(xpu, dpctl):
+    if not _runtime_drops_queues():
+        pytest.skip("unimem/backends/_dpctl_api was built from an older source: rebuild it")
+    device = xpu.default_queue().sycl_device
+    queue = dpctl.SyclQueue(device, property="in_order")
+    x = xpu.empty(4096, dtype="u1", sycl_queue=queue)
+    handle = xpu.stream_handle(queue)
+    del x
+    xpu.empty_cache()
+    assert xpu.stream_handle(queue) == handle          # still registered: the caller holds it
+    y = xpu.full(4096, 3, dtype="u1", sycl_queue=queue)
+    assert int(y.sum()) == 3 * 4096
+    del y

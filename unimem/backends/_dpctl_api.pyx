@@ -7,6 +7,12 @@ dpctl ships its C interface in ``libDPCTLSyclInterface.so`` and exports
 (instead of compiling against dpctl's headers) keeps dpctl out of unimem's
 build: the package compiles without it and uses it when it is installed.
 
+Queues other than the devices' defaults sit in a table of stream handles
+that never moves (the core reads it without the GIL): a slot is filled when a
+queue is added, counts the allocations made on it and not yet freed, and is
+cleared again (dropping the queue) once none is left, so the slot can serve
+another queue.
+
 Two things live here:
 
 * :class:`USMRawAllocator`: SYCL USM ``malloc_device`` / ``malloc_shared`` /
@@ -24,6 +30,48 @@ from unimem.backends._capi cimport RawAllocatorAPI, RAW_OK, RAW_OUT_OF_MEMORY, R
 cdef extern from "_csupport.hpp" nogil:
     int64_t um_now_ns()
 
+cdef extern from *:
+    """
+    #include <atomic>
+    #include <cstdint>
+    #include <cstdlib>
+    /* One stream handle: its queue (NULL: free) and the allocations made on
+       it and not yet freed. Zeroed memory is a valid empty slot. */
+    struct um_queue_slot {
+        std::atomic<void*> queue;
+        std::atomic<int64_t> live;
+    };
+    static um_queue_slot* um_slots_new(size_t n) {
+        return static_cast<um_queue_slot*>(std::calloc(n, sizeof(um_queue_slot)));
+    }
+    static void um_slots_delete(um_queue_slot* s) { std::free(s); }
+    static void* um_slot_queue(um_queue_slot* s, size_t i) {
+        return s[i].queue.load(std::memory_order_acquire);
+    }
+    static void um_slot_set_queue(um_queue_slot* s, size_t i, void* q) {
+        s[i].queue.store(q, std::memory_order_release);
+    }
+    static void um_slot_live_add(um_queue_slot* s, size_t i, int64_t d) {
+        s[i].live.fetch_add(d, std::memory_order_relaxed);
+    }
+    static int64_t um_slot_live(um_queue_slot* s, size_t i) {
+        return s[i].live.load(std::memory_order_relaxed);
+    }
+    """
+    ctypedef struct um_queue_slot:
+        pass
+    um_queue_slot* um_slots_new(size_t n) nogil
+    void um_slots_delete(um_queue_slot* s) nogil
+    void* um_slot_queue(um_queue_slot* s, size_t i) nogil
+    void um_slot_set_queue(um_queue_slot* s, size_t i, void* q) nogil
+    void um_slot_live_add(um_queue_slot* s, size_t i, int64_t d) nogil
+    int64_t um_slot_live(um_queue_slot* s, size_t i) nogil
+
+# Stream handles a raw allocator can hold at once (reserved, not resident:
+# calloc'd pages are touched only when used). Handles are reused once their
+# queue is dropped, so this bounds queues alive together, not queues ever seen.
+MAX_QUEUE_HANDLES = 1 << 20
+
 ctypedef void* (*usm_malloc_fn)(size_t size, void* queue) noexcept nogil
 ctypedef void (*usm_free_fn)(void* ptr, void* queue) noexcept nogil
 ctypedef void (*queue_wait_fn)(void* queue) noexcept nogil
@@ -35,7 +83,8 @@ cdef struct USMContext:
     usm_free_fn free
     queue_wait_fn wait
     vector[void*]* default_queues   # device index -> DPCTLSyclQueueRef
-    vector[void*]* queues           # stream handle -> DPCTLSyclQueueRef (0: the device's default)
+    um_queue_slot* slots            # stream handle -> DPCTLSyclQueueRef (0: the device's default)
+    size_t n_slots
     vector[int64_t]* held           # device index -> bytes currently allocated
 
 
@@ -44,9 +93,9 @@ cdef inline void* queue_for(USMContext* c, int device, uintptr_t stream) noexcep
         if device < 0 or <size_t>device >= c.default_queues.size():
             return NULL
         return c.default_queues[0][device]
-    if stream >= c.queues.size():
+    if stream >= c.n_slots:
         return NULL
-    return c.queues[0][stream]
+    return um_slot_queue(c.slots, stream)
 
 
 cdef int usm_malloc(void* ctx, size_t size, int device, uintptr_t stream,
@@ -61,6 +110,8 @@ cdef int usm_malloc(void* ctx, size_t size, int device, uintptr_t stream,
         return RAW_OUT_OF_MEMORY
     out[0] = <uintptr_t>p
     c.held[0][device] += size
+    if stream != 0:
+        um_slot_live_add(c.slots, stream, 1)
     return RAW_OK
 
 
@@ -75,6 +126,8 @@ cdef int usm_free(void* ctx, uintptr_t ptr, size_t size, int device,
     c.wait(q)
     c.free(<void*>ptr, q)
     c.held[0][device] -= size
+    if stream != 0:
+        um_slot_live_add(c.slots, stream, -1)
     return RAW_OK
 
 
@@ -89,20 +142,24 @@ cdef class USMRawAllocator:
     """
 
     cdef USMContext ctx
-    cdef list _queue_objects          # keeps every SyclQueue whose ref we hold alive
+    cdef list _queue_objects          # the default queues, whose refs we hold
+    cdef dict _queues_by_handle       # stream handle -> the SyclQueue whose ref its slot holds
     cdef readonly str kind
     cdef readonly object _raw_api
     cdef RawAllocatorAPI api
 
     def __cinit__(self):
         self.ctx.default_queues = new vector[void*]()
-        self.ctx.queues = new vector[void*]()
-        self.ctx.queues.push_back(NULL)       # handle 0 means "the device's default queue"
+        # slot 0 stays empty: handle 0 means "the device's default queue"
+        self.ctx.slots = um_slots_new(MAX_QUEUE_HANDLES)
+        if self.ctx.slots == NULL:
+            raise MemoryError("no memory for the SYCL queue table")
+        self.ctx.n_slots = MAX_QUEUE_HANDLES
         self.ctx.held = new vector[int64_t]()
 
     def __dealloc__(self):
         del self.ctx.default_queues
-        del self.ctx.queues
+        um_slots_delete(self.ctx.slots)
         del self.ctx.held
 
     def __init__(self, str kind, uintptr_t malloc_fn, uintptr_t free_fn, uintptr_t wait_fn,
@@ -114,6 +171,7 @@ cdef class USMRawAllocator:
         self.ctx.free = <usm_free_fn>free_fn
         self.ctx.wait = <queue_wait_fn>wait_fn
         self._queue_objects = list(default_queues)
+        self._queues_by_handle = {}
         for q in default_queues:
             self.ctx.default_queues.push_back(<void*><uintptr_t>q.addressof_ref())
             self.ctx.held.push_back(0)
@@ -122,11 +180,37 @@ cdef class USMRawAllocator:
         self.api.free = usm_free
         self._raw_api = PyCapsule_New(&self.api, b"unimem.RawAllocatorAPI", NULL)
 
-    def add_queue(self, queue):
-        """Register a non-default queue; returns its stream handle."""
-        self._queue_objects.append(queue)
-        self.ctx.queues.push_back(<void*><uintptr_t>queue.addressof_ref())
-        return self.ctx.queues.size() - 1
+    def add_queue(self, queue, Py_ssize_t handle):
+        """Serve stream ``handle`` (1 or more, its slot empty) with ``queue``,
+        which is kept alive until :meth:`remove_queue`."""
+        if handle < 1 or <size_t>handle >= self.ctx.n_slots:
+            raise ValueError(f"stream handle {handle} is out of range [1, {self.ctx.n_slots})")
+        if handle in self._queues_by_handle:
+            raise ValueError(f"stream handle {handle} already has a queue")
+        self._queues_by_handle[handle] = queue
+        um_slot_set_queue(self.ctx.slots, handle, <void*><uintptr_t>queue.addressof_ref())
+
+    def remove_queue(self, Py_ssize_t handle):
+        """Let go of stream ``handle``'s queue, which must have no allocation
+        left on it; its slot is then free for another queue."""
+        if handle not in self._queues_by_handle:
+            raise ValueError(f"stream handle {handle} has no queue")
+        live = um_slot_live(self.ctx.slots, handle)
+        if live != 0:
+            raise ValueError(f"stream handle {handle} still has {live} allocation(s) on its queue")
+        um_slot_set_queue(self.ctx.slots, handle, NULL)
+        del self._queues_by_handle[handle]
+
+    def allocations_on(self, Py_ssize_t handle):
+        """Allocations made on stream ``handle``'s queue and not yet freed."""
+        if handle < 1 or <size_t>handle >= self.ctx.n_slots:
+            raise ValueError(f"stream handle {handle} is out of range [1, {self.ctx.n_slots})")
+        return um_slot_live(self.ctx.slots, handle)
+
+    @property
+    def max_queue_handles(self):
+        """One more than the largest stream handle this allocator can serve."""
+        return self.ctx.n_slots
 
     def held(self, int device):
         """Bytes allocated on ``device`` through this allocator and not yet freed."""

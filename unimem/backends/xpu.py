@@ -17,8 +17,9 @@ import ctypes
 import os
 import sys
 import threading
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
+from . import _dpctl_api
 from .base import Backend
 
 USM_KINDS = ("device", "shared", "host")
@@ -103,12 +104,18 @@ class _SyclRuntime:
                           for name in ("DPCTLmalloc_device", "DPCTLmalloc_shared", "DPCTLmalloc_host",
                                        "DPCTLfree_with_queue", "DPCTLQueue_Wait")}
         from dpctl.memory import _memory
-        from . import _dpctl_api
         _dpctl_api.bind_memory_make(_memory.__pyx_capi__["Memory_Make"])
         # queue -> stream handle; a device's default queue is handle 0
         self.handles: Dict[Any, int] = {q: 0 for q in self.default_queues}
-        self.queues: List[Any] = [None]          # handle -> queue (handle 0: per device)
+        self.queues: List[Any] = [None]          # handle -> queue (handle 0: per device; None: free)
         self.raw_allocators: List[Any] = []
+        # Queues are let go of (and their handles reused) only with a raw
+        # allocator that counts allocations per handle (_dpctl_api built
+        # from this version); an older build keeps every queue, as before.
+        self.drops_queues = hasattr(_dpctl_api.USMRawAllocator, "remove_queue")
+        self.free_handles: Dict[int, List[int]] = {}    # device index -> handles to reuse
+        self.handle_devices: Dict[int, int] = {}        # handle -> its queue's device index
+        self.released: Set[int] = set()                 # handles the core no longer uses
 
     @classmethod
     def get(cls) -> "_SyclRuntime":
@@ -124,10 +131,17 @@ class _SyclRuntime:
                               self.functions["DPCTLfree_with_queue"], self.functions["DPCTLQueue_Wait"],
                               list(self.default_queues))
         with self._lock:
-            for queue in self.queues[1:]:
-                raw.add_queue(queue)
+            for handle, queue in enumerate(self.queues):
+                if queue is not None:
+                    self._add_queue(raw, queue, handle)
             self.raw_allocators.append(raw)
         return raw
+
+    def _add_queue(self, raw, queue, handle: int) -> None:
+        if self.drops_queues:
+            raw.add_queue(queue, handle)
+        elif raw.add_queue(queue) != handle:
+            raise RuntimeError(f"the SYCL queue tables disagree on the handle of a new queue (expected {handle})")
 
     def device_index_of(self, queue) -> int:
         device = queue.sycl_device
@@ -144,21 +158,82 @@ class _SyclRuntime:
         handle = self.handles.get(queue)
         if handle is not None:
             return handle
-        self.device_index_of(queue)          # a queue of an unknown device is refused
+        device = self.device_index_of(queue)          # a queue of an unknown device is refused
         with self._lock:
             handle = self.handles.get(queue)
             if handle is None:
-                handle = len(self.queues)
-                self.queues.append(queue)
+                self._drop_released_queues()
+                reusable = self.free_handles.get(device)
+                handle = reusable.pop() if reusable else len(self.queues)
+                if handle == len(self.queues):
+                    if self.drops_queues and handle >= _dpctl_api.MAX_QUEUE_HANDLES:
+                        raise RuntimeError(f"more than {_dpctl_api.MAX_QUEUE_HANDLES - 1} SYCL queues hold "
+                                           f"unimem memory at once")
+                    self.queues.append(None)
                 for raw in self.raw_allocators:
-                    if raw.add_queue(queue) != handle:
-                        raise RuntimeError(f"the SYCL queue tables disagree on the handle of a new queue "
-                                           f"(expected {handle})")
+                    self._add_queue(raw, queue, handle)
+                self.queues[handle] = queue
+                self.handle_devices[handle] = device
                 self.handles[queue] = handle
         return handle
 
+    def release(self, handle: int) -> None:
+        """The core keeps nothing for stream ``handle`` any more: let go of
+        its queue once no allocation is left on it and nothing but this table
+        refers to it (so no caller is about to allocate on it)."""
+        if not self.drops_queues or handle <= 0:
+            return
+        self.released.add(handle)
+        # never wait here: the core may call this from a thread that holds
+        # the lock already (a finalizer), and whoever holds it sweeps later
+        if self._lock.acquire(blocking=False):
+            try:
+                self._drop_released_queues()
+            finally:
+                self._lock.release()
+
+    def _drop_released_queues(self) -> None:
+        """Drop the released queues that nothing uses (the lock is held).
+        Those the caller still holds stay candidates for the next sweep."""
+        for handle in list(self.released):
+            queue = self.queues[handle] if handle < len(self.queues) else None
+            if queue is None:
+                self.released.discard(handle)
+                continue
+            if any(raw.allocations_on(handle) for raw in self.raw_allocators):
+                # in use again: the core tells us when it lets go once more
+                self.released.discard(handle)
+                continue
+            if not self._only_this_table_holds(queue):
+                continue
+            del queue
+            self._drop_queue(handle)
+
+    def _only_this_table_holds(self, queue) -> bool:
+        """Whether the only references to ``queue`` are this table's and the
+        raw allocators' (and the caller's local name and this argument)."""
+        if sys.implementation.name != "cpython":
+            return False        # no reliable reference count: keep the queue
+        # self.queues, self.handles, one per raw allocator, the caller's
+        # local, this argument and getrefcount's own
+        return sys.getrefcount(queue) <= 5 + len(self.raw_allocators)
+
+    def _drop_queue(self, handle: int) -> None:
+        queue = self.queues[handle]
+        for raw in self.raw_allocators:
+            raw.remove_queue(handle)
+        self.queues[handle] = None
+        del self.handles[queue]
+        self.released.discard(handle)
+        self.free_handles.setdefault(self.handle_devices.pop(handle), []).append(handle)
+
     def queue(self, handle: int, device: int):
-        return self.default_queues[device] if handle == 0 else self.queues[handle]
+        if handle == 0:
+            return self.default_queues[device]
+        queue = self.queues[handle] if 0 < handle < len(self.queues) else None
+        if queue is None:
+            raise ValueError(f"stream handle {handle} names no SYCL queue unimem holds")
+        return queue
 
 
 def _reset_lock_in_forked_child() -> None:
@@ -234,6 +309,11 @@ class XPUBackend(Backend):
         return int(self.runtime.devices[device].max_mem_alloc_size)
 
     # queues as streams
+    def release_stream(self, stream: int, device: int) -> None:
+        """The core keeps nothing for ``stream`` any more on ``device``: its
+        queue may be let go of (see :meth:`_SyclRuntime.release`)."""
+        self.runtime.release(stream)
+
     def record_event(self, stream: int, device: int):
         return self.runtime.queue(stream, device).submit_barrier()
 
