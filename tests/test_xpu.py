@@ -406,3 +406,24 @@ def test_a_queue_still_held_by_its_caller_keeps_its_handle(xpu, dpctl):
     y = xpu.full(4096, 3, dtype="u1", sycl_queue=queue)
     assert int(y.sum()) == 3 * 4096
     del y
+
+
+def test_a_queue_named_by_record_stream_outlives_its_segments(xpu, dpctl):
+    """A queue the caller dropped, whose segments went with empty_cache, is
+    still needed while a live block names it in record_stream: freeing that
+    block records an event on it."""
+    device = xpu.default_queue().sycl_device
+    other = dpctl.SyclQueue(device, property="in_order")
+    y = xpu.empty(4096, dtype="u1", sycl_queue=other)        # a segment on the other queue
+    del y
+    x = xpu.empty(4096, dtype="u1")
+    xpu.record_stream(x, other)
+    del other
+    dpctl.utils.SequentialOrderManager.clear()
+    xpu.empty_cache()
+    gc.collect()
+    before = stats(xpu)["active_bytes.all.current"]
+    del x                                                     # records an event on the other queue
+    gc.collect()
+    xpu.empty_cache()
+    assert stats(xpu)["active_bytes.all.current"] == before - 4096

@@ -111,8 +111,13 @@ class _SyclRuntime:
         self.raw_allocators: List[Any] = []
         # Queues are let go of (and their handles reused) only with a raw
         # allocator that counts allocations per handle (_dpctl_api built
-        # from this version); an older build keeps every queue, as before.
-        self.drops_queues = hasattr(_dpctl_api.USMRawAllocator, "remove_queue")
+        # from this version), and a core that reports a stream released only
+        # once no live block names it in record_stream either (it would
+        # record an event on the queue when that block is freed); otherwise
+        # every queue is kept, as before.
+        from .. import _core
+        self.slot_table = hasattr(_dpctl_api.USMRawAllocator, "remove_queue")
+        self.drops_queues = self.slot_table and getattr(_core, "RELEASE_STREAM_COVERS_STREAM_USES", False)
         self.free_handles: Dict[int, List[int]] = {}    # device index -> handles to reuse
         self.handle_devices: Dict[int, int] = {}        # handle -> its queue's device index
         self.released: Set[int] = set()                 # handles the core no longer uses
@@ -138,7 +143,7 @@ class _SyclRuntime:
         return raw
 
     def _add_queue(self, raw, queue, handle: int) -> None:
-        if self.drops_queues:
+        if self.slot_table:
             raw.add_queue(queue, handle)
         elif raw.add_queue(queue) != handle:
             raise RuntimeError(f"the SYCL queue tables disagree on the handle of a new queue (expected {handle})")
@@ -166,7 +171,7 @@ class _SyclRuntime:
                 reusable = self.free_handles.get(device)
                 handle = reusable.pop() if reusable else len(self.queues)
                 if handle == len(self.queues):
-                    if self.drops_queues and handle >= _dpctl_api.MAX_QUEUE_HANDLES:
+                    if self.slot_table and handle >= _dpctl_api.MAX_QUEUE_HANDLES:
                         raise RuntimeError(f"more than {_dpctl_api.MAX_QUEUE_HANDLES - 1} SYCL queues hold "
                                            f"unimem memory at once")
                     self.queues.append(None)
