@@ -180,6 +180,14 @@ class FakeCudaRuntime:
         with self._lock:
             self._completed[key] = self._queued.get(key, 0)
 
+    def deviceSynchronize(self):
+        """All work queued so far on every stream of the current device has finished."""
+        device = self.getDevice()
+        with self._lock:
+            for key, queued in self._queued.items():
+                if key[0] == device:
+                    self._completed[key] = queued
+
     def events_alive(self):
         """How many events exist (created and not destroyed)."""
         with self._lock:

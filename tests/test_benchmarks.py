@@ -40,7 +40,8 @@ def test_a_snapshot_becomes_the_same_allocations_and_reserved_peak():
     allocator, snapshot = recorded_snapshot()
     events, reserved_peak = torch_traces.from_snapshot(snapshot)
     assert reserved_peak == allocator.max_memory_reserved()
-    assert [e[2] for e in events if e[0] == "alloc"] == [1024, 3 * MiB, 26 * MiB, 512, 30 * MiB, 40 * MiB]  # blocks as handed out
+    # the sizes asked for, as PyTorch's trace records them (not the rounded blocks)
+    assert [e[2] for e in events if e[0] == "alloc"] == [1000, 3 * MiB, 25 * MiB, 512, 30 * MiB, 40 * MiB]
     # every allocation is freed once, after it was made
     allocated = set()
     for event in events:

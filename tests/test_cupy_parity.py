@@ -31,12 +31,6 @@ CAPACITY = 1 << 30
 OWN_POOLS = ("MemoryPool(allocator)", "MemoryPool(backend=...)")
 ALL_POOLS = OWN_POOLS + ("MemoryPool()",)
 
-exact_segments = pytest.mark.xfail(
-    not ucuda._FORWARDS_CORE_OPTIONS, strict=True,
-    reason="unimem._devices.new_allocator does not forward exact_segments yet: "
-           "the pool's own allocators keep PyTorch's 2 MiB / 20 MiB segments")
-
-
 def make_pool(setup, runtime):
     if setup == "MemoryPool()":
         return ucuda.MemoryPool()
@@ -144,7 +138,6 @@ def test_free_merge(any_pool):
     assert ptr == p.ptr
 
 
-@exact_segments
 def test_free_different_size(pool):
     """TestSingleDeviceMemoryPool.test_free_different_size."""
     p1 = pool.malloc(UNIT * 4)
@@ -214,7 +207,6 @@ def test_used_bytes_stream(any_pool, on_stream):
     del p2
 
 
-@exact_segments
 def test_free_bytes(pool):
     """TestSingleDeviceMemoryPool.test_free_bytes."""
     p1 = pool.malloc(UNIT * 2)
@@ -230,7 +222,6 @@ def test_free_bytes(pool):
     del p3
 
 
-@exact_segments
 def test_free_bytes_stream(pool, on_stream):
     """TestSingleDeviceMemoryPool.test_free_bytes_stream."""
     p1 = pool.malloc(UNIT * 4)
@@ -241,7 +232,6 @@ def test_free_bytes_stream(pool, on_stream):
     del p2
 
 
-@exact_segments
 def test_total_bytes(pool):
     """TestSingleDeviceMemoryPool.test_total_bytes."""
     p1 = pool.malloc(UNIT * 2)
@@ -260,7 +250,6 @@ def test_total_bytes(pool):
     assert 0 == pool.total_bytes()
 
 
-@exact_segments
 def test_total_bytes_stream(pool, on_stream):
     """TestSingleDeviceMemoryPool.test_total_bytes_stream."""
     p1 = pool.malloc(UNIT * 4)
@@ -325,7 +314,6 @@ def test_a_request_that_fits_the_limit_is_served(any_pool, limit, request_size):
     del p
 
 
-@exact_segments
 def test_after_one_small_malloc_the_numbers_are_cupys(pool):
     """issue 18: CuPy reports total 1024, free 0, no free block after malloc(1024)."""
     p = pool.malloc(1024)
@@ -353,7 +341,6 @@ def test_double_free(any_pool):
     assert any_pool.used_bytes() == 0
 
 
-@exact_segments
 def test_memory_pool_free_all_blocks(pool):
     """TestMemoryPool.test_free_all_blocks."""
     mem = pool.malloc(1).mem
@@ -366,7 +353,6 @@ def test_memory_pool_free_all_blocks(pool):
     assert pool.n_free_blocks() == 0
 
 
-@exact_segments
 def test_memory_pool_free_all_free(pool):
     """TestMemoryPool.test_free_all_free."""
     mem = pool.malloc(1).mem

@@ -28,7 +28,8 @@ ensure_opencl_cpu_runtime()
 
 from . import _devices, accelerator, cpu, host  # noqa: E402
 from ._core import Allocation, CachingAllocator, OutOfMemoryError, WriteAfterFreeWarning  # noqa: E402
-from ._history import attach_out_of_memory_observer, detach_out_of_memory_observer  # noqa: E402
+from ._history import (attach_out_of_memory_observer, attach_out_of_memory_stats_observer,  # noqa: E402
+                       detach_out_of_memory_observer, detach_out_of_memory_stats_observer)
 from ._install import install_allocators, installed_allocators, uninstall_allocators  # noqa: E402
 from ._devices import device  # noqa: E402
 from .backends.base import Backend  # noqa: E402
@@ -42,6 +43,7 @@ __all__ = [
     "accelerator", "cpu", "host", "xpu", "cuda", "device", "OutOfMemoryError", "WriteAfterFreeWarning",
     "CachingAllocator", "Allocation", "Backend", "PluggableAllocator",
     "change_current_allocator", "attach_out_of_memory_observer", "detach_out_of_memory_observer",
+    "attach_out_of_memory_stats_observer", "detach_out_of_memory_stats_observer",
     "install_allocators", "installed_allocators", "uninstall_allocators",
     "host_memory_stats", "reset_peak_host_memory_stats",
     "reset_accumulated_host_memory_stats",

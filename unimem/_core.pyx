@@ -2141,6 +2141,10 @@ cdef class CachingAllocator:
             self._unlock()
         self._flush_trace()
 
+    def _stream_count(self):
+        """How many streams have pools (for tests)."""
+        return self.streams.size()
+
     def lost_segments(self):
         """Segments whose backend free raised, as ``{"count": n, "bytes": n}``.
 
@@ -2727,7 +2731,12 @@ cdef class Allocation:
         cdef uintptr_t ptr = self.ptr
         if ptr != 0:
             self.ptr = 0
-            if self.allocator._try_free(ptr, True, False) != 0:
+            try:
+                rc = self.allocator._try_free(ptr, True, False)
+            except BaseException:
+                self.ptr = ptr          # still this handle's block (an event could not be recorded)
+                raise
+            if rc != 0:
                 raise ValueError(f"the block at {ptr:#x} was freed behind its Allocation's back")
 
     def __int__(self):

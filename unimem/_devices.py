@@ -122,15 +122,17 @@ class DeviceType:
         return f"<unimem device type {self.name}: {self.device_count} device(s), backend {self.backend!r}>"
 
 
-def new_allocator(pool: str, backend: Backend, index: int) -> "_core.CachingAllocator":
+def new_allocator(pool: str, backend: Backend, index: int, **core_options: Any) -> "_core.CachingAllocator":
     """A caching allocator for device ``index`` of ``backend``, with the options
     of ``UNIMEM_ALLOC_CONF``, told its device's capacity, and announced to the
     observability layer. ``pool`` names what it serves: ``"cpu"``, ``"xpu"``,
-    ``"cuda"``, ``"host"`` (the pinned pool), ``"xpu-shared"``."""
+    ``"cuda"``, ``"host"`` (the pinned pool), ``"xpu-shared"``. ``core_options``
+    go to :class:`unimem._core.CachingAllocator` over the configured ones
+    (``exact_segments=True`` for CuPy's policy)."""
     if backend in _broken_by_fork:
         raise RuntimeError(fork_message(pool))
     settings = settings_from_env()
-    allocator = _core.CachingAllocator(backend, index, **settings.core_kwargs())
+    allocator = _core.CachingAllocator(backend, index, **{**settings.core_kwargs(), **core_options})
     try:
         _, total = backend.memory_info(index)
     except NotImplementedError:

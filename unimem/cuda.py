@@ -21,7 +21,6 @@ raise ``RuntimeError`` naming the cause (``device_count()`` is 0).
 from __future__ import annotations
 
 import functools
-import inspect
 import warnings
 from typing import Any, Callable, Dict, Optional, Tuple
 
@@ -231,20 +230,11 @@ class _CupyAllocatorBackend(Backend):
         self.cuda_backend.event_synchronize(event)
 
 
-# The pool's own allocators take CuPy's segment policy (a miss takes a segment
-# of just the rounded request) through new_allocator's core options; until
-# new_allocator forwards them, they keep PyTorch's policy.
-_FORWARDS_CORE_OPTIONS = any(
-    parameter.kind is inspect.Parameter.VAR_KEYWORD or name == "exact_segments"
-    for name, parameter in inspect.signature(new_allocator).parameters.items())
-
-
 def _cupy_policy_allocator(backend: Backend, index: int) -> _core.CachingAllocator:
-    """An allocator for a pool of its own, with CuPy's segment policy, so that
-    CuPy's numbers (``total_bytes``, ``n_free_blocks``, ``set_limit``) hold."""
-    if _FORWARDS_CORE_OPTIONS:
-        return new_allocator("cuda-pool", backend, index, exact_segments=True)
-    return new_allocator("cuda-pool", backend, index)
+    """An allocator for a pool of its own, with CuPy's segment policy (a miss
+    takes a segment of just the rounded request), so that CuPy's numbers
+    (``total_bytes``, ``n_free_blocks``, ``set_limit``) hold."""
+    return new_allocator("cuda-pool", backend, index, exact_segments=True)
 
 
 def _cuda_stream_functions() -> Tuple[Optional[Callable[[int], int]], Callable[[Any], int]]:

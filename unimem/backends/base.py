@@ -48,7 +48,24 @@ class Backend:
         """The largest single allocation the device allows (0: no limit known)."""
         return 0
 
-    # Stream events. Without asynchronous work, memory is reusable at once.
+    #: What PyTorch calls the device's runtime in messages ("CUDA", "XPU");
+    #: None: :attr:`name` is used.
+    api_name = None
+
+    # Streams and their events. Without asynchronous work, memory is reusable at once.
+    def check_stream(self, stream: int, device: int) -> None:
+        """Raise ``ValueError`` if ``stream`` names no stream of ``device``
+        (called by ``record_stream``, so that a bad handle is refused there and
+        not at the free, which could then never happen)."""
+
+    def release_stream(self, stream: int, device: int) -> None:
+        """The allocator keeps nothing for ``stream`` any more (no segment, no
+        pending event): the backend may let go of what it holds for it."""
+
+    def release_event(self, event: Any) -> None:
+        """Give back an event the allocator recorded but will not wait for
+        (recording a later one failed)."""
+
     def record_event(self, stream: int, device: int) -> Any:
         """Mark the current end of the work queued on ``stream``."""
         return None
@@ -59,3 +76,6 @@ class Backend:
 
     def event_synchronize(self, event: Any) -> None:
         """Block until the work before ``event`` has completed."""
+
+    def synchronize(self, device: int) -> None:
+        """Wait for all work queued on ``device`` (``torch.accelerator.synchronize``)."""

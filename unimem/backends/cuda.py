@@ -116,6 +116,11 @@ class CUDABackend(Backend):
         self.runtime.eventDestroy(event)
         return True
 
+    def synchronize(self, device: int) -> None:
+        """``cudaDeviceSynchronize`` on ``device``."""
+        with _OnDevice(self.runtime, device):
+            self.runtime.deviceSynchronize()
+
     def event_synchronize(self, event: Any) -> None:
         self.runtime.eventSynchronize(event)
         self.runtime.eventDestroy(event)

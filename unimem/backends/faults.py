@@ -55,6 +55,7 @@ class FaultInjectingBackend(Backend):
         self.name = getattr(inner, "name", "device")
         self.host_accessible = getattr(inner, "host_accessible", False)
         self.survives_fork = getattr(inner, "survives_fork", True)
+        self.api_name = getattr(inner, "api_name", None)
         self._refuse = _rule(refuse_malloc)
         self._fail = _rule(fail_free)
         self.malloc_delay = malloc_delay
@@ -114,6 +115,18 @@ class FaultInjectingBackend(Backend):
     def memory_info(self, device: int) -> Tuple[int, int]:
         return self.inner.memory_info(device)
 
+    def max_allocation_size(self, device: int) -> int:
+        return self.inner.max_allocation_size(device)
+
+    def check_stream(self, stream: int, device: int) -> None:
+        self.inner.check_stream(stream, device)
+
+    def release_stream(self, stream: int, device: int) -> None:
+        self.inner.release_stream(stream, device)
+
+    def release_event(self, event: Any) -> None:
+        self.inner.release_event(event)
+
     def record_event(self, stream: int, device: int) -> Any:
         return self.inner.record_event(stream, device)
 
@@ -122,6 +135,9 @@ class FaultInjectingBackend(Backend):
 
     def event_synchronize(self, event: Any) -> None:
         self.inner.event_synchronize(event)
+
+    def synchronize(self, device: int) -> None:
+        self.inner.synchronize(device)
 
     def __repr__(self) -> str:
         return f"<FaultInjectingBackend over {self.inner!r}>"
