@@ -289,8 +289,6 @@ def test_a_per_thread_stream_use_freed_by_its_thread_records_on_it(fake):
     assert ucuda.allocator(4096).ptr == ptr
 
 
-@pytest.mark.xfail(strict=True, reason="the core keys an int stream as given, without the device "
-                   "type's stream_handle_fn: cudaStreamPerThread passed as 2 is one stream for all threads")
 def test_caching_allocator_alloc_keys_the_per_thread_stream_per_thread(fake):
     import unimem.cuda as ucuda
     ptr = ucuda.caching_allocator_alloc(4096, 0, CUDA_STREAM_PER_THREAD)

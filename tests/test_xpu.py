@@ -333,16 +333,9 @@ def test_training_with_history_recorded_does_not_hang(tmp_path):
 # ---------------------------------------------------------------------------
 # issue 12, item 14: temporary queues are not kept alive by unimem
 # ---------------------------------------------------------------------------
-def _runtime_drops_queues():
-    from unimem.backends import xpu as xpu_backend
-    return xpu_backend._SyclRuntime.get().drops_queues
-
-
 def test_temporary_queues_are_let_go_of_after_empty_cache(xpu, dpctl):
     import weakref
     from unimem.backends import xpu as xpu_backend
-    if not _runtime_drops_queues():
-        pytest.skip("unimem/backends/_dpctl_api was built from an older source: rebuild it")
 
     class TemporaryQueue(dpctl.SyclQueue):      # dpctl's queues take no weak reference; a subclass does
         pass
@@ -394,8 +387,6 @@ def test_temporary_queues_are_let_go_of_after_empty_cache(xpu, dpctl):
 
 
 def test_a_queue_still_held_by_its_caller_keeps_its_handle(xpu, dpctl):
-    if not _runtime_drops_queues():
-        pytest.skip("unimem/backends/_dpctl_api was built from an older source: rebuild it")
     device = xpu.default_queue().sycl_device
     queue = dpctl.SyclQueue(device, property="in_order")
     x = xpu.empty(4096, dtype="u1", sycl_queue=queue)
@@ -427,3 +418,19 @@ def test_a_queue_named_by_record_stream_outlives_its_segments(xpu, dpctl):
     gc.collect()
     xpu.empty_cache()
     assert stats(xpu)["active_bytes.all.current"] == before - 4096
+
+
+def test_record_stream_with_a_handle_that_names_no_queue_is_refused(xpu, dpctl):
+    """Issue 12 #13: the handle was taken, and every later free of the block
+    raised IndexError, so it could never be freed."""
+    pool = xpu.allocator_for("device")
+    ptr = pool.malloc(4096)
+    for bad in (1000000, 1 << 40):
+        with pytest.raises(ValueError, match="names no SYCL queue"):
+            pool.record_stream(ptr, bad)
+    other_queue = dpctl.SyclQueue(xpu.default_queue().sycl_device, property="in_order")
+    pool.record_stream(ptr, xpu.stream_handle(other_queue))    # a real queue's handle is fine
+    pool.free(ptr)
+    xpu.empty_cache()
+    assert pool.memory_stats()["active.all.current"] == 0
+    pool._check_invariants()

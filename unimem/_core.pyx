@@ -631,6 +631,7 @@ cdef struct StreamPools:
     FreeIndex* small
     FreeIndex* large
     size_t n_segments
+    size_t n_stream_uses           # live blocks of any stream that record_stream named it on
 
 ctypedef unordered_map[uintptr_t, StreamPools*] StreamTable
 
@@ -990,7 +991,7 @@ cdef class CachingAllocator:
         """Forget the pools of a stream that holds no segment (stream 0, the
         default, stays). Its handle is noted for the backend, which may then
         let go of what it keeps for the stream (a SYCL queue)."""
-        if sp.n_segments != 0 or sp.stream == 0:
+        if sp.n_segments != 0 or sp.n_stream_uses != 0 or sp.stream == 0:
             return
         self.streams.erase(sp.stream)
         if self.last_pools == sp:
@@ -1002,7 +1003,7 @@ cdef class CachingAllocator:
         cdef vector[StreamPools*] unused
         cdef StreamTable.iterator it = self.streams.begin()
         while it != self.streams.end():
-            if deref(it).second.n_segments == 0:
+            if deref(it).second.n_segments == 0 and deref(it).second.n_stream_uses == 0:
                 unused.push_back(deref(it).second)
             inc(it)
         for sp in unused:
@@ -1651,8 +1652,7 @@ cdef class CachingAllocator:
             um_put(&self.active, ptr, b)      # count went down by one: no growth, cannot fail
             raise
         self._account_free_request(b)
-        del b.stream_uses
-        b.stream_uses = NULL
+        self._forget_stream_uses(b)
         b.event_count = len(events)
         for ev in events:
             self.pending_events.append((ev, <uintptr_t>b))
@@ -1661,6 +1661,19 @@ cdef class CachingAllocator:
         if b.event_count == 0:
             self._free_block(b)
         return 0
+
+    cdef void _forget_stream_uses(self, Block* b) noexcept nogil:
+        """The block's events are recorded: its streams need it no more."""
+        cdef StreamPools* sp
+        cdef StreamTable.iterator it
+        for s in b.stream_uses[0]:
+            it = self.streams.find(s)
+            if it != self.streams.end():
+                sp = deref(it).second
+                sp.n_stream_uses -= 1
+                self._drop_stream_if_unused(sp)
+        del b.stream_uses
+        b.stream_uses = NULL
 
     cdef void _release_events(self, list events):
         """Give back events that will not be waited for (optional for a backend)."""
@@ -1956,6 +1969,8 @@ cdef class CachingAllocator:
                 self._unlock()
                 if self.recording and not from_finalizer:
                     self._flush_trace()
+            if not from_finalizer and not self.dropped_streams.empty():
+                self._tell_backend_dropped_streams()
             return rc
         self._unlock()
         if self.recording and not from_finalizer:
@@ -2095,6 +2110,7 @@ cdef class CachingAllocator:
         cdef uintptr_t p = _check_pointer(ptr)
         cdef uintptr_t s = _check_stream(stream)
         cdef Block* b
+        cdef StreamPools* sp
         check = getattr(self.backend, "check_stream", None)
         if check is not None:
             check(s, self.device)
@@ -2105,12 +2121,19 @@ cdef class CachingAllocator:
                 raise ValueError(f"pointer {p:#x} is not a live allocation of this allocator")
             if s == b.stream:
                 return
+            if b.stream_uses != NULL:
+                for i in range(b.stream_uses.size()):
+                    if b.stream_uses[0][i] == s:
+                        return
+            # The stream's table entry counts its uses, so that it is not
+            # dropped (nor the backend told) while a block may need an event on it.
+            sp = self._stream_pools(s)
+            if sp == NULL:
+                raise MemoryError("host memory for the allocator's bookkeeping ran out")
             if b.stream_uses == NULL:
                 b.stream_uses = new vector[uintptr_t]()
-            for i in range(b.stream_uses.size()):
-                if b.stream_uses[0][i] == s:
-                    return
             b.stream_uses.push_back(s)
+            sp.n_stream_uses += 1
         finally:
             self._unlock()
 
@@ -2520,6 +2543,7 @@ cdef class CachingAllocator:
         cdef StreamTable.iterator it
         expect = {name: [0, 0, 0] for name in _CORE_STAT_NAMES}
         segment_streams = []
+        stream_use_count = {}
         n_free_blocks = 0
         self._lock()
         try:
@@ -2555,6 +2579,10 @@ cdef class CachingAllocator:
                         elif split:
                             expect["inactive_split"][pool] += 1
                             expect["inactive_split_bytes"][pool] += b.size
+                    if b.stream_uses != NULL:
+                        for k in range(b.stream_uses.size()):
+                            use = b.stream_uses[0][k]
+                            stream_use_count[use] = stream_use_count.get(use, 0) + 1
                     if b.allocated:
                         assert um_find(&self.active, b.ptr) == <void*>b, "allocated block is indexed"
                     elif b.event_count == 0:
@@ -2574,6 +2602,8 @@ cdef class CachingAllocator:
                 indexed += deref(it).second.small.n_blocks + deref(it).second.large.n_blocks
                 segments_of_stream = deref(it).second.n_segments
                 stream = deref(it).first
+                assert deref(it).second.n_stream_uses == stream_use_count.get(stream, 0), \
+                    "each stream's table entry counts the live blocks that record_stream named it on"
                 assert segments_of_stream == sum(1 for seg_stream in segment_streams if seg_stream == stream), \
                     "each stream's pools count its segments"
                 inc(it)
@@ -2881,8 +2911,10 @@ cdef class DeviceRegistry:
             if self.current_stream_fn is None:
                 return 0
             return _check_stream(self.current_stream_fn(index))
-        if isinstance(stream, int) or self.stream_handle_fn is None:
+        if self.stream_handle_fn is None:
             return _check_stream(stream)
+        # Ints too: a cudaStream_t such as cudaStreamPerThread is keyed per
+        # thread, and an XPU handle is checked against the queue table.
         return _check_stream(self.stream_handle_fn(stream))
 
     def stream_handle_of(self, stream, int device=-1):

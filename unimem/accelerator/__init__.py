@@ -114,27 +114,7 @@ def synchronize(device: DeviceLike = None, /) -> None:
     """
     dtype = current_type()
     index = _device_index(device, dtype)
-    backend = dtype.backend
-    device_synchronize = getattr(backend, "synchronize", None)
-    if callable(device_synchronize):
+    # Optional for user backends: one without it has no asynchronous work.
+    device_synchronize = getattr(dtype.backend, "synchronize", None)
+    if device_synchronize is not None:
         device_synchronize(index)
-        return
-    runtime = getattr(backend, "runtime", None)
-    sycl_queues = getattr(runtime, "default_queues", None)
-    if sycl_queues is not None:
-        _wait_on_sycl_queues(runtime, index)
-        return
-    # A backend with events only: the end of the work on the default stream.
-    event = backend.record_event(0, index)
-    if event is not None:
-        backend.event_synchronize(event)
-
-
-def _wait_on_sycl_queues(runtime: Any, index: int) -> None:
-    """Wait on the default queue of XPU device ``index`` and on every other
-    queue of that device unimem has handed a stream handle."""
-    target = runtime.devices[index]
-    queues = [runtime.default_queues[index]] + [q for q in list(runtime.queues) if q is not None]
-    for queue in queues:
-        if queue.sycl_device == target:
-            queue.wait()

@@ -118,7 +118,7 @@ class CUDABackend(Backend):
 
     def synchronize(self, device: int) -> None:
         """``cudaDeviceSynchronize`` on ``device``."""
-        with _OnDevice(self.runtime, device):
+        with OnDevice(self.runtime, device):
             self.runtime.deviceSynchronize()
 
     def event_synchronize(self, event: Any) -> None:

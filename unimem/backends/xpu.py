@@ -109,15 +109,11 @@ class _SyclRuntime:
         self.handles: Dict[Any, int] = {q: 0 for q in self.default_queues}
         self.queues: List[Any] = [None]          # handle -> queue (handle 0: per device; None: free)
         self.raw_allocators: List[Any] = []
-        # Queues are let go of (and their handles reused) only with a raw
-        # allocator that counts allocations per handle (_dpctl_api built
-        # from this version), and a core that reports a stream released only
-        # once no live block names it in record_stream either (it would
-        # record an event on the queue when that block is freed); otherwise
-        # every queue is kept, as before.
-        from .. import _core
-        self.slot_table = hasattr(_dpctl_api.USMRawAllocator, "remove_queue")
-        self.drops_queues = self.slot_table and getattr(_core, "RELEASE_STREAM_COVERS_STREAM_USES", False)
+        # A queue is let go of (and its handle reused) once every allocator
+        # told this runtime it keeps nothing for its stream (release_stream:
+        # no segment, and no live block that record_stream named it on), no
+        # raw allocation is left on it, and no caller holds it.
+        self.named_streams: List[Set[int]] = []         # per backend: handles record_stream named
         self.free_handles: Dict[int, List[int]] = {}    # device index -> handles to reuse
         self.handle_devices: Dict[int, int] = {}        # handle -> its queue's device index
         self.released: Set[int] = set()                 # handles the core no longer uses
@@ -142,11 +138,9 @@ class _SyclRuntime:
             self.raw_allocators.append(raw)
         return raw
 
-    def _add_queue(self, raw, queue, handle: int) -> None:
-        if self.slot_table:
-            raw.add_queue(queue, handle)
-        elif raw.add_queue(queue) != handle:
-            raise RuntimeError(f"the SYCL queue tables disagree on the handle of a new queue (expected {handle})")
+    @staticmethod
+    def _add_queue(raw, queue, handle: int) -> None:
+        raw.add_queue(queue, handle)
 
     def device_index_of(self, queue) -> int:
         device = queue.sycl_device
@@ -157,7 +151,11 @@ class _SyclRuntime:
                          f"unimem's XPU devices")
 
     def stream_handle(self, queue) -> int:
-        """The handle of ``queue``: 0 for its device's default queue."""
+        """The handle of ``queue``: 0 for its device's default queue. A
+        handle (an int) is taken as is if it names a queue unimem holds."""
+        if isinstance(queue, int) and not isinstance(queue, bool):
+            self.check_handle(queue)
+            return queue
         if not isinstance(queue, self.dpctl.SyclQueue):
             raise TypeError(f"expected a dpctl.SyclQueue, got {type(queue).__name__}")
         handle = self.handles.get(queue)
@@ -171,7 +169,7 @@ class _SyclRuntime:
                 reusable = self.free_handles.get(device)
                 handle = reusable.pop() if reusable else len(self.queues)
                 if handle == len(self.queues):
-                    if self.slot_table and handle >= _dpctl_api.MAX_QUEUE_HANDLES:
+                    if handle >= _dpctl_api.MAX_QUEUE_HANDLES:
                         raise RuntimeError(f"more than {_dpctl_api.MAX_QUEUE_HANDLES - 1} SYCL queues hold "
                                            f"unimem memory at once")
                     self.queues.append(None)
@@ -186,7 +184,7 @@ class _SyclRuntime:
         """The core keeps nothing for stream ``handle`` any more: let go of
         its queue once no allocation is left on it and nothing but this table
         refers to it (so no caller is about to allocate on it)."""
-        if not self.drops_queues or handle <= 0:
+        if handle <= 0:
             return
         self.released.add(handle)
         # never wait here: the core may call this from a thread that holds
@@ -205,7 +203,8 @@ class _SyclRuntime:
             if queue is None:
                 self.released.discard(handle)
                 continue
-            if any(raw.allocations_on(handle) for raw in self.raw_allocators):
+            if any(raw.allocations_on(handle) for raw in self.raw_allocators) or any(
+                    handle in names for names in self.named_streams):
                 # in use again: the core tells us when it lets go once more
                 self.released.discard(handle)
                 continue
@@ -231,6 +230,17 @@ class _SyclRuntime:
         del self.handles[queue]
         self.released.discard(handle)
         self.free_handles.setdefault(self.handle_devices.pop(handle), []).append(handle)
+
+    def check_handle(self, handle: int, device: Optional[int] = None) -> None:
+        """Raise ValueError unless ``handle`` names a queue unimem holds (0:
+        a device's default queue), of ``device`` when one is given."""
+        if handle == 0:
+            return
+        queue = self.queues[handle] if 0 < handle < len(self.queues) else None
+        if queue is None:
+            raise ValueError(f"stream handle {handle} names no SYCL queue unimem holds")
+        if device is not None and self.handle_devices.get(handle) != device:
+            raise ValueError(f"stream handle {handle} names a queue of another device than {device}")
 
     def queue(self, handle: int, device: int):
         if handle == 0:
@@ -266,6 +276,8 @@ class XPUBackend(Backend):
         self.kind = kind
         self.runtime = _SyclRuntime.get()
         self.raw = self.runtime.raw_allocator(kind)
+        self._named_streams: Set[int] = set()      # handles record_stream named, until released
+        self.runtime.named_streams.append(self._named_streams)
         self._raw_api = self.raw._raw_api
         self._raw_owner = self.raw           # the core keeps the C context alive
         if kind == "host":
@@ -314,10 +326,27 @@ class XPUBackend(Backend):
         return int(self.runtime.devices[device].max_mem_alloc_size)
 
     # queues as streams
+    def check_stream(self, stream: int, device: int) -> None:
+        """``record_stream``: the handle must name a queue of ``device``; the
+        queue is kept at least until the core releases the stream."""
+        self.runtime.check_handle(stream, device)
+        self._named_streams.add(stream)
+
     def release_stream(self, stream: int, device: int) -> None:
         """The core keeps nothing for ``stream`` any more on ``device``: its
         queue may be let go of (see :meth:`_SyclRuntime.release`)."""
+        self._named_streams.discard(stream)
         self.runtime.release(stream)
+
+    def synchronize(self, device: int) -> None:
+        """Wait on the default queue of ``device`` and on every other queue of
+        it that unimem holds (``torch.xpu.synchronize``)."""
+        runtime = self.runtime
+        queues = [runtime.default_queues[device]] + [
+            q for handle, q in enumerate(list(runtime.queues))
+            if q is not None and runtime.handle_devices.get(handle) == device]
+        for queue in queues:
+            queue.wait()
 
     def record_event(self, stream: int, device: int):
         return self.runtime.queue(stream, device).submit_barrier()
@@ -345,7 +374,7 @@ def make_device_type():
     try:
         _import_dpctl()
     except ImportError as exc:
-        return f"dpctl is not installed ({exc}); pip install unimem[xpu]"
+        return f'dpctl is not installed ({exc}); from unimem\'s checkout: pip install -e ".[xpu]"'
     runtime = _SyclRuntime.get()
     if not runtime.devices:
         hint = "" if os.environ.get(OCL_ENV) else " (no OpenCL CPU runtime found either: pip install intel-opencl-rt)"
