@@ -1232,7 +1232,14 @@ cdef class CachingAllocator:
             sys_free(seg)
             block_delete(&self.slab, b)
             return NULL
-        cdef StreamPools* sp = self._stream_pools(stream)   # exists: the caller made it
+        # Looked up only now: a Python backend may have run finalizers that
+        # dropped the stream's (then empty) pools during the call.
+        cdef StreamPools* sp = self._stream_pools(stream)
+        if sp == NULL:
+            sys_free(seg)
+            block_delete(&self.slab, b)
+            self._backend_free(ptr, alloc_size, stream, False)
+            raise MemoryError("host memory for the allocator's bookkeeping ran out")
         seg.base = ptr
         seg.size = alloc_size
         seg.stream = stream
