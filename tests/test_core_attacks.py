@@ -370,9 +370,18 @@ def test_a_byte_limit_shrinks_the_segment_to_the_request_when_that_fits():
 # --- items 6, 8, 10: hangs and forks (subprocesses) -----------------------------------
 def test_shutdown_with_a_daemon_thread_inside_a_backend_call_does_not_hang():
     """Item 8: a daemon thread frozen at exit while holding the allocator
-    lock; module-held Allocations are finalized at exit and must not wait."""
+    lock (inside a Python backend's malloc); Allocations held by a module are
+    finalized at exit and waited for the lock forever.
+
+    The Allocations live in a module of ``sys.modules`` that ``__main__``
+    refers to: at shutdown Python clears the dicts of the modules still
+    alive, and so finalizes them. (``__main__``'s own dict would never be
+    cleared here: the daemon thread's frame holds it through its function's
+    globals.) ``LastOut``, first in the list, is finalized after them (a list
+    lets go of its items last to first): its line proves the finalizers ran.
+    """
     result = run_python("""
-        import threading, time
+        import os, sys, threading, time, types
         from unimem import _core
         from unimem.backends.pluggable import PluggableAllocator
         from unimem.backends.simulated import SimulatedBackend
@@ -382,114 +391,201 @@ def test_shutdown_with_a_daemon_thread_inside_a_backend_call_does_not_hang():
         def malloc(size, d, s):
             if slow_now.is_set():
                 inside.set()
-                time.sleep(60)            # still in here when the interpreter exits
+                time.sleep(60)            # still in here, lock held, when the interpreter exits
             return device.malloc(size, d, s)
+        class LastOut:
+            def __del__(self, write=os.write):
+                write(1, b"all finalized\\n")
         slow = _core.CachingAllocator(PluggableAllocator(malloc, device.free), 0)
-        HELD = [slow.allocate(1000) for _ in range(10)]   # finalized at exit
+        holder = types.ModuleType("unimem_test_holder")
+        sys.modules[holder.__name__] = holder
+        holder.HELD = [LastOut()] + [slow.allocate(1000) for _ in range(10)]   # finalized at exit
         slow_now.set()
         threading.Thread(target=slow.malloc, args=(3 << 20,), daemon=True).start()
         inside.wait()
         print("exiting", flush=True)
-    """, timeout=30)
+    """, timeout=20)
     assert result.returncode == 0, result.stderr
     assert "exiting" in result.stdout
+    assert "all finalized" in result.stdout, "the held Allocations were not finalized at exit: the test tests nothing"
 
 
 def test_fork_while_another_thread_waits_on_stream_events_in_empty_cache():
-    """Item 10: the child re-processed events the parent's thread had
-    handled, and its invariants broke."""
-    if not hasattr(os, "fork"):
-        pytest.skip("no fork here")
-    result = run_python("""
-        import os, threading, time
-        from unimem import _core
-        from unimem.backends.simulated import SimulatedBackend
-
-        class SlowEvents(SimulatedBackend):
-            def event_synchronize(self, event):
-                time.sleep(0.05)
-                super().event_synchronize(event)
-
-        backend = SlowEvents()
-        a = _core.CachingAllocator(backend, 0)
-        failures = 0
-        for round in range(20):
-            ptrs = [a.malloc(4096) for _ in range(30)]
-            for p in ptrs:
-                a.record_stream(p, 3)
-                a.free(p)
-            t = threading.Thread(target=a.empty_cache)
-            t.start()
-            time.sleep(0.02 * (round % 5))
-            pid = os.fork()
-            if pid == 0:
-                try:
-                    a.empty_cache()
-                    a._check_invariants()
-                    s = a.memory_stats()
-                    assert s["active.all.current"] == 0, s["active.all.current"]
-                    os._exit(0)
-                except BaseException as e:
-                    print("child:", repr(e), flush=True)
-                    os._exit(1)
-            t.join()
-            _, status = os.waitpid(pid, 0)
-            failures += status != 0
-            a._check_invariants()
-        print("failures", failures)
-    """, timeout=120)
-    assert result.returncode == 0, result.stderr
-    assert "failures 0" in result.stdout, result.stdout
-
-
-def test_a_fork_while_another_thread_holds_an_allocator_lock_leaves_a_usable_child():
+    """Item 10: fork() while another thread is in empty_cache(), waiting for
+    the second of two stream events. The old code freed each block as its
+    event completed but updated the pending list only at the end, all under
+    the lock: the child took the first event (already handled) for pending,
+    handled it again, and left a block in the free index with a count of -1
+    outstanding events. Blocks live between the freed ones keep them from
+    merging, so that the damage stays visible to _check_invariants."""
     if not hasattr(os, "fork"):
         pytest.skip("no fork here")
     result = run_python("""
         import os, threading
         from unimem import _core
         from unimem.backends.simulated import SimulatedBackend
-        a = _core.CachingAllocator(SimulatedBackend(), 0)
-        registry = _core.DeviceRegistry("sim", 1, lambda i: _core.CachingAllocator(SimulatedBackend(), i))
-        stop = False
-        def churn():
-            while not stop:
-                a.free(a.malloc(4096))
-        threads = [threading.Thread(target=churn) for _ in range(2)]
-        for t in threads: t.start()
-        bad = 0
-        for _ in range(40):
-            pid = os.fork()
-            if pid == 0:
-                a.free(a.malloc(8192)); a._check_invariants()
-                registry.get(0).free(registry.get(0).malloc(10))
-                os._exit(0)
-            bad += os.waitpid(pid, 0)[1] != 0
-        stop = True
-        for t in threads: t.join()
-        print("bad", bad)
-    """, timeout=120)
+
+        parent = os.getpid()
+        second_wait, gate = threading.Event(), threading.Event()
+
+        class GatedEvents(SimulatedBackend):
+            calls = 0
+            def event_synchronize(self, event):
+                super().event_synchronize(event)
+                if os.getpid() == parent:
+                    self.calls += 1
+                    if self.calls == 2:           # the first event is waited for
+                        second_wait.set()
+                        gate.wait()
+
+        a = _core.CachingAllocator(GatedEvents(), 0)
+        ptrs = [a.malloc(4096) for _ in range(4)]
+        for p in ptrs[0::2]:                      # live blocks between them: no merging
+            a.record_stream(p, 3)
+            a.free(p)
+        t = threading.Thread(target=a.empty_cache)
+        t.start()
+        second_wait.wait()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                a.empty_cache()
+                a._check_invariants()
+                assert a.memory_stats()["active.all.current"] == 2
+                for p in ptrs[1::2]:
+                    a.free(p)
+                a.empty_cache()
+                a._check_invariants()
+                assert a.memory_reserved() == 0, a.memory_reserved()
+            except BaseException as e:
+                print("child:", repr(e), flush=True)
+                os._exit(1)
+            os._exit(0)
+        gate.set()
+        t.join()
+        _, status = os.waitpid(pid, 0)
+        a._check_invariants()
+        print("child exit", os.waitstatus_to_exitcode(status))
+    """, timeout=30)
     assert result.returncode == 0, result.stderr
-    assert "bad 0" in result.stdout
+    assert "child exit 0" in result.stdout, result.stdout
+
+
+def test_a_fork_while_another_thread_holds_an_allocator_lock_leaves_a_usable_child():
+    """fork() while one thread holds an allocator's lock half-way through an
+    update (processing stream events at the start of a malloc, inside the
+    backend's ``event_done``) and another holds a registry's creation lock
+    (inside the factory). The old code only reset the allocator locks in
+    the child: the child found the first event, already handled, still
+    pending, handled it again and broke the free index; and its first
+    ``registry.get`` of the device being created hung. Now fork() takes the
+    allocator locks first (their holders get to finish) and the child gets a
+    fresh creation lock.
+
+    The holders wait on ``gate``, which a fork handler (run before the
+    core's, which takes the locks) opens: the situation of a holder that
+    is merely slow, made deterministic."""
+    if not hasattr(os, "fork"):
+        pytest.skip("no fork here")
+    result = run_python("""
+        import os, signal, threading
+        from unimem import _core
+        from unimem.backends.simulated import SimulatedBackend
+
+        parent = os.getpid()
+        in_query, in_factory, gate = threading.Event(), threading.Event(), threading.Event()
+
+        class GatedQueries(SimulatedBackend):
+            calls = 0
+            def event_done(self, event):
+                done = super().event_done(event)
+                if os.getpid() == parent:
+                    self.calls += 1
+                    if self.calls == 2:           # the first block is back in the pool
+                        in_query.set()
+                        gate.wait()
+                return done
+
+        def make(index):
+            if index == 1 and os.getpid() == parent:
+                in_factory.set()
+                gate.wait()
+            return _core.CachingAllocator(SimulatedBackend(devices=2), index)
+
+        backend = GatedQueries()
+        a = _core.CachingAllocator(backend, 0)
+        registry = _core.DeviceRegistry("sim", 2, make)
+        ptrs = [a.malloc(4096) for _ in range(4)]
+        for p in ptrs[0::2]:                      # live blocks between them: no merging
+            a.record_stream(p, 3)
+            a.free(p)
+        backend.complete(3)
+        threads = [threading.Thread(target=a.malloc, args=(4096,)),   # processes the events first
+                   threading.Thread(target=registry.get, args=(1,))]
+        for t in threads:
+            t.start()
+        in_query.wait()
+        in_factory.wait()
+        os.register_at_fork(before=gate.set)
+        pid = os.fork()
+        if pid == 0:
+            failed = False
+            try:
+                a.process_events()
+                a._check_invariants()
+                a.free(a.malloc(8192))
+                a._check_invariants()
+            except BaseException as e:
+                print("child, allocator:", repr(e), flush=True)
+                failed = True
+            signal.alarm(10)                      # a lock left taken: SIGALRM ends the child
+            registry.get(1).free(registry.get(1).malloc(10))
+            os._exit(failed)
+        for t in threads:
+            t.join()
+        _, status = os.waitpid(pid, 0)
+        a._check_invariants()
+        print("child exit", os.waitstatus_to_exitcode(status))
+    """, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "child exit 0" in result.stdout, result.stdout + " (-14: the child hung on the registry's lock)"
 
 
 def test_xpu_empty_cache_does_not_wait_on_the_queue_holding_the_lock():
     """Item 6: a dpctl keep-alive host task, queued before the barrier that
-    empty_cache waits on, frees a pool array and needs the allocator lock."""
+    empty_cache waits on, frees a pool array and needs the allocator lock.
+
+    Kernels queued on queue B keep it busy for a while; then a kernel reads
+    pool array ``y`` and dpctl's host task that keeps ``y`` alive until that
+    kernel is done holds its last reference. ``x``, used on queue B, is freed
+    with an event on B after all of it, and empty_cache waits for that
+    event: the host task runs meanwhile and frees ``y``. The old code waited
+    with the pool's lock held, and hung. ``before == 2`` says that ``y`` was
+    still live when empty_cache was called (the scenario happened)."""
+    pytest.importorskip("dpnp")
     result = run_python("""
         import unimem, dpctl
+        import dpnp.tensor as dpt
         xpu = unimem.xpu
         queue_b = dpctl.SyclQueue(xpu.default_queue().sycl_device, property="in_order")
-        for round in range(20):
+        work = dpt.ones(1 << 24, dtype="f4", sycl_queue=queue_b)
+        dpt.sin(work); queue_b.wait()                  # the kernels are built
+        caught = 0
+        for round in range(3):
             x = xpu.empty(1 << 20, dtype="f4")
             xpu.record_stream(x, queue_b)
-            y = xpu.empty(1 << 22, dtype="f4", sycl_queue=queue_b)
-            z = y * 2 + 1         # dpnp's keep-alive host task on queue B holds y ...
-            del y                 # ... and drops the last reference: a pool free
-            del x                 # an event on queue B, after that work
-            xpu.empty_cache()     # waits for it
-            del z
-        print("ok")
-    """, timeout=120)
+            y = xpu.empty(1 << 20, dtype="f4", sycl_queue=queue_b)
+            busy = [dpt.sin(work) for _ in range(3)]   # queue B is busy for a while
+            z = dpt.sin(y.get_array())  # after them; a keep-alive host task holds y's memory ...
+            del y                       # ... and so the last reference: a pool free from its thread
+            del x                       # an event on queue B, after all of that
+            before = xpu.memory_stats()["active.all.current"]
+            xpu.empty_cache()           # waits for it
+            after = xpu.memory_stats()["active.all.current"]
+            assert after == 0, after
+            caught += before == 2
+            del z, busy
+        print("caught", caught)
+    """, timeout=30)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "ok" in result.stdout
+    assert "caught 0" not in result.stdout and "caught" in result.stdout, result.stdout
