@@ -1694,31 +1694,38 @@ cdef class CachingAllocator:
                 _report_unraisable(exc, "unimem: giving back a stream event")
 
     cdef int _process_events(self) except -1:
-        """Blocks whose recorded stream work has finished go back to the pool."""
+        """Blocks whose recorded stream work has finished go back to the pool.
+
+        The backend is asked about every event first, and only then is any
+        block touched: a query is Python code, during which another thread may
+        fork, and the child must not find an event handled but still pending."""
         cdef Block* b
         query = self.backend.event_done
         pending = self.pending_events
-        still_pending = []
+        done = []
+        error = None
         try:
-            for i in range(len(pending)):
-                ev, addr = pending[i]
-                if not query(ev):
-                    still_pending.append(pending[i])
-                    continue
-                b = <Block*><uintptr_t>addr
-                if b.event_count == 1 and self._reserve_class(b) != 0:
-                    still_pending.append(pending[i])
-                    continue
-                b.event_count -= 1
-                if b.event_count == 0:
-                    self._free_block(b)
-        except BaseException:
-            still_pending.extend(pending[i + 1:])
-            raise
-        finally:
-            self.pending_events = still_pending
-            self.n_pending_events = len(still_pending)
-            self._update_unusual()
+            for ev, _ in pending:
+                done.append(bool(query(ev)))
+        except BaseException as exc:
+            error = exc                     # the events not asked about stay pending
+        still_pending = []
+        for i in range(len(pending)):
+            if i >= len(done) or not done[i]:
+                still_pending.append(pending[i])
+                continue
+            b = <Block*><uintptr_t>pending[i][1]
+            if b.event_count == 1 and self._reserve_class(b) != 0:
+                still_pending.append(pending[i])
+                continue
+            b.event_count -= 1
+            if b.event_count == 0:
+                self._free_block(b)
+        self.pending_events = still_pending
+        self.n_pending_events = len(still_pending)
+        self._update_unusual()
+        if error is not None:
+            raise error
         return 0
 
     cdef int _synchronize_and_free_events(self) except -1:
