@@ -551,6 +551,62 @@ def test_a_fork_while_another_thread_holds_an_allocator_lock_leaves_a_usable_chi
     assert "child exit 0" in result.stdout, result.stdout + " (-14: the child hung on the registry's lock)"
 
 
+def test_a_fork_while_a_slow_event_query_holds_the_lock_past_the_wait_leaves_a_consistent_child():
+    """The same fork, but the holder stays inside ``event_done`` past the
+    0.2 s fork() waits for the lock: the child then resets the lock, and
+    must not find an event handled but still pending (process_events asks
+    about every event before it touches a block)."""
+    if not hasattr(os, "fork"):
+        pytest.skip("no fork here")
+    result = run_python("""
+        import os, threading
+        from unimem import _core
+        from unimem.backends.simulated import SimulatedBackend
+
+        parent = os.getpid()
+        in_query, gate = threading.Event(), threading.Event()
+
+        class GatedQueries(SimulatedBackend):
+            calls = 0
+            def event_done(self, event):
+                done = super().event_done(event)
+                if os.getpid() == parent:
+                    self.calls += 1
+                    if self.calls == 2:
+                        in_query.set()
+                        gate.wait()
+                return done
+
+        backend = GatedQueries()
+        a = _core.CachingAllocator(backend, 0)
+        ptrs = [a.malloc(4096) for _ in range(4)]
+        for p in ptrs[0::2]:
+            a.record_stream(p, 3)
+            a.free(p)
+        backend.complete(3)
+        thread = threading.Thread(target=a.malloc, args=(4096,))
+        thread.start()
+        in_query.wait()
+        pid = os.fork()                           # the gate is still closed
+        if pid == 0:
+            try:
+                a.process_events()
+                a._check_invariants()
+                a.free(a.malloc(8192))
+                os._exit(0)
+            except BaseException as e:
+                print("child:", repr(e), flush=True)
+                os._exit(1)
+        gate.set()
+        thread.join()
+        _, status = os.waitpid(pid, 0)
+        a._check_invariants()
+        print("child exit", os.waitstatus_to_exitcode(status))
+    """, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "child exit 0" in result.stdout, result.stdout
+
+
 def test_xpu_empty_cache_does_not_wait_on_the_queue_holding_the_lock():
     """Item 6: a dpctl keep-alive host task, queued before the barrier that
     empty_cache waits on, frees a pool array and needs the allocator lock.
