@@ -8,6 +8,8 @@ test sees one leak).
 Wrong use is an error: freeing an address the current device did not
 allocate, setting a device that does not exist.
 """
+import contextlib
+import gc
 import itertools
 import threading
 
@@ -192,3 +194,23 @@ class FakeCudaRuntime:
         """How many events exist (created and not destroyed)."""
         with self._lock:
             return len(self._events)
+
+
+@contextlib.contextmanager
+def serving_cuda(runtime):
+    """Serve unimem's ``cuda`` device type from ``runtime`` (wired as on a GPU,
+    the current stream read from the fake instead of CuPy) while inside."""
+    from unimem import _devices
+    from unimem.backends.cuda import make_device_type
+    saved = (_devices._types.get("cuda"), _devices._unavailable.get("cuda"))
+    _devices._types["cuda"] = make_device_type(runtime, current_stream_fn=runtime.current_stream)
+    try:
+        yield runtime
+    finally:
+        gc.collect()
+        if saved[0] is None:
+            _devices._types.pop("cuda", None)
+        else:
+            _devices._types["cuda"] = saved[0]
+        if saved[1] is not None:
+            _devices._unavailable["cuda"] = saved[1]

@@ -10,11 +10,11 @@ import gc
 import pytest
 
 import unimem
-from unimem import _core, _devices
-from unimem.backends.cuda import CUDABackend, CUDAPinnedBackend, make_device_type
+from unimem import _core
+from unimem.backends.cuda import CUDABackend, CUDAPinnedBackend
 from unimem.backends.simulated import SimulatedBackend
 
-from fake_cuda import CUDA_ERROR_INVALID_DEVICE, CUDARuntimeError, FakeCudaRuntime
+from fake_cuda import CUDA_ERROR_INVALID_DEVICE, CUDARuntimeError, FakeCudaRuntime, serving_cuda
 
 cupy = pytest.importorskip("cupy", reason="CuPy (cupy-cuda12x) is in the test extra")
 
@@ -50,18 +50,8 @@ def test_without_a_gpu_cuda_reports_nothing_and_says_why():
 @pytest.fixture
 def fake():
     """Serve the ``cuda`` device type from a simulated two-GPU runtime."""
-    runtime = FakeCudaRuntime(devices=2, capacity=1 << 30)
-    saved = (_devices._types.get("cuda"), _devices._unavailable.get("cuda"))
-    # wired as on a GPU, the current stream read from the fake instead of CuPy
-    _devices._types["cuda"] = make_device_type(runtime, current_stream_fn=runtime.current_stream)
-    yield runtime
-    gc.collect()
-    if saved[0] is None:
-        _devices._types.pop("cuda", None)
-    else:
-        _devices._types["cuda"] = saved[0]
-    if saved[1] is not None:
-        _devices._unavailable["cuda"] = saved[1]
+    with serving_cuda(FakeCudaRuntime(devices=2, capacity=1 << 30)) as runtime:
+        yield runtime
 
 
 @pytest.fixture

@@ -7,17 +7,16 @@ after the upstream test, and run against every way unimem gives CuPy memory:
 ``unimem.cuda.allocator`` and ``unimem.cuda.MemoryPool`` shared with it, over a
 CuPy-style raw allocator, and over a unimem backend.
 """
-import gc
 import threading
 
 import pytest
 
 from unimem import _devices
 from unimem.backends.cuda import (CUDA_STREAM_LEGACY, CUDA_STREAM_PER_THREAD, CUDABackend,
-                                  cuda_stream_of, make_device_type, per_thread_stream_key, stream_key)
+                                  cuda_stream_of, per_thread_stream_key, stream_key)
 from unimem.backends.simulated import SimulatedBackend
 
-from fake_cuda import CUDARuntimeError, FakeCudaRuntime
+from fake_cuda import CUDARuntimeError, FakeCudaRuntime, serving_cuda
 
 cupy = pytest.importorskip("cupy", reason="CuPy (cupy-cuda12x) is in the test extra")
 
@@ -28,19 +27,9 @@ MiB = 1 << 20
 
 @pytest.fixture
 def fake():
-    """Serve the ``cuda`` device type from a simulated two-GPU runtime, wired
-    as on a GPU (the current stream read from the fake instead of CuPy)."""
-    runtime = FakeCudaRuntime(devices=2, capacity=1 << 30)
-    saved = (_devices._types.get("cuda"), _devices._unavailable.get("cuda"))
-    _devices._types["cuda"] = make_device_type(runtime, current_stream_fn=runtime.current_stream)
-    yield runtime
-    gc.collect()
-    if saved[0] is None:
-        _devices._types.pop("cuda", None)
-    else:
-        _devices._types["cuda"] = saved[0]
-    if saved[1] is not None:
-        _devices._unavailable["cuda"] = saved[1]
+    """Serve the ``cuda`` device type from a simulated two-GPU runtime."""
+    with serving_cuda(FakeCudaRuntime(devices=2, capacity=1 << 30)) as runtime:
+        yield runtime
 
 
 def raw_allocator_of(runtime):

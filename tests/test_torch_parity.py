@@ -11,10 +11,8 @@ import random
 import pytest
 
 import unimem
-from unimem import _devices
-from unimem.backends.cuda import make_device_type
 
-from fake_cuda import FakeCudaRuntime
+from fake_cuda import FakeCudaRuntime, serving_cuda
 
 pytest.importorskip("cupy", reason="CuPy (cupy-cuda12x) is in the test extra")
 
@@ -25,19 +23,10 @@ FLOAT = 4                     # bytes of a torch.float32, what torch.rand alloca
 @pytest.fixture
 def cuda():
     """``unimem.cuda`` served by a simulated one-GPU runtime of 1 GiB."""
-    runtime = FakeCudaRuntime(devices=1, capacity=GiB)
-    saved = (_devices._types.get("cuda"), _devices._unavailable.get("cuda"))
-    _devices._types["cuda"] = make_device_type(runtime, current_stream_fn=runtime.current_stream)
-    import unimem.cuda
-    yield unimem.cuda
-    unimem.cuda._record_memory_history(None, clear_history=True)
-    gc.collect()
-    if saved[0] is None:
-        _devices._types.pop("cuda", None)
-    else:
-        _devices._types["cuda"] = saved[0]
-    if saved[1] is not None:
-        _devices._unavailable["cuda"] = saved[1]
+    with serving_cuda(FakeCudaRuntime(devices=1, capacity=GiB)):
+        import unimem.cuda
+        yield unimem.cuda
+        unimem.cuda._record_memory_history(None, clear_history=True)
 
 
 class Tensor:

@@ -2969,15 +2969,9 @@ cdef class DeviceRegistry:
         cdef int current = self.current_index() if self.device_count else 0
         cdef CachingAllocator a
         cdef int rc
-        if 0 <= current < self.device_count:
-            a = <CachingAllocator>self._allocators[current]
-            if a is not None:
-                rc = a._try_free(p, False, False)
-                if rc == 0:
-                    return 0
-                if rc == 4:
-                    raise ValueError(_HANDLE_OWNED_MESSAGE.format(p))
-        for a in self._allocators:
+        # The current device's allocator first: the block is most likely there.
+        first = self._allocators[current] if 0 <= current < self.device_count else None
+        for a in [first] + self._allocators:
             if a is not None:
                 rc = a._try_free(p, False, False)
                 if rc == 0:
