@@ -147,7 +147,7 @@ def test_out_of_memory_is_unimems_and_cupys(fake, ucuda):
     with pytest.raises(cupy.cuda.memory.OutOfMemoryError) as info:
         ucuda.allocator(600 * MiB)
     assert isinstance(info.value, unimem.OutOfMemoryError)
-    assert "GPU out of memory. Tried to allocate 600.00 MiB" in str(info.value)
+    assert "CUDA out of memory. Tried to allocate 600.00 MiB. GPU 0 has a total capacity of" in str(info.value)
     assert "GPU 0 has a total capacity of 1024.00 MiB" in str(info.value)      # PyTorch's wording
     s = ucuda.memory_stats(0)
     assert s["num_ooms"] == 1 and s["num_alloc_retries"] == 1

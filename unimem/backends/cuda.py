@@ -62,6 +62,7 @@ class CUDABackend(Backend):
     """Device memory of every visible GPU, through ``cudaMalloc``/``cudaFree``."""
 
     name = "GPU"
+    api_name = "CUDA"          # PyTorch's messages: "CUDA out of memory ... GPU 0 has ..."
     survives_fork = False      # CUDA cannot be used in a forked child
 
     def __init__(self, runtime: Optional[Any] = None) -> None:

@@ -268,6 +268,7 @@ class XPUBackend(Backend):
     """
 
     name = "XPU"
+    api_name = "XPU"
     survives_fork = False      # SYCL runtimes are not fork-safe
 
     def __init__(self, kind: str = "device") -> None:
