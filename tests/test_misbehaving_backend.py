@@ -26,10 +26,8 @@ answer gives a clear error and leaves the allocator exactly as it was; an
 interrupt leaves each operation done or not done; at the end everything can
 be freed.
 
-The bugs the machine found are reproduced by the tests at the end. Three
-are still open (``xfail(strict=True)``); until they are fixed the machine
-stays away from their triggers (``AVOID_KNOWN_BUGS``): set it to False to let
-it inject them too.
+The bugs the machine found are reproduced by the tests at the end (each
+failed before its fix), and the machine injects all of their triggers.
 """
 import functools
 import sys
@@ -48,9 +46,6 @@ from unimem.backends.simulated import SimulatedBackend
 MiB = 1 << 20
 CAPACITY = 1 << 30
 STREAMS = (0, 1, 2, 3)
-
-# The triggers of the bugs reproduced at the end of this file (see there).
-AVOID_KNOWN_BUGS = True
 
 sizes = st.one_of(st.integers(1, 4096), st.integers(4097, MiB), st.integers(MiB + 1, 12 * MiB),
                   st.integers(12 * MiB, 80 * MiB))
@@ -291,9 +286,8 @@ CHAOS = [("malloc", ("interrupt",)), ("malloc", ("interrupt_after",)),
          ("free", ("raise_before",)), ("free", ("raise_after",)),
          ("record_event", ("interrupt",)), ("record_event", ("raise",)),
          ("event_done", ("interrupt",)), ("event_synchronize", ("interrupt",)),
-         ("history", ("interrupt",)), ("history", ("error",))]
-if not AVOID_KNOWN_BUGS:       # bugs B and C
-    CHAOS += [("release_event", ("interrupt",)), ("release_stream", ("interrupt",))]
+         ("history", ("interrupt",)), ("history", ("error",)),
+         ("release_event", ("interrupt",)), ("release_stream", ("interrupt",))]     # bugs B and C
 
 
 def no_allocated_block(segment):
@@ -444,8 +438,7 @@ class MisbehavingBackendMachine(RuleBasedStateMachine):
         handle = self.handles[ptr]
         self.pinned.add(ptr)
         try:
-            with self.backend.quiet(*(("history",) if AVOID_KNOWN_BUGS else ())):    # bug D
-                _, error = self.attempt(handle.release)
+            _, error = self.attempt(handle.release)     # bug D was a Ctrl-C in the hook here
         finally:
             self.pinned.discard(ptr)
         if error is not None and self.core.owns(ptr):
@@ -713,8 +706,7 @@ TestMisbehavingBackend = MisbehavingBackendMachine.TestCase
 
 
 # --------------------------------------------------------------------------------------
-# What the machine found: one reproduction each. The xfail ones fail until the core is
-# fixed (then strict xfail turns them red: drop the mark, and set AVOID_KNOWN_BUGS = False).
+# What the machine found: one reproduction each; every one failed before its fix.
 # --------------------------------------------------------------------------------------
 class Switchable(SimulatedBackend):
     """A simulated device whose callbacks do one bad thing when told to."""
@@ -779,10 +771,7 @@ def test_a_finalizer_inside_event_done_keeps_the_event_it_records():
     assert a.memory_reserved() == 0
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug B: a KeyboardInterrupt from release_event, while a free whose record_event failed is "
-    "undone, skips putting the block back in the address index: the block is allocated but "
-    "unknown, and can never be freed"))
+# Bug B, fixed.
 def test_an_interrupt_while_giving_events_back_leaves_the_block_live():
     backend = Switchable()
     a = _core.CachingAllocator(backend, 0)
@@ -800,10 +789,7 @@ def test_an_interrupt_while_giving_events_back_leaves_the_block_live():
     a.free(p)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug C: a KeyboardInterrupt from the backend's release_stream (called after a malloc whose "
-    "out-of-memory retry released another stream's cache) reaches the caller after the block "
-    "was allocated: it stays live, and its address was never returned"))
+# Bug C, fixed.
 def test_an_interrupt_in_release_stream_leaves_no_block_behind():
     backend = Switchable()
     a = _core.CachingAllocator(backend, 0)
@@ -817,10 +803,7 @@ def test_an_interrupt_in_release_stream_leaves_no_block_behind():
     assert set(a.live_allocations()) == ({p} if p else set()), "a live block whose address no one has"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug D: a KeyboardInterrupt from the history hook after Allocation.release() freed the block "
-    "makes release() restore the handle's address: when the handle is collected, its finalizer "
-    "frees the block of the next owner of that address"))
+# Bug D, fixed.
 def test_an_interrupt_in_the_history_hook_during_release_frees_no_other_owner():
     seen = []
     saved_hook = sys.unraisablehook

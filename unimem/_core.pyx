@@ -1655,8 +1655,8 @@ cdef class CachingAllocator:
             for i in range(b.stream_uses.size()):
                 events.append(self.backend.record_event(b.stream_uses[0][i], self.device))
         except BaseException:
-            self._release_events(events)
             um_put(&self.active, ptr, b)      # count went down by one: no growth, cannot fail
+            self._release_events(events)
             raise
         self._account_free_request(b)
         self._forget_stream_uses(b)
@@ -1682,16 +1682,22 @@ cdef class CachingAllocator:
         del b.stream_uses
         b.stream_uses = NULL
 
-    cdef void _release_events(self, list events):
+    cdef int _release_events(self, list events) except -1:
         """Give back events that will not be waited for (optional for a backend)."""
         release = getattr(self.backend, "release_event", None)
         if release is None:
-            return
+            return 0
+        interrupt = None
         for ev in events:
             try:
                 release(ev)
             except Exception as exc:
                 _report_unraisable(exc, "unimem: giving back a stream event")
+            except BaseException as exc:     # a Ctrl-C: give the others back first
+                interrupt = exc
+        if interrupt is not None:
+            raise interrupt
+        return 0
 
     cdef int _process_events(self) except -1:
         """Blocks whose recorded stream work has finished go back to the pool.
@@ -1886,9 +1892,9 @@ cdef class CachingAllocator:
             b = self._malloc_slow(size, stream, by_handle, &oom, &tried)
         finally:
             self._unlock()
-        if not self.dropped_streams.empty():
-            self._tell_backend_dropped_streams()
         if oom:
+            if not self.dropped_streams.empty():
+                self._tell_backend_dropped_streams()
             if self.recording:
                 self._flush_trace()
             raise self._out_of_memory(size, tried)
@@ -1900,6 +1906,8 @@ cdef class CachingAllocator:
         history hook gives the new block back before it reaches the caller,
         who never saw the address."""
         try:
+            if not self.dropped_streams.empty():
+                self._tell_backend_dropped_streams()
             if self.recording:
                 self._flush_trace()
         except BaseException:
@@ -1909,21 +1917,29 @@ cdef class CachingAllocator:
             self._debug_after_malloc(ptr, size)
         return 0
 
-    cdef void _tell_backend_dropped_streams(self):
+    cdef int _tell_backend_dropped_streams(self) except -1:
         """Tell the backend (``release_stream(stream, device)``, optional) of
         the streams this allocator no longer keeps anything for."""
         cdef vector[uintptr_t] dropped
         self._lock()
         dropped.swap(self.dropped_streams)
         self._unlock()
+        if dropped.empty():
+            return 0
         release = getattr(self.backend, "release_stream", None)
         if release is None:
-            return
+            return 0
+        interrupt = None
         for stream in dropped:
             try:
                 release(stream, self.device)
             except Exception as exc:
                 _report_unraisable(exc, "unimem: a backend's release_stream")
+            except BaseException as exc:     # a Ctrl-C: tell of the others first
+                interrupt = exc
+        if interrupt is not None:
+            raise interrupt
+        return 0
 
     cdef void _debug_after_malloc(self, uintptr_t ptr, size_t size):
         """Debug mode, after the lock: remember where the block was allocated,
@@ -1981,15 +1997,20 @@ cdef class CachingAllocator:
                 rc = 0
             finally:
                 self._unlock()
-                if self.recording and not from_finalizer:
-                    self._flush_trace()
-            if not from_finalizer and not self.dropped_streams.empty():
-                self._tell_backend_dropped_streams()
-            return rc
-        self._unlock()
-        if self.recording and not from_finalizer:
-            self._flush_trace()
+        else:
+            self._unlock()
+        if not from_finalizer:
+            self._after_free()
         return rc
+
+    cdef int _after_free(self) except -1:
+        """History and the backend's dropped streams, outside the lock, after a
+        free: what raises here (a Ctrl-C) comes after the block went back."""
+        if self.recording:
+            self._flush_trace()
+        if not self.dropped_streams.empty():
+            self._tell_backend_dropped_streams()
+        return 0
 
     cdef int c_free(self, uintptr_t ptr) except -1:
         """Free a pointer from c_malloc. Unknown pointers raise ValueError."""
@@ -2776,12 +2797,13 @@ cdef class Allocation:
         if ptr != 0:
             self.ptr = 0
             try:
-                rc = self.allocator._try_free(ptr, True, False)
+                rc = self.allocator._try_free(ptr, True, True)   # no Python code after the free
             except BaseException:
-                self.ptr = ptr          # still this handle's block (an event could not be recorded)
+                self.ptr = ptr          # not freed (an event could not be recorded): still ours
                 raise
             if rc != 0:
                 raise ValueError(f"the block at {ptr:#x} was freed behind its Allocation's back")
+            self.allocator._after_free()    # a Ctrl-C here leaves the handle empty, as it should
 
     def __int__(self):
         return self.ptr
