@@ -210,15 +210,6 @@ cdef inline void pool_increase(DeviceStats* st, int which, bint is_small, int64_
     stat_increase(&st.core[which][POOL_ALL], amount)
     stat_increase(&st.core[which][POOL_SMALL if is_small else POOL_LARGE], amount)
 
-cdef inline void stat_undo_decrease(Stat* s, int64_t amount) noexcept nogil:
-    # Take back a decrease that did not happen after all: as if never made.
-    s.current += amount
-    s.freed -= amount
-
-cdef inline void pool_undo_decrease(DeviceStats* st, int which, bint is_small, int64_t amount) noexcept nogil:
-    stat_undo_decrease(&st.core[which][POOL_ALL], amount)
-    stat_undo_decrease(&st.core[which][POOL_SMALL if is_small else POOL_LARGE], amount)
-
 cdef inline void pool_decrease(DeviceStats* st, int which, bint is_small, int64_t amount) noexcept nogil:
     stat_decrease(&st.core[which][POOL_ALL], amount)
     stat_decrease(&st.core[which][POOL_SMALL if is_small else POOL_LARGE], amount)
@@ -1685,18 +1676,8 @@ cdef class CachingAllocator:
     cdef int _release_events(self, list events) except -1:
         """Give back events that will not be waited for (optional for a backend)."""
         release = getattr(self.backend, "release_event", None)
-        if release is None:
-            return 0
-        interrupt = None
-        for ev in events:
-            try:
-                release(ev)
-            except Exception as exc:
-                _report_unraisable(exc, "unimem: giving back a stream event")
-            except BaseException as exc:     # a Ctrl-C: give the others back first
-                interrupt = exc
-        if interrupt is not None:
-            raise interrupt
+        if release is not None:
+            _tell_each(release, [(ev,) for ev in events], "unimem: giving back a stream event")
         return 0
 
     cdef int _process_events(self) except -1:
@@ -1927,18 +1908,9 @@ cdef class CachingAllocator:
         if dropped.empty():
             return 0
         release = getattr(self.backend, "release_stream", None)
-        if release is None:
-            return 0
-        interrupt = None
-        for stream in dropped:
-            try:
-                release(stream, self.device)
-            except Exception as exc:
-                _report_unraisable(exc, "unimem: a backend's release_stream")
-            except BaseException as exc:     # a Ctrl-C: tell of the others first
-                interrupt = exc
-        if interrupt is not None:
-            raise interrupt
+        if release is not None:
+            _tell_each(release, [(stream, self.device) for stream in dropped],
+                       "unimem: a backend's release_stream")
         return 0
 
     cdef void _debug_after_malloc(self, uintptr_t ptr, size_t size):
@@ -1974,8 +1946,9 @@ cdef class CachingAllocator:
     cdef int _try_free(self, uintptr_t ptr, bint by_handle, bint from_finalizer) except -1:
         """Free a live block. Returns 1 (changing nothing) for an address this
         allocator does not hold, 4 for a block that belongs to an Allocation
-        (``by_handle`` False) or to no Allocation (``by_handle`` True). A
-        finalizer's free (``from_finalizer``) runs no Python code: it may run
+        (``by_handle`` False) or to no Allocation (``by_handle`` True). With
+        ``from_finalizer`` (a finalizer, or Allocation.release, which runs
+        _after_free itself) no Python code runs after the free: a finalizer may run
         on a runtime's thread (a SYCL host task) that must not give the GIL up
         half-way; its history events wait in the buffer for the next call from
         Python. At interpreter exit a finalizer does not wait for the lock (a
@@ -2741,6 +2714,23 @@ cdef void _report_unraisable(BaseException exc, str where):
     observer) through sys.unraisablehook, as Python does for __del__."""
     PyErr_SetObject(type(exc), exc)
     PyErr_WriteUnraisable(where)
+
+
+cdef int _tell_each(object callback, list calls, str where) except -1:
+    """``callback(*args)`` for each of ``calls``, a backend's optional
+    notification: an error is reported as unraisable and the others still
+    run; a Ctrl-C (KeyboardInterrupt, SystemExit) is raised once all ran."""
+    interrupt = None
+    for args in calls:
+        try:
+            callback(*args)
+        except Exception as exc:
+            _report_unraisable(exc, where)
+        except BaseException as exc:
+            interrupt = exc
+    if interrupt is not None:
+        raise interrupt
+    return 0
 
 
 def format_size(size):
