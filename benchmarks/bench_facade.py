@@ -75,7 +75,7 @@ def run(quick: bool = False) -> Dict[str, Any]:
     finally:
         for p in live:
             accelerator.caching_allocator_delete(p)
-    device_name = unimem._devices.current_type().name
+    device_name = unimem._runtime.devices.current_type().name
     print_table(f"statistics calls (unimem on {device_name}; PyTorch: Python side only without a GPU)",
                 ["call", "unimem", "PyTorch", "PyTorch / unimem"],
                 [[r["call"], format_time(r["unimem_s"]), format_time(r["torch_s"]) if "torch_s" in r else "-",

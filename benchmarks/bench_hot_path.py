@@ -55,7 +55,7 @@ def simulated_cuda_allocator_pair(sizes: List[int], repeats: int) -> Optional[fl
         import cupy  # noqa: F401
     except ImportError:
         return None
-    from unimem import _devices
+    from unimem._runtime import devices as _devices
     from unimem.backends.cuda import stream_pointer
     from unimem.backends.simulated import SimulatedBackend
     import unimem.cuda
@@ -78,7 +78,8 @@ def simulated_cuda_allocator_pair(sizes: List[int], repeats: int) -> Optional[fl
 
 def run(quick: bool = False) -> Dict[str, Any]:
     import unimem
-    from unimem import _devices, accelerator
+    from unimem import accelerator
+    from unimem._runtime import devices as _devices
     from unimem.backends._host import PageAlignedBackend, _time_libc_pairs
 
     repeats = 3 if quick else 7

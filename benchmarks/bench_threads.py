@@ -69,7 +69,8 @@ def prefill(allocator: Any, copies: int) -> None:
 
 
 def run(quick: bool = False) -> Dict[str, Any]:
-    from unimem import _devices, accelerator
+    from unimem import accelerator
+    from unimem._runtime import devices as _devices
     from unimem.backends._host import _time_libc_pairs
 
     repeats = 3 if quick else 5

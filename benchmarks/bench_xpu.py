@@ -22,7 +22,7 @@ def run(quick: bool = False) -> Dict[str, Any]:
     import dpnp
     import unimem
     import unimem.xpu as xpu
-    from unimem import _devices
+    from unimem._runtime import devices as _devices
 
     if not _devices.is_available("xpu"):
         raise SystemExit(f"no SYCL device: {_devices.unavailable_reason('xpu')}")

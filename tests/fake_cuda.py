@@ -200,7 +200,7 @@ class FakeCudaRuntime:
 def serving_cuda(runtime):
     """Serve unimem's ``cuda`` device type from ``runtime`` (wired as on a GPU,
     the current stream read from the fake instead of CuPy) while inside."""
-    from unimem import _devices
+    from unimem._runtime import devices as _devices
     from unimem.backends.cuda import make_device_type
     saved = (_devices._types.get("cuda"), _devices._unavailable.get("cuda"))
     _devices._types["cuda"] = make_device_type(runtime, current_stream_fn=runtime.current_stream)

@@ -14,8 +14,9 @@ from hypothesis import HealthCheck, example, given, settings, strategies as st
 import unimem
 import unimem.cuda
 import unimem.xpu
-from unimem import _core, _devices, accelerator, cpu, host, xpu
-from unimem._config import parse_alloc_conf
+from unimem import _core, accelerator, cpu, host, xpu
+from unimem._runtime import devices as _devices
+from unimem._runtime.config import parse_alloc_conf
 from unimem.backends.simulated import SimulatedBackend
 
 DOCUMENTED = (TypeError, ValueError, unimem.OutOfMemoryError)
@@ -139,7 +140,7 @@ def undo_success(name, result):
     elif name == "accelerator._record_memory_history":
         accelerator._record_memory_history(None, clear_history=True)
     elif name == "unimem.attach_out_of_memory_observer":
-        unimem._history._oom_observers.clear()
+        unimem._observe.history._oom_observers.clear()
     for a in allocators():
         if a.get_memory_limit():
             a.set_memory_limit(0)

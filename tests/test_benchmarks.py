@@ -20,7 +20,7 @@ MiB = 1 << 20
 
 def recorded_snapshot():
     """A PyTorch-format snapshot with history, from a unimem allocator."""
-    from unimem._history import History
+    from unimem._observe.history import History
     allocator = _core.CachingAllocator(SimulatedBackend(capacity=1 << 40), 0)
     history = History("test")
     history.configure("all", None, "python", 100_000, True, None)

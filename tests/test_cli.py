@@ -122,7 +122,7 @@ def test_plot_refuses_a_pickle_that_would_run_code(tmp_path, how):
 
 
 def test_load_snapshot_refuses_code_and_reads_the_snapshot_format(tmp_path):
-    from unimem._plot import SnapshotError, load_snapshot
+    from unimem._observe.plot import SnapshotError, load_snapshot
     marker = tmp_path / "pwned"
     path = tmp_path / "evil.pickle"
     path.write_bytes(pickle.dumps(RunsCode(os.system, f"touch {marker}")))
@@ -230,7 +230,7 @@ def test_summary_and_stats(workload):
 # every subcommand's mistakes: exit status and one line
 # ---------------------------------------------------------------------------
 def test_usage_names_the_program():
-    console = subprocess.run([sys.executable, "-c", "import sys; from unimem.__main__ import main; "
+    console = subprocess.run([sys.executable, "-c", "import sys; from unimem.cli.main import main; "
                               "sys.exit(main(['--help']))"], capture_output=True, text=True, timeout=120)
     assert console.returncode == 0 and console.stdout.startswith("usage: unimem "), console.stdout[:80]
     assert unimem_cli("--help").stdout.startswith("usage: python -m unimem ")
@@ -304,8 +304,8 @@ def test_run_reports_a_scripts_exit_message_and_syntax_error(tmp_path):
 def test_run_reports_the_pool_the_arrays_went_to(tmp_path):
     """UNIMEM_DEVICE=cpu: dpnp's arrays go to the XPU pool, and that is the pool reported."""
     pytest.importorskip("dpnp")
-    import unimem._devices
-    if not unimem._devices.is_available("xpu"):
+    import unimem._runtime.devices
+    if not unimem._runtime.devices.is_available("xpu"):
         pytest.skip("no SYCL device")
     script = tmp_path / "where.py"
     script.write_text("import dpnp\nx = dpnp.ones((1024, 1024), dtype='f4')\n")

@@ -5,7 +5,8 @@ import time
 
 import pytest
 
-from unimem import _core, _devices
+from unimem import _core
+from unimem._runtime import devices as _devices
 from unimem.backends._host import PageAlignedBackend
 from unimem.backends.simulated import SimulatedBackend
 

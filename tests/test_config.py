@@ -1,7 +1,7 @@
 """UNIMEM_ALLOC_CONF, in PYTORCH_CUDA_ALLOC_CONF's syntax."""
 import pytest
 
-from unimem._config import parse_alloc_conf
+from unimem._runtime.config import parse_alloc_conf
 
 MiB = 1 << 20
 
@@ -91,7 +91,8 @@ def test_oversized_or_non_ascii_values_are_value_errors_naming_the_option(text, 
 
 
 def test_the_largest_sizes_accepted_fit_the_core():
-    from unimem import _config, _core
+    from unimem import _core
+    from unimem._runtime import config as _config
     assert _config.MAX_SIZE_BYTES == _core.MAX_REQUEST_SIZE
     with pytest.raises(ValueError, match="max_split_size_mb is too large"):
         parse_alloc_conf(f"max_split_size_mb:{_config.MAX_SIZE_MB + 1}")
@@ -112,7 +113,7 @@ def test_decimal_numbers_in_ascii_forms():
 
 
 def test_a_malformed_fraction_fails_when_the_environment_is_read(monkeypatch):
-    from unimem._config import settings_from_env
+    from unimem._runtime.config import settings_from_env
     monkeypatch.setenv("UNIMEM_ALLOC_CONF", "per_process_memory_fraction:\u0660.\u0665")
     with pytest.raises(ValueError, match="per_process_memory_fraction"):
         settings_from_env()
@@ -142,7 +143,7 @@ def test_every_pytorch_option_is_accepted():
 
 
 def test_each_inert_option_is_listed_with_a_reason():
-    from unimem import _config
+    from unimem._runtime import config as _config
     for name, reason in _config.INERT_OPTIONS:
         assert name in _config.SUPPORTED_KEYS and len(reason) > 20
     assert {name for name, _ in _config.INERT_OPTIONS} >= {

@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from unimem import _devices
+from unimem._runtime import devices as _devices
 from unimem.backends.cuda import (CUDA_STREAM_LEGACY, CUDA_STREAM_PER_THREAD, CUDABackend,
                                   cuda_stream_of, per_thread_stream_key, stream_key)
 from unimem.backends.simulated import SimulatedBackend

@@ -11,7 +11,9 @@ from distributed import Client, LocalCluster
 
 import unimem
 import unimem.dask as unimem_dask
-from unimem import _core, _devices, _install
+from unimem import _core
+from unimem._runtime import devices as _devices
+from unimem._integrations import install as _install
 
 MiB = 1 << 20
 ALLOC_CONF = "max_split_size_mb:256,garbage_collection_threshold:0.8"

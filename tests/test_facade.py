@@ -268,7 +268,7 @@ def test_namespace_alloc_and_delete_follow_the_device_table(monkeypatch):
     """unimem.cpu.caching_allocator_alloc/delete (typed in the core) look the
     device type up on every call: a type swapped in is used at once, and a
     device argument still goes through the checks."""
-    from unimem import _devices
+    from unimem._runtime import devices as _devices
     from unimem.backends.simulated import SimulatedBackend
     swapped = _devices.DeviceType("cpu", SimulatedBackend(capacity=1 << 30, devices=2, name="CPU"))
     monkeypatch.setitem(_devices.types_by_name(), "cpu", swapped)
@@ -365,7 +365,8 @@ def test_synchronize_waits_on_every_queue_of_the_xpu_device():
     code = """
         import dpctl
         import unimem
-        from unimem import _devices, accelerator as acc
+        from unimem import accelerator as acc
+        from unimem._runtime import devices as _devices
         assert acc.current_accelerator().type == "xpu"
         device = unimem.xpu.default_queue(0).sycl_device
         unimem.xpu.stream_handle(dpctl.SyclQueue(device))    # a second queue unimem knows

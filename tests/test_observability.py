@@ -8,8 +8,9 @@ import sys
 import pytest
 
 import unimem
-from unimem import _core, _history
-from unimem._summary import format_count, format_size, memory_summary_table
+from unimem import _core
+from unimem._observe import history as _history
+from unimem._observe.summary import format_count, format_size, memory_summary_table
 from unimem.backends.simulated import SimulatedBackend
 
 MiB = 1 << 20
@@ -282,7 +283,7 @@ def test_dump_snapshot_takes_only_paths(tmp_path):
 FORK_UNDER_HISTORY = """
 import os, sys, threading, time
 import unimem
-from unimem import _history
+from unimem._observe import history as _history
 
 unimem.cpu._record_memory_history(max_entries=1000)
 stop = False
@@ -515,7 +516,7 @@ def test_ctrl_c_in_the_history_hook_reaches_the_program():
     """Issue 12 item 9: a KeyboardInterrupt raised while the history hook runs."""
     code = (
         "import unimem\n"
-        "from unimem import _history\n"
+        "from unimem._observe import history as _history\n"
         "unimem.cpu._record_memory_history()\n"
         "def interrupting_frames(limit=64):\n"
         "    raise KeyboardInterrupt\n"

@@ -9,7 +9,8 @@ import warnings
 import pytest
 
 import unimem
-from unimem import _core, _devices
+from unimem import _core
+from unimem._runtime import devices as _devices
 from unimem.backends._host import PageAlignedBackend
 
 MiB = 1 << 20
@@ -41,7 +42,7 @@ def write_after_free_site(a):
 
 
 def test_debug_mode_reports_a_write_after_free_with_its_allocation_site():
-    from unimem._history import python_frames
+    from unimem._observe.history import python_frames
     a = _core.CachingAllocator(PageAlignedBackend(), 0)
     a.enable_debug(python_frames)
     p = write_after_free_site(a)
@@ -77,7 +78,7 @@ def test_debug_mode_is_off_by_default_and_only_where_the_host_can_read():
     assert not _core.CachingAllocator(PageAlignedBackend(), 0).debug
     done = run_fresh("""
         import unimem
-        from unimem import _devices
+        from unimem._runtime import devices as _devices
         from unimem.backends.simulated import SimulatedBackend
         p = unimem.cpu.caching_allocator_alloc(10)
         print(unimem.cpu.caching_allocator(0).debug,
@@ -112,7 +113,7 @@ def test_debug_mode_on_the_sycl_device_catches_a_write_through_a_stale_pointer()
 def test_after_fork_host_memory_works_and_devices_say_why_not():
     done = run_fresh("""
         import os, unimem
-        from unimem import _devices
+        from unimem._runtime import devices as _devices
         unimem.cpu.caching_allocator_delete(unimem.cpu.caching_allocator_alloc(1000))
         has_xpu = _devices.is_available("xpu")
         if has_xpu:
@@ -140,7 +141,7 @@ def test_after_fork_host_memory_works_and_devices_say_why_not():
 def test_exiting_with_live_blocks_neither_crashes_nor_hangs():
     done = run_fresh("""
         import unimem
-        from unimem import _devices
+        from unimem._runtime import devices as _devices
         keep = [unimem.cpu.caching_allocator_alloc(n) for n in (1, 3 << 20, 40 << 20)]
         keep.append(unimem.host.caching_host_alloc(10_000))
         arrays = [unimem.cpu.empty((100, 100))]

@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from unimem import _devices
+from unimem._runtime import devices as _devices
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -60,7 +60,7 @@ def test_device_index_of_an_unicode_digit_string_is_refused():
 # ---------------------------------------------------------------------------
 FORK_WHILE_LOCKED = textwrap.dedent("""
     import os, sys, threading, time
-    from unimem import _devices
+    from unimem._runtime import devices as _devices
     from unimem.backends import xpu as xpu_backend
 
     def lock_of(which):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import unimem
-from unimem import _devices
+from unimem._runtime import devices as _devices
 
 MiB = 1 << 20
 
@@ -318,7 +318,7 @@ def test_training_with_history_recorded_does_not_hang(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(
         "import unimem\n"
-        "from unimem import demo\n"
+        "from unimem.cli import demo\n"
         "work = demo.default_workload()\n"
         "work.memory_api._record_memory_history(max_entries=100000)\n"
         "seconds, loss = demo.train(work, work.pool_empty, 60)\n"

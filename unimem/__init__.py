@@ -26,12 +26,13 @@ from .backends.xpu import ensure_opencl_cpu_runtime
 # CPU runtime (a no-op where intel-opencl-rt is not installed).
 ensure_opencl_cpu_runtime()
 
-from . import _devices, accelerator, cpu, host  # noqa: E402
+from . import accelerator, cpu, host
+from ._runtime import devices as _devices  # noqa: E402
 from ._core import Allocation, CachingAllocator, OutOfMemoryError, WriteAfterFreeWarning  # noqa: E402
-from ._history import (attach_out_of_memory_observer, attach_out_of_memory_stats_observer,  # noqa: E402
+from ._observe.history import (attach_out_of_memory_observer, attach_out_of_memory_stats_observer,  # noqa: E402
                        detach_out_of_memory_observer, detach_out_of_memory_stats_observer)
-from ._install import install_allocators, installed_allocators, uninstall_allocators  # noqa: E402
-from ._devices import device  # noqa: E402
+from ._integrations.install import install_allocators, installed_allocators, uninstall_allocators  # noqa: E402
+from ._runtime.devices import device  # noqa: E402
 from .backends.base import Backend  # noqa: E402
 from .backends.pluggable import PluggableAllocator  # noqa: E402
 from .host import (host_memory_stats, reset_accumulated_host_memory_stats,  # noqa: E402

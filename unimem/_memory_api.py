@@ -13,10 +13,12 @@ import sys
 import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
-from . import _core, _devices, _history
-from ._config import settings_from_env
-from ._devices import DISPLAY_NAMES, DeviceLike, DeviceType, device_index, get_type
-from ._summary import memory_summary_table
+from . import _core
+from ._observe import history as _history
+from ._runtime import devices as _devices
+from ._runtime.config import settings_from_env
+from ._runtime.devices import DISPLAY_NAMES, DeviceLike, DeviceType, device_index, get_type
+from ._observe.summary import memory_summary_table
 
 
 def nest_stats(flat: Dict[str, Any]) -> Dict[str, Any]:

@@ -24,8 +24,9 @@ import functools
 import warnings
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from . import _core, _devices
-from ._devices import get_type, new_allocator
+from . import _core
+from ._runtime import devices as _devices
+from ._runtime.devices import get_type, new_allocator
 from ._memory_api import PUBLIC_FUNCTIONS, MemoryAPI
 from .backends.base import Backend
 from .backends.cuda import CUDABackend, OnDevice, stream_key

@@ -40,9 +40,10 @@ except ImportError as exc:  # pragma: no cover - the message is the point
     raise ImportError("unimem.dask needs dask.distributed and pandas: pip install distributed pandas, "
                       "or pip install -e \".[dask]\" in unimem's checkout") from exc
 
-from . import _core, _devices, host
-from ._config import ENV_VAR, parse_alloc_conf
-from ._install import install_allocators, installed_allocators, uninstall_allocators
+from . import _core, host
+from ._runtime import devices as _devices
+from ._runtime.config import ENV_VAR, parse_alloc_conf
+from ._integrations.install import install_allocators, installed_allocators, uninstall_allocators
 from ._memory_api import MemoryAPI, check_fraction
 
 __all__ = ["UnimemPlugin", "memory_stats", "memory_summary", "cluster_summary"]

@@ -16,8 +16,9 @@ import collections
 import threading
 from typing import Any, Dict, Mapping, Optional
 
-from . import _core, _history
-from ._devices import new_allocator
+from . import _core
+from ._observe import history as _history
+from ._runtime.devices import new_allocator
 from ._memory_api import nest_stats
 from .backends.base import Backend
 
@@ -28,7 +29,7 @@ _registry: Optional[_core.DeviceRegistry] = None
 
 def _choose_backend() -> Backend:
     """Pinned memory from the first runtime that offers it."""
-    from . import _devices
+    from ._runtime import devices as _devices
     for name in ("cuda", "xpu"):
         if _devices.is_available(name):
             pinned = getattr(_devices.get_type(name).backend, "pinned_host_backend", None)

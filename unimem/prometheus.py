@@ -30,7 +30,8 @@ except ImportError as exc:
     raise ImportError("unimem.prometheus needs prometheus_client: pip install prometheus_client, "
                       "or pip install -e \".[prometheus]\" in unimem's checkout") from exc
 
-from . import _devices, host
+from . import host
+from ._runtime import devices as _devices
 
 LABELS = ["device", "pool", "metric"]
 POOLS = ("all", "large_pool", "small_pool")

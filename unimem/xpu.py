@@ -24,8 +24,9 @@ from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 import numpy
 
-from . import _core, _history, host
-from ._devices import device_index, get_type, new_allocator
+from . import _core, host
+from ._observe import history as _history
+from ._runtime.devices import device_index, get_type, new_allocator
 from ._memory_api import PUBLIC_FUNCTIONS, MemoryAPI
 from .backends import xpu as _backend
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator, Optional
 
-from .._devices import DeviceLike, current_type, device, device_index as _device_index
+from .._runtime.devices import DeviceLike, current_type, device, device_index as _device_index
 from . import memory
 from .memory import (  # noqa: F401 - torch.accelerator re-exports its memory functions too
     _dump_snapshot, _record_memory_history, _snapshot, caching_allocator_alloc,

@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from .. import host
 from .._core import caching_allocator_alloc, caching_allocator_delete
-from .._devices import DeviceLike, DeviceType, current_type, device_index as _device_index
+from .._runtime.devices import DeviceLike, DeviceType, current_type, device_index as _device_index
 from .._memory_api import MemoryAPI
 
 if TYPE_CHECKING:
-    from .._history import PathLike
+    from .._observe.history import PathLike
 
 __all__ = [
     "empty_cache", "empty_host_cache", "get_memory_info", "max_memory_allocated",

@@ -251,7 +251,7 @@ def make_device_type(runtime: Optional[Any] = None,
     def current_stream_key(device: int) -> int:
         return stream_key(raw_current_stream(device))
 
-    from .._devices import DeviceType
+    from .._runtime.devices import DeviceType
     return DeviceType("cuda", CUDABackend(runtime), current_device_fn=runtime.getDevice,
                       set_device_fn=runtime.setDevice, current_stream_fn=current_stream_key,
                       stream_handle_fn=stream_key)

@@ -380,6 +380,6 @@ def make_device_type():
     if not runtime.devices:
         hint = "" if os.environ.get(OCL_ENV) else " (no OpenCL CPU runtime found either: pip install intel-opencl-rt)"
         return f"dpctl finds no SYCL device{hint}"
-    from .._devices import DeviceType
+    from .._runtime.devices import DeviceType
     backend = XPUBackend("device")
     return DeviceType("xpu", backend, stream_handle_fn=runtime.stream_handle)

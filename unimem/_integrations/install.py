@@ -17,7 +17,7 @@ import functools
 import threading
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
-from . import _devices
+from .._runtime import devices as _devices
 
 # What install_allocators can route to unimem, and the device type whose pool
 # serves each: a library's arrays live on its own devices, whatever the current
@@ -67,7 +67,7 @@ def _install_cupy() -> bool:
     import cupy
 
     import unimem.cuda as pooled
-    from . import host
+    from .. import host
     previous = cupy.cuda.get_allocator()
     cupy.cuda.set_allocator(pooled.allocator)
     cupy.cuda.set_pinned_memory_allocator(host.pinned_allocator)

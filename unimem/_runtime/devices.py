@@ -19,9 +19,9 @@ import threading
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Union
 
-from . import _core
-from ._config import settings_from_env
-from .backends.base import Backend
+from .. import _core
+from .config import settings_from_env
+from ..backends.base import Backend
 
 KNOWN_TYPES = ("cuda", "xpu", "cpu")
 DEVICE_ENV_VAR = "UNIMEM_DEVICE"
@@ -145,7 +145,7 @@ def new_allocator(pool: str, backend: Backend, index: int, **core_options: Any) 
     if settings.per_process_memory_fraction is not None:
         allocator.set_memory_fraction(settings.per_process_memory_fraction)
     if debug_mode_requested() and getattr(backend, "host_accessible", False):
-        from ._history import python_frames
+        from .._observe.history import python_frames
         allocator.enable_debug(python_frames)
     _pools_by_allocator[allocator] = pool
     for callback in list(_allocator_created_callbacks):
@@ -220,13 +220,13 @@ def _probe(name: str) -> Optional[DeviceType]:
     """Build the device type ``name`` from its backend, or None (and the reason
     in ``_unavailable``) when this machine has no such device."""
     if name == "cpu":
-        from .backends._host import PageAlignedBackend
+        from ..backends._host import PageAlignedBackend
         return DeviceType("cpu", PageAlignedBackend("CPU"))
     try:
         if name == "xpu":
-            from .backends import xpu as module
+            from ..backends import xpu as module
         else:
-            from .backends import cuda as module
+            from ..backends import cuda as module
         made = module.make_device_type()
     except Exception as exc:  # a broken driver stack must not break import unimem
         _unavailable[name] = f"{type(exc).__name__}: {exc}"

@@ -43,7 +43,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from ._core import MAX_REQUEST_SIZE
+from .._core import MAX_REQUEST_SIZE
 
 ENV_VAR = "UNIMEM_ALLOC_CONF"
 MiB = 1 << 20

@@ -22,14 +22,15 @@ import time
 import weakref
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple, Union
 
-from . import _core, _devices
+from .. import _core
+from .._runtime import devices as _devices
 
 ACTIONS = _core.TRACE_ACTIONS
 OOM_SNAPSHOT_ENV = "UNIMEM_OOM_SNAPSHOT"
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # unimem's own modules are left out of recorded stacks; its example programs
 # (the demo) are user code and stay in.
-_USER_CODE_IN_PACKAGE = (os.path.join(_PACKAGE_DIR, "demo.py"),)
+_USER_CODE_IN_PACKAGE = (os.path.join(_PACKAGE_DIR, "cli", "demo.py"),)
 # The core's clock is the monotonic one; snapshots carry wall-clock microseconds.
 _MONOTONIC_TO_EPOCH_NS = time.time_ns() - time.monotonic_ns()
 

@@ -28,8 +28,8 @@ from typing import Any, Callable, Dict, List, Optional, TextIO, Tuple
 
 import numpy
 
-from . import _core
-from ._devices import DISPLAY_NAMES, current_type
+from .. import _core
+from .._runtime.devices import DISPLAY_NAMES, current_type
 
 Empty = Callable[..., Any]
 
@@ -241,7 +241,7 @@ def replay(trace: List[Dict[str, Any]], malloc: Callable[[int], int],
 def run(steps: int = 300, out_dir: str = "unimem-demo", out: Optional[TextIO] = None,
         show_oom: bool = True) -> Dict[str, Any]:
     """Run the demo; print to ``out`` (stdout by default) and return the figures."""
-    from ._plot import plot_snapshot
+    from .._observe.plot import plot_snapshot
 
     out = out or sys.stdout
     work = default_workload()

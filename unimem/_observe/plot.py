@@ -138,7 +138,7 @@ def check_snapshot(snapshot: Any) -> None:
 
 
 def _format_size(size: float) -> str:
-    from ._core import format_size
+    from .._core import format_size
     return format_size(int(size))
 
 

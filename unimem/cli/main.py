@@ -1,0 +1,343 @@
+"""``python -m unimem`` (or the ``unimem`` console script): the command line.
+
+Subcommands:
+  demo      train a small MLP on the default device through the pool and show what it did
+  plot      draw the timeline and segment map of a snapshot into a PNG
+  run       run a Python script with unimem as its array library's allocator, then print the summary
+  summary   print the memory summary (after running a script, if one is given)
+  stats     print the memory statistics (as JSON with --json), after an optional script
+  cluster   print the unimem statistics of every worker of a Dask cluster
+
+A mistake of the user's (a missing file, a bad argument, a device this machine
+lacks) is one line on stderr and a non-zero exit status; an error of a script
+run under ``run``/``summary``/``stats`` is the script's own traceback, without
+unimem's frames, and exit status 1, as ``python script.py`` would give.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import json
+import os
+import runpy
+import sys
+import traceback
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+# The exit status of a program ended by Ctrl-C (128 + SIGINT), as shells report it.
+EXIT_INTERRUPTED = 130
+# argparse's status for a usage error, used for the same kind of mistake found later.
+EXIT_USAGE = 2
+
+
+class UsageError(Exception):
+    """A mistake in what the user asked for: reported as one line, exit status 2."""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _device_index(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a device index (0, 1, ...), got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a device index (0, 1, ...), got {value}")
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive, finite number of seconds, got {text}")
+    return value
+
+
+def _current_device_type() -> Any:
+    """The current accelerator's device type; a device this machine lacks (or
+    a bad ``UNIMEM_DEVICE``) is the user's mistake, said in one line."""
+    from .._runtime import devices as _devices
+    try:
+        return _devices.current_type()
+    except (RuntimeError, ValueError) as exc:
+        raise UsageError(str(exc).removeprefix("unimem: ")) from None
+
+
+# ---------------------------------------------------------------------------
+# demo, plot
+# ---------------------------------------------------------------------------
+def _demo(args: argparse.Namespace) -> int:
+    _current_device_type()
+    from . import demo
+    demo.run(steps=args.steps, out_dir=args.out, show_oom=not args.no_oom)
+    return 0
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from .._observe.plot import SnapshotError, load_snapshot, plot_snapshot
+    try:
+        snapshot = load_snapshot(args.snapshot)
+    except OSError as exc:
+        raise UsageError(f"cannot read {args.snapshot}: {exc.strerror or exc}") from None
+    except SnapshotError as exc:
+        raise UsageError(f"{args.snapshot}: {exc}") from None
+    try:
+        print(plot_snapshot(snapshot, args.output, device=args.device))
+    except ValueError as exc:                    # a device the snapshot does not have
+        raise UsageError(f"{args.snapshot}: {exc}") from None
+    except OSError as exc:
+        raise UsageError(f"cannot write {args.output}: {exc.strerror or exc}") from None
+    return 0
+
+
+# ---------------------------------------------------------------------------
+# running a script
+# ---------------------------------------------------------------------------
+def _check_script(argv: List[str]) -> None:
+    if argv and not (os.path.isfile(argv[0])
+                     or os.path.isfile(os.path.join(argv[0], "__main__.py"))):
+        raise UsageError(f"no such script: {argv[0]}")
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    """While the script runs, whatever it writes to stdout (from Python or
+    from C, file descriptor 1) goes to stderr, so that stdout carries only
+    unimem's own output (the JSON of ``stats --json``)."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def _script_traceback(exc: BaseException, script: str) -> str:
+    """The traceback of an exception a script raised, starting at the script's
+    own first frame (unimem's and runpy's frames, which ran it, left out)."""
+    script = os.path.realpath(script)
+    tb = exc.__traceback__
+    while tb is not None and os.path.realpath(tb.tb_frame.f_code.co_filename) != script \
+            and not tb.tb_frame.f_code.co_filename.startswith(os.path.realpath(script) + os.sep):
+        tb = tb.tb_next
+    # No frame of the script (a SyntaxError in it): the exception says where.
+    return "".join(traceback.format_exception(type(exc), exc, tb))
+
+
+def _run_script(argv: List[str], install: bool, quiet_stdout: bool = False) -> int:
+    """Run ``argv[0]`` as ``__main__`` with ``argv`` as its arguments; returns
+    its exit status (1 after printing its traceback if it raised)."""
+    if not argv:
+        return 0
+    _check_script(argv)
+    if install:
+        from .._integrations.install import POOL_OF_LIBRARY, install_allocators
+        installed = install_allocators()
+        served = ", ".join(f"{name} from the {POOL_OF_LIBRARY[name]} pool" for name in installed)
+        print(f"unimem: serving {served or 'no array library'} "
+              f"(current accelerator: {_current_device_type().name})", file=sys.stderr)
+    script = argv[0]
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    sys.argv = list(argv)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    try:
+        with _stdout_to_stderr() if quiet_stdout else contextlib.nullcontext():
+            runpy.run_path(script, run_name="__main__")
+    except SystemExit as exc:
+        code = exc.code
+        if code is None or isinstance(code, int):
+            return code or 0
+        print(code, file=sys.stderr)                # sys.exit("message"), as Python does
+        return 1
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:                    # the script's own error
+        sys.stderr.write(_script_traceback(exc, script))
+        return 1
+    finally:
+        sys.argv, sys.path[:] = saved_argv, saved_path
+    return 0
+
+
+# ---------------------------------------------------------------------------
+# what the pools hold
+# ---------------------------------------------------------------------------
+def _pools_to_report(device: Optional[int]) -> List[Tuple[str, int]]:
+    """``[(device type, index), ...]`` whose statistics to show: with
+    ``--device``, that device of the current accelerator; otherwise every pool
+    that has served an allocation (the current accelerator's first), so that
+    arrays routed to another device type's pool (dpnp's to the XPU pool under
+    ``UNIMEM_DEVICE=cpu``) are reported where they really went; the current
+    accelerator's current device when no pool has been used."""
+    from .._runtime import devices as _devices
+    current = _current_device_type()
+    if device is not None:
+        try:
+            _devices.device_index(device, current)
+        except (ValueError, TypeError, IndexError) as exc:
+            raise UsageError(str(exc)) from None
+        return [(current.name, device)]
+    used = []
+    for dtype in sorted(_devices.probed_types(), key=lambda t: t.name != current.name):
+        for index, allocator in sorted(dtype.registry.initialized().items()):
+            if allocator.memory_stats():
+                used.append((dtype.name, index))
+    return used or [(current.name, current.current_index())]
+
+
+def _memory_api(type_name: str) -> Any:
+    return importlib.import_module(f"unimem.{type_name}")
+
+
+def _print_summaries(device: Optional[int], abbreviated: bool) -> None:
+    for type_name, index in _pools_to_report(device):
+        print(_memory_api(type_name).memory_summary(index, abbreviated=abbreviated))
+
+
+def _run(args: argparse.Namespace) -> int:
+    code = _run_script([args.script] + args.args, install=True)
+    _print_summaries(None, args.abbreviated)
+    return code
+
+
+def _summary(args: argparse.Namespace) -> int:
+    code = _run_script(args.script, install=True)
+    _print_summaries(args.device, args.abbreviated)
+    return code
+
+
+def _stats(args: argparse.Namespace) -> int:
+    from .. import host
+    # JSON on stdout must be the only thing there.
+    code = _run_script(args.script, install=True, quiet_stdout=args.json and args.output is None)
+    pools = _pools_to_report(args.device)
+    by_device: Dict[str, Dict[str, Any]] = {
+        f"{name}:{index}": dict(_memory_api(name).memory_stats(index)) for name, index in pools}
+    first = next(iter(by_device))
+    view = {"device": first, "memory_stats": by_device[first], "devices": by_device,
+            "host_memory_stats": dict(host.host_memory_stats())}
+    if args.json:
+        text = json.dumps(view, indent=2, sort_keys=True) + "\n"
+    else:
+        lines = []
+        for label, stats in by_device.items():
+            lines.append(f"device {label}")
+            lines.extend(f"{key} {value}" for key, value in stats.items())
+        lines.extend(f"host.{key} {value}" for key, value in view["host_memory_stats"].items())
+        text = "\n".join(lines) + "\n"
+    if args.output is None:
+        sys.stdout.write(text)
+    else:
+        try:
+            with open(args.output, "w") as f:
+                f.write(text)
+        except OSError as exc:
+            raise UsageError(f"cannot write {args.output}: {exc.strerror or exc}") from None
+    return code
+
+
+def _cluster(args: argparse.Namespace) -> int:
+    try:
+        from .. import dask as unimem_dask
+    except ImportError as exc:
+        raise UsageError(str(exc)) from None
+    try:
+        print(unimem_dask.cluster_summary(args.address, timeout=args.timeout))
+    except (OSError, TimeoutError, ValueError) as exc:
+        print(f"unimem cluster: cannot read the Dask cluster at {args.address}: {type(exc).__name__}: {exc}",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+# ---------------------------------------------------------------------------
+# the parser
+# ---------------------------------------------------------------------------
+def build_parser(prog: str = "unimem") -> argparse.ArgumentParser:
+    """The argument parser; ``prog`` is how the usage line names the program."""
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="unimem: caching allocation and memory statistics for CuPy, dpnp and host memory.")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands.required = True
+
+    demo = commands.add_parser("demo", help="train a small MLP on the default device through the pool "
+                                            "and show what the pool did")
+    demo.add_argument("--steps", type=_positive_int, default=300, help="training steps (default: %(default)s)")
+    demo.add_argument("--out", default="unimem-demo",
+                      help="folder for snapshot.pickle and timeline.png (default: %(default)s)")
+    demo.add_argument("--no-oom", action="store_true", help="do not provoke the example out-of-memory error")
+    demo.set_defaults(handler=_demo)
+
+    plot = commands.add_parser("plot", help="draw a snapshot's memory timeline and segment map (PNG)")
+    plot.add_argument("snapshot", help="a pickled snapshot (_dump_snapshot, or the demo's snapshot.pickle); "
+                                       "read without running any code it names")
+    plot.add_argument("-o", "--output", default="timeline.png", help="the PNG to write (default: %(default)s)")
+    plot.add_argument("-d", "--device", type=_device_index, default=None,
+                      help="device index (default: the busiest)")
+    plot.set_defaults(handler=_plot)
+
+    run = commands.add_parser("run", help="run a script with unimem as the array library's allocator "
+                                          "and print the memory summary at exit")
+    run.add_argument("script")
+    run.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
+    run.add_argument("--abbreviated", action="store_true", help=argparse.SUPPRESS)
+    run.set_defaults(handler=_run)
+
+    summary = commands.add_parser("summary", help="print the memory summary table of this process "
+                                                  "(after running SCRIPT, if given)")
+    summary.add_argument("--device", type=_device_index, default=None,
+                         help="device index of the current accelerator (default: every pool in use)")
+    summary.add_argument("--abbreviated", action="store_true", help="no per-pool rows")
+    summary.add_argument("script", nargs=argparse.REMAINDER, help="a script and its arguments")
+    summary.set_defaults(handler=_summary)
+
+    stats = commands.add_parser("stats", help="print the memory statistics of this process "
+                                              "(after running SCRIPT, if given)")
+    stats.add_argument("--json", action="store_true",
+                       help="as JSON (on stdout, the script's own output sent to stderr; or into -o FILE)")
+    stats.add_argument("-o", "--output", default=None, metavar="FILE",
+                       help="write the statistics to FILE instead of stdout")
+    stats.add_argument("--device", type=_device_index, default=None,
+                       help="device index of the current accelerator (default: every pool in use)")
+    stats.add_argument("script", nargs=argparse.REMAINDER, help="a script and its arguments")
+    stats.set_defaults(handler=_stats)
+
+    cluster = commands.add_parser("cluster", help="print every Dask worker's unimem statistics")
+    cluster.add_argument("address", help="the scheduler's address, e.g. tcp://10.0.0.1:8786")
+    cluster.add_argument("--timeout", type=_positive_seconds, default=10.0,
+                         help="seconds to wait for the cluster (default: %(default)s)")
+    cluster.set_defaults(handler=_cluster)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None, prog: str = "unimem") -> int:
+    """Run the command line with ``argv`` (``sys.argv[1:]`` by default);
+    returns the exit status."""
+    args = build_parser(prog).parse_args(argv)
+    try:
+        return args.handler(args)
+    except UsageError as exc:
+        print(f"{prog} {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"{prog} {args.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
