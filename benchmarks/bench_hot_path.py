@@ -26,6 +26,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 from ._common import best_of, command_line, format_time, median_of, print_table, report, seconds_per_call
+from ._timing import time_hot_path, time_libc_pairs, time_raw_pairs
 
 MiB = 1 << 20
 MIXED = [512, 65536, 4 * MiB, 1000, 3 * MiB]
@@ -80,7 +81,7 @@ def run(quick: bool = False) -> Dict[str, Any]:
     import unimem
     from unimem import accelerator
     from unimem._runtime import devices as _devices
-    from unimem.backends._host import PageAlignedBackend, _time_libc_pairs
+    from unimem.backends._host import PageAlignedBackend
 
     repeats = 3 if quick else 7
     pairs = 30_000 if quick else 200_000
@@ -99,24 +100,24 @@ def run(quick: bool = False) -> Dict[str, Any]:
     # the first case measured would otherwise pay for it.
     deadline = time.perf_counter() + 0.5
     while time.perf_counter() < deadline:
-        device._time_hot_path(MIXED, 10_000)
+        time_hot_path(device, MIXED, 10_000)
         python_pairs(accelerator.caching_allocator_alloc, accelerator.caching_allocator_delete, MIXED, 10_000, 1)
     rows: List[Dict[str, Any]] = []
     for name, spec in CASES:
         sizes = _cycle(spec)
         row: Dict[str, Any] = {"case": name}
-        row["core_device_s"] = best_of(lambda: device._time_hot_path(sizes, pairs), 3 * repeats) * 1e-9
-        row["core_host_s"] = best_of(lambda: host._time_hot_path(sizes, pairs), 3 * repeats) * 1e-9
+        row["core_device_s"] = best_of(lambda: time_hot_path(device, sizes, pairs), 3 * repeats) * 1e-9
+        row["core_host_s"] = best_of(lambda: time_hot_path(host, sizes, pairs), 3 * repeats) * 1e-9
         row["python_api_s"] = python_pairs(accelerator.caching_allocator_alloc,
                                            accelerator.caching_allocator_delete, sizes, pairs // 2, repeats)
         row["namespace_api_s"] = python_pairs(namespace.caching_allocator_alloc,
                                               namespace.caching_allocator_delete, sizes, pairs // 2, repeats)
-        row["raw_host_s"] = sum(median_of(lambda: host_raw._time_raw_pairs(n, 500), repeats)
+        row["raw_host_s"] = sum(median_of(lambda: time_raw_pairs(host_raw, n, 500), repeats)
                                 for n in sizes) / len(sizes) * 1e-9
-        row["glibc_s"] = sum(median_of(lambda: _time_libc_pairs(n, 20_000), repeats)
+        row["glibc_s"] = sum(median_of(lambda: time_libc_pairs(n, 20_000), repeats)
                              for n in sizes) / len(sizes) * 1e-9
         if device_raw is not None:
-            row["raw_device_s"] = sum(median_of(lambda: device_raw._time_raw_pairs(n, 500), repeats)
+            row["raw_device_s"] = sum(median_of(lambda: time_raw_pairs(device_raw, n, 500), repeats)
                                       for n in sizes) / len(sizes) * 1e-9
         if has_xpu:
             counts = [max(n // 4, 1) for n in sizes]

@@ -24,6 +24,7 @@ import time
 from typing import Any, Callable, Dict, List
 
 from ._common import command_line, print_table, report
+from ._timing import time_hot_path, time_libc_pairs
 
 THREADS = [1, 2, 4]
 SIZES = [512, 65536, 4 << 20, 1000, 3 << 20]
@@ -71,7 +72,6 @@ def prefill(allocator: Any, copies: int) -> None:
 def run(quick: bool = False) -> Dict[str, Any]:
     from unimem import accelerator
     from unimem._runtime import devices as _devices
-    from unimem.backends._host import _time_libc_pairs
 
     repeats = 3 if quick else 5
     dtype = _devices.current_type()
@@ -85,10 +85,10 @@ def run(quick: bool = False) -> Dict[str, Any]:
             delete(alloc(SIZES[i % n]))
 
     ways = {
-        "typed core (GIL released)": (lambda pairs: allocator._time_hot_path(SIZES, pairs, release_gil=True),
+        "typed core (GIL released)": (lambda pairs: time_hot_path(allocator, SIZES, pairs, release_gil=True),
                                       200_000 if quick else 1_000_000),
         "Python API": (python_api, 20_000 if quick else 100_000),
-        "glibc malloc+free (peer)": (lambda pairs: [_time_libc_pairs(s, pairs // n) for s in SIZES],
+        "glibc malloc+free (peer)": (lambda pairs: [time_libc_pairs(s, pairs // n) for s in SIZES],
                                      200_000 if quick else 1_000_000),
     }
     rows = []

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any, Dict, List
 
 from ._common import command_line, format_time, median_of, print_table, report, seconds_per_call, size_name
+from ._timing import time_hot_path, time_raw_pairs
 
 SIZES = [512, 4096, 65536, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20]
 
@@ -33,8 +34,8 @@ def run(quick: bool = False) -> Dict[str, Any]:
     rows: List[Dict[str, Any]] = []
     for size in SIZES:
         pairs = 200 if size >= (64 << 20) else 2000
-        raw = median_of(lambda: backend.raw._time_raw_pairs(size, pairs), repeats) * 1e-9
-        pooled = median_of(lambda: pool._time_hot_path(size, pairs * 10), repeats) * 1e-9
+        raw = median_of(lambda: time_raw_pairs(backend.raw, size, pairs), repeats) * 1e-9
+        pooled = median_of(lambda: time_hot_path(pool, size, pairs * 10), repeats) * 1e-9
         count = max(size // 4, 1)
         dp = seconds_per_call(lambda: dpnp.empty(count, dtype="f4"), repeats=repeats,
                               min_time=0.01 if quick else 0.03)

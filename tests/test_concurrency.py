@@ -5,6 +5,7 @@ import time
 
 import pytest
 
+from benchmarks._timing import time_hot_path
 from unimem import _core
 from unimem._runtime import devices as _devices
 from unimem.backends._host import PageAlignedBackend
@@ -121,7 +122,7 @@ def test_threads_contending_for_the_lock_without_the_gil():
 
     def gil_free():
         try:
-            allocator._time_hot_path(sizes, pairs, release_gil=True)
+            time_hot_path(allocator, sizes, pairs, release_gil=True)
         except BaseException as exc:
             errors.append(exc)
 
@@ -143,7 +144,7 @@ def test_threads_contending_for_the_lock_without_the_gil():
     allocator._check_invariants()
     stats = allocator.memory_stats()
     assert stats["allocated_bytes.all.current"] == 0
-    # each _time_hot_path call also warms every size once
+    # each time_hot_path call also warms every size once
     expected = 4 * (pairs + len(sizes)) + 2 * 20_000
     assert stats["allocation.all.allocated"] - before["allocation.all.allocated"] == expected
     assert stats["allocation.all.freed"] - before["allocation.all.freed"] == expected

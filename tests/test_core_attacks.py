@@ -15,6 +15,7 @@ import threading
 import pytest
 
 from unimem import OutOfMemoryError, _core
+from unimem._runtime.registry import DeviceRegistry
 from unimem.backends.base import Backend
 from unimem.backends.pluggable import PluggableAllocator
 from unimem.backends.simulated import SimulatedBackend
@@ -54,7 +55,7 @@ def test_the_block_of_an_allocation_cannot_be_freed_by_address():
 
 
 def test_a_registry_refuses_to_free_an_allocation_by_address():
-    registry = _core.DeviceRegistry("cpu", 1, lambda i: _core.CachingAllocator(SimulatedBackend(), i))
+    registry = DeviceRegistry("cpu", 1, lambda i: _core.CachingAllocator(SimulatedBackend(), i))
     handle = registry.get(0).allocate(100)
     with pytest.raises(ValueError, match="belongs to an unimem Allocation"):
         registry.delete(handle.ptr)
@@ -288,7 +289,7 @@ def test_a_backend_returning_a_float_address_is_refused():
 
 # --- item 19: more than 64 registries ------------------------------------------------
 def test_more_registries_than_the_per_thread_table_holds_work():
-    registries = [_core.DeviceRegistry(f"pool{i}", 2, lambda i: _core.CachingAllocator(SimulatedBackend(), i))
+    registries = [DeviceRegistry(f"pool{i}", 2, lambda i: _core.CachingAllocator(SimulatedBackend(), i))
                   for i in range(100)]
     for i, registry in enumerate(registries):
         registry.set_current_index(i % 2)
@@ -490,6 +491,7 @@ def test_a_fork_while_another_thread_holds_an_allocator_lock_leaves_a_usable_chi
     result = run_python("""
         import os, signal, threading
         from unimem import _core
+        from unimem._runtime.registry import DeviceRegistry
         from unimem.backends.simulated import SimulatedBackend
 
         parent = os.getpid()
@@ -514,7 +516,7 @@ def test_a_fork_while_another_thread_holds_an_allocator_lock_leaves_a_usable_chi
 
         backend = GatedQueries()
         a = _core.CachingAllocator(backend, 0)
-        registry = _core.DeviceRegistry("sim", 2, make)
+        registry = DeviceRegistry("sim", 2, make)
         ptrs = [a.malloc(4096) for _ in range(4)]
         for p in ptrs[0::2]:                      # live blocks between them: no merging
             a.record_stream(p, 3)

@@ -9,6 +9,7 @@ import pytest
 
 import unimem
 from unimem import accelerator as acc
+from unimem._runtime.registry import DeviceRegistry
 
 MiB = 1 << 20
 
@@ -299,7 +300,7 @@ def test_device_registries_come_and_go():
     from unimem.backends.simulated import SimulatedBackend
 
     def make():
-        return _core.DeviceRegistry("cpu", 4, lambda i: _core.CachingAllocator(SimulatedBackend(devices=4), i))
+        return DeviceRegistry("cpu", 4, lambda i: _core.CachingAllocator(SimulatedBackend(devices=4), i))
     for _ in range(500):
         registry = make()
         assert registry.current_index() == 0

@@ -21,28 +21,33 @@ The hot path (a cache hit and a free) is plain C under one lock: no Python
 object is touched. Everything that has to talk to Python (a backend written in
 Python, stream events, history hooks) is on the miss path.
 
-Why the free-block index looks the way it does: PyTorch keeps free blocks in a
-``std::set`` ordered by (size, address). We keep, per stream and pool, one
-*size class* per distinct block size (a min-heap of blocks by address), found in
-O(1) through a hash table, plus an ordered map of the sizes for the best fit
-when the exact size is not cached. The answer is the same block PyTorch would
-pick; an exact-size hit, the common case in training loops, costs no tree walk
-however many different sizes are cached.
+Layout: the data structures (blocks, segments, the free index, the address
+table, the statistics' storage) are in ``unimem/_native/*.pxd`` as inline
+functions; this file is the state machine (lifecycle, lock, hot path, miss
+path, free and merge, stream events) and its thin Python methods; the cold
+parts are included from ``_core_errors.pxi`` (errors, OOM text),
+``_core_stats.pxi`` (statistics and snapshot export), ``_core_debug.pxi``
+(debug mode) and ``_core_checks.pxi`` (consistency checks). Other Cython
+modules cimport the interface in ``_core.pxd``.
 """
 
 cimport cython
-from cpython.ref cimport PyObject
 from cpython.pycapsule cimport PyCapsule_IsValid, PyCapsule_GetPointer
 from libc.stdint cimport uint64_t, int64_t, uintptr_t, INT64_MAX
 from libc.stdlib cimport malloc as sys_malloc, free as sys_free, calloc
 from libc.string cimport memset, memcmp
 from libcpp.vector cimport vector
 from libcpp.map cimport map as cmap
-from libcpp.unordered_map cimport unordered_map
 from cython.operator cimport dereference as deref, preincrement as inc
 from libcpp.utility cimport pair
 
-from unimem.backends._capi cimport RawAllocatorAPI, RAW_OK, RAW_OUT_OF_MEMORY
+from unimem._native.addr_map cimport *
+from unimem._native.arguments cimport as_integer, check_pointer, check_size, check_stream, exact_size
+from unimem._native.blocks cimport *
+from unimem._native.policy cimport *
+from unimem._native.provider cimport (RawAllocatorAPI, RAW_OK, RAW_OUT_OF_MEMORY,
+                                      UM_PROVIDER_CAPSULE, UM_PROVIDER_VERSION, um_now_ns)
+from unimem._native.stats cimport *
 
 import atexit
 import collections
@@ -52,51 +57,6 @@ import sys
 import threading
 import warnings
 import weakref
-
-cdef extern from "_csupport.hpp" nogil:
-    cppclass UMLock:
-        bint try_lock()
-        bint lock_for(int64_t timeout_ns)
-        void lock()
-        void unlock()
-        void reset_after_fork()
-    int64_t um_now_ns()
-    int um_floor_log2(uint64_t x)
-    void um_escape(void* p)
-    int UM_MAX_REGISTRIES
-    int um_current_device[64]
-    uint64_t um_current_owner[64]
-
-
-# ---------------------------------------------------------------------------
-# The policy's constants (PyTorch's CUDACachingAllocator values)
-# ---------------------------------------------------------------------------
-cdef extern from *:
-    """
-    #define K_MIN_BLOCK ((size_t)512)            /* every size is a multiple of this */
-    #define K_SMALL_SIZE ((size_t)1048576)       /* largest small request: 1 MiB */
-    #define K_SMALL_BUFFER ((size_t)2097152)     /* small segments: 2 MiB */
-    #define K_LARGE_BUFFER ((size_t)20971520)    /* requests under 10 MiB get 20 MiB */
-    #define K_MIN_LARGE_ALLOC ((size_t)10485760)
-    #define K_ROUND_LARGE ((size_t)2097152)      /* larger segments round to 2 MiB */
-    #define K_ROUNDUP_INTERVALS 16               /* 1 MiB .. 64 GiB, one per power of 2 */
-    /* A request above this (4 PiB) can never be served by a real device; it
-       skips the arithmetic and goes straight to out-of-memory. */
-    #define MAX_REQUEST ((size_t)1 << 52)
-    /* The most memory one allocator holds from its backend (64 PiB): with every
-       segment at most MAX_REQUEST, no byte statistic can overflow int64 even if a
-       backend that reports no capacity hands out all it is asked for. */
-    #define MAX_RESERVED ((size_t)1 << 56)
-    """
-    const size_t K_MIN_BLOCK
-    const size_t K_SMALL_SIZE
-    const size_t K_SMALL_BUFFER
-    const size_t K_LARGE_BUFFER
-    const size_t K_MIN_LARGE_ALLOC
-    const size_t K_ROUND_LARGE
-    enum: K_ROUNDUP_INTERVALS
-    const size_t MAX_REQUEST
-    const size_t MAX_RESERVED
 
 # PyTorch refuses such a request with its own sentence ("more than 1EB").
 cdef object ONE_EXABYTE = 1 << 60
@@ -114,546 +74,14 @@ MAX_RESERVED_SIZE = MAX_RESERVED
 cdef size_t SIZE_UNSET = <size_t>-1
 
 cdef enum:
-    DEBUG_FILL = 0xDB
+    DEBUG_FILL = 0xDB                  # what debug mode fills free memory with
 cdef unsigned char debug_fill_page[4096]
 memset(debug_fill_page, DEBUG_FILL, 4096)
 
-
-class WriteAfterFreeWarning(RuntimeWarning):
-    """Debug mode (``UNIMEM_DEBUG=1``) found memory changed after it was
-    freed: something wrote through a pointer it no longer owned."""
-
-
-class OutOfMemoryError(MemoryError, RuntimeError):
-    """Raised when a device allocation cannot be satisfied, even after the cache
-    was released (the analogue of ``torch.OutOfMemoryError``).
-
-    It is a ``MemoryError`` and, as ``torch.OutOfMemoryError`` is, a
-    ``RuntimeError``: ``except RuntimeError`` written for PyTorch catches it.
-
-    Attributes: ``device`` (the device index), ``requested`` (bytes asked),
-    ``capacity``, ``free``, ``allocated``, ``reserved`` (bytes, as reported
-    when the error was raised).
-    """
-
-    def __init__(self, message, device=None, requested=0, capacity=0, free=0,
-                 allocated=0, reserved=0):
-        super().__init__(message)
-        self.device = device
-        self.requested = requested
-        self.capacity = capacity
-        self.free = free
-        self.allocated = allocated
-        self.reserved = reserved
-
-    def __reduce__(self):
-        # BaseException pickles as cls(*args): keep the class and the attributes.
-        return (type(self), (str(self),), dict(self.__dict__))
-
-
-# ---------------------------------------------------------------------------
-# Statistics
-# ---------------------------------------------------------------------------
-cdef struct Stat:
-    int64_t current
-    int64_t peak
-    int64_t allocated
-    int64_t freed
-
-cdef struct DurationStat:
-    int64_t total
-    int64_t max
-    int64_t min
-    int64_t count
-
-# Indices of the core statistics; each exists for all/small/large pools.
-cdef enum:
-    S_ALLOCATION = 0
-    S_SEGMENT
-    S_ACTIVE
-    S_INACTIVE_SPLIT
-    S_ALLOCATED_BYTES
-    S_RESERVED_BYTES
-    S_ACTIVE_BYTES
-    S_INACTIVE_SPLIT_BYTES
-    S_REQUESTED_BYTES
-    N_STATS
-
-cdef enum:
-    POOL_ALL = 0
-    POOL_SMALL = 1
-    POOL_LARGE = 2
-
-cdef struct DeviceStats:
-    Stat core[N_STATS][3]
-    Stat oversize_allocations
-    Stat oversize_segments
-    int64_t num_alloc_retries
-    int64_t num_ooms
-    int64_t num_sync_all_streams
-    int64_t num_device_alloc
-    int64_t num_device_free
-    DurationStat device_alloc_time
-    DurationStat device_free_time
-
-cdef inline void stat_increase(Stat* s, int64_t amount) noexcept nogil:
-    s.current += amount
-    if s.current > s.peak:
-        s.peak = s.current
-    s.allocated += amount
-
-cdef inline void stat_decrease(Stat* s, int64_t amount) noexcept nogil:
-    s.current -= amount
-    s.freed += amount
-
-cdef inline void pool_increase(DeviceStats* st, int which, bint is_small, int64_t amount) noexcept nogil:
-    stat_increase(&st.core[which][POOL_ALL], amount)
-    stat_increase(&st.core[which][POOL_SMALL if is_small else POOL_LARGE], amount)
-
-cdef inline void pool_decrease(DeviceStats* st, int which, bint is_small, int64_t amount) noexcept nogil:
-    stat_decrease(&st.core[which][POOL_ALL], amount)
-    stat_decrease(&st.core[which][POOL_SMALL if is_small else POOL_LARGE], amount)
-
-cdef inline void duration_add(DurationStat* d, int64_t amount) noexcept nogil:
-    d.total += amount
-    d.count += 1
-    if amount > d.max:
-        d.max = amount
-    if d.min == 0 or amount < d.min:
-        d.min = amount
-
-cdef inline void stat_reset_peak(Stat* s) noexcept nogil:
-    s.peak = s.current
-
-cdef inline void stat_reset_accumulated(Stat* s) noexcept nogil:
-    s.allocated = 0
-    s.freed = 0
-
-
-# The flat key names of memory_stats(), in PyTorch's spelling. The order of
-# _STAT_KEYS is the order in which _stat_values() produces the numbers;
-# memory_stats() returns them sorted by key, as torch does.
-_CORE_STAT_NAMES = ("allocation", "segment", "active", "inactive_split",
-                    "allocated_bytes", "reserved_bytes", "active_bytes",
-                    "inactive_split_bytes", "requested_bytes")
-_POOL_NAMES = ("all", "small_pool", "large_pool")
-_METRICS = ("current", "peak", "allocated", "freed")
-
-
-def _build_stat_keys():
-    keys = []
-    for name in _CORE_STAT_NAMES:
-        for pool in _POOL_NAMES:
-            for metric in _METRICS:
-                keys.append(f"{name}.{pool}.{metric}")
-    for name in ("oversize_allocations", "oversize_segments"):
-        for metric in _METRICS:
-            keys.append(f"{name}.{metric}")
-    keys += ["num_alloc_retries", "num_ooms", "num_sync_all_streams",
-             "num_device_alloc", "num_device_free", "max_split_size"]
-    # The seeds (and torch's Python docs) call the allocation count
-    # "allocated"; PyTorch's C++ core emits "allocation". Both are served.
-    for pool in _POOL_NAMES:
-        for metric in _METRICS:
-            keys.append(f"allocated.{pool}.{metric}")
-    return tuple(keys)
-
-
-_STAT_KEYS = _build_stat_keys()
-_SORTED_ORDER = tuple(sorted(range(len(_STAT_KEYS)), key=lambda i: _STAT_KEYS[i]))
-_SORTED_KEYS = tuple(_STAT_KEYS[i] for i in _SORTED_ORDER)
-cdef int N_STAT_VALUES = len(_STAT_KEYS)
-cdef int N_CORE_VALUES = N_STATS * 3 * 4
-
-
-# ---------------------------------------------------------------------------
-# Blocks and segments
-# ---------------------------------------------------------------------------
-cdef struct Segment
-cdef cppclass FreeIndex
-
-cdef struct Block:
-    uintptr_t ptr
-    size_t size
-    size_t requested_size
-    uintptr_t stream               # the stream the block was allocated on
-    Block* prev                    # neighbours inside the same segment
-    Block* next
-    Segment* segment
-    FreeIndex* index               # the free index of its stream and pool
-    vector[uintptr_t]* stream_uses # other streams that used it (record_stream)
-    int64_t gc_count_base          # pool's get_free_block count when it was freed
-    size_t heap_pos                # position in its size class while free
-    int event_count                # outstanding stream events before reuse
-    bint allocated
-    bint is_small
-    bint by_handle                 # handed out inside an Allocation: only it may free it
-
-cdef struct Segment:
-    uintptr_t base
-    size_t size
-    uintptr_t stream
-    bint is_small
-    Block* head
-    Segment* prev_seg              # the allocator's list of all segments
-    Segment* next_seg
-
-
-# A pool of Block structs: splitting and merging on the hot path must not call
-# malloc/free. Blocks are recycled through a singly linked free list.
-cdef struct BlockSlab:
-    Block* free_list
-
-cdef inline Block* block_new(BlockSlab* slab) noexcept nogil:
-    cdef Block* b = slab.free_list
-    if b != NULL:
-        slab.free_list = b.next
-    else:
-        b = <Block*>sys_malloc(sizeof(Block))
-        if b == NULL:
-            return NULL
-    memset(b, 0, sizeof(Block))
-    return b
-
-cdef inline void block_delete(BlockSlab* slab, Block* b) noexcept nogil:
-    if b.stream_uses != NULL:
-        del b.stream_uses
-        b.stream_uses = NULL
-    b.next = slab.free_list
-    slab.free_list = b
-
-cdef void slab_destroy(BlockSlab* slab) noexcept nogil:
-    cdef Block* b = slab.free_list
-    cdef Block* n
-    while b != NULL:
-        n = b.next
-        sys_free(b)
-        b = n
-    slab.free_list = NULL
-
-
-# ---------------------------------------------------------------------------
-# An open-addressing hash table from non-zero 64-bit keys to pointers.
-# Used for address -> allocated block and size -> size class.
-# ---------------------------------------------------------------------------
-cdef struct U64Map:
-    uint64_t* keys
-    void** vals
-    size_t mask
-    size_t count
-    int shift
-
-cdef inline size_t um_slot(const U64Map* m, uint64_t key) noexcept nogil:
-    return <size_t>((key * <uint64_t>0x9E3779B97F4A7C15) >> m.shift)
-
-cdef int um_init(U64Map* m, size_t capacity_log2) noexcept nogil:
-    cdef size_t cap = (<size_t>1) << capacity_log2
-    m.keys = <uint64_t*>calloc(cap, sizeof(uint64_t))
-    m.vals = <void**>calloc(cap, sizeof(void*))
-    if m.keys == NULL or m.vals == NULL:
-        sys_free(m.keys)
-        sys_free(m.vals)
-        m.keys = NULL
-        m.vals = NULL
-        return -1
-    m.mask = cap - 1
-    m.count = 0
-    m.shift = 64 - <int>capacity_log2
-    return 0
-
-cdef void um_destroy(U64Map* m) noexcept nogil:
-    sys_free(m.keys)
-    sys_free(m.vals)
-    m.keys = NULL
-    m.vals = NULL
-    m.count = 0
-
-cdef inline void* um_find(const U64Map* m, uint64_t key) noexcept nogil:
-    cdef size_t i = um_slot(m, key)
-    cdef uint64_t k
-    while True:
-        k = m.keys[i]
-        if k == key:
-            return m.vals[i]
-        if k == 0:
-            return NULL
-        i = (i + 1) & m.mask
-
-cdef inline void um_put_unchecked(U64Map* m, uint64_t key, void* val) noexcept nogil:
-    cdef size_t i = um_slot(m, key)
-    while m.keys[i] != 0 and m.keys[i] != key:
-        i = (i + 1) & m.mask
-    if m.keys[i] == 0:
-        m.count += 1
-        m.keys[i] = key
-    m.vals[i] = val
-
-cdef inline int um_reserve(U64Map* m, size_t wanted) noexcept nogil:
-    """Make room for ``wanted`` entries at a load of at most one half."""
-    if wanted * 2 <= m.mask + 1:
-        return 0
-    return um_grow(m, wanted)
-
-cdef int um_grow(U64Map* m, size_t wanted) noexcept nogil:
-    cdef U64Map bigger
-    cdef size_t log2 = 64 - m.shift
-    while ((<size_t>1) << log2) < wanted * 2:
-        log2 += 1
-    if um_init(&bigger, log2) != 0:
-        return -1
-    cdef size_t i
-    for i in range(m.mask + 1):
-        if m.keys[i] != 0:
-            um_put_unchecked(&bigger, m.keys[i], m.vals[i])
-    um_destroy(m)
-    m[0] = bigger
-    return 0
-
-cdef inline int um_put(U64Map* m, uint64_t key, void* val) noexcept nogil:
-    if um_reserve(m, m.count + 1) != 0:
-        return -1
-    um_put_unchecked(m, key, val)
-    return 0
-
-cdef inline size_t um_find_slot(const U64Map* m, uint64_t key) noexcept nogil:
-    """The slot holding ``key``, or one past the table when absent."""
-    cdef size_t i = um_slot(m, key)
-    cdef uint64_t k
-    while True:
-        k = m.keys[i]
-        if k == key:
-            return i
-        if k == 0:
-            return m.mask + 1
-        i = (i + 1) & m.mask
-
-cdef void* um_pop(U64Map* m, uint64_t key) noexcept nogil:
-    """Remove ``key`` and return its value (NULL when absent)."""
-    cdef size_t i = um_find_slot(m, key)
-    if i > m.mask:
-        return NULL
-    return um_erase_slot(m, i)
-
-cdef void* um_erase_slot(U64Map* m, size_t i) noexcept nogil:
-    """Remove the entry in slot ``i``; return its value.
-
-    Backward-shift deletion keeps probe sequences intact without tombstones,
-    so lookups stay short however many frees happen.
-    """
-    cdef size_t j, home
-    cdef void* val = m.vals[i]
-    j = i
-    while True:
-        j = (j + 1) & m.mask
-        if m.keys[j] == 0:
-            break
-        home = um_slot(m, m.keys[j])
-        # Move the entry at j back to the hole at i unless its home lies
-        # cyclically in (i, j].
-        if (i <= j and (home <= i or home > j)) or (i > j and home <= i and home > j):
-            m.keys[i] = m.keys[j]
-            m.vals[i] = m.vals[j]
-            i = j
-    m.keys[i] = 0
-    m.vals[i] = NULL
-    m.count -= 1
-    return val
-
-
-# ---------------------------------------------------------------------------
-# The free-block index of one pool (small or large) of one stream.
-# ---------------------------------------------------------------------------
-cdef cppclass SizeClass:
-    size_t size
-    vector[Block*] heap            # a min-heap of free blocks by address
-
-cdef cppclass FreeIndex:
-    cmap[size_t, SizeClass*] classes   # every size class, ordered by size
-    U64Map by_size                     # size -> SizeClass*, for O(1) exact hits
-    size_t n_blocks
-    size_t n_empty_classes
-    int64_t get_free_blocks_call_count # for garbage collection ages
-    bint is_small
-
-cdef inline bint addr_less(Block* a, Block* b) noexcept nogil:
-    return a.ptr < b.ptr
-
-cdef void heap_sift_up(vector[Block*]* h, size_t i) noexcept nogil:
-    cdef Block* item = h[0][i]
-    cdef size_t parent
-    while i > 0:
-        parent = (i - 1) >> 1
-        if not addr_less(item, h[0][parent]):
-            break
-        h[0][i] = h[0][parent]
-        h[0][i].heap_pos = i
-        i = parent
-    h[0][i] = item
-    item.heap_pos = i
-
-cdef void heap_sift_down(vector[Block*]* h, size_t i) noexcept nogil:
-    cdef size_t n = h.size()
-    cdef Block* item = h[0][i]
-    cdef size_t child
-    while True:
-        child = 2 * i + 1
-        if child >= n:
-            break
-        if child + 1 < n and addr_less(h[0][child + 1], h[0][child]):
-            child += 1
-        if not addr_less(h[0][child], item):
-            break
-        h[0][i] = h[0][child]
-        h[0][i].heap_pos = i
-        i = child
-    h[0][i] = item
-    item.heap_pos = i
-
-cdef inline void heap_push(SizeClass* sc, Block* b) noexcept nogil:
-    sc.heap.push_back(b)
-    heap_sift_up(&sc.heap, sc.heap.size() - 1)
-
-cdef inline void heap_remove(SizeClass* sc, Block* b) noexcept nogil:
-    cdef size_t i = b.heap_pos
-    cdef Block* last = sc.heap.back()
-    sc.heap.pop_back()
-    if last == b:
-        return
-    sc.heap[i] = last
-    last.heap_pos = i
-    heap_sift_up(&sc.heap, i)
-    heap_sift_down(&sc.heap, last.heap_pos)
-
-cdef FreeIndex* fi_new(bint is_small) noexcept nogil:
-    cdef FreeIndex* fi = new FreeIndex()
-    if um_init(&fi.by_size, 6) != 0:
-        del fi
-        return NULL
-    fi.n_blocks = 0
-    fi.n_empty_classes = 0
-    fi.get_free_blocks_call_count = 0
-    fi.is_small = is_small
-    return fi
-
-cdef void fi_delete(FreeIndex* fi) noexcept nogil:
-    cdef pair[size_t, SizeClass*] entry
-    for entry in fi.classes:
-        del entry.second
-    um_destroy(&fi.by_size)
-    del fi
-
-cdef extern from *:
-    """
-    template <class It> static inline auto um_second(It it) { return it->second; }
-    template <class It> static inline It um_next(It it) { return ++it; }
-    template <class It> static inline It um_prev(It it) { return --it; }
-    """
-    SizeClass* um_second(cmap[size_t, SizeClass*].iterator it) nogil
-    cmap[size_t, SizeClass*].iterator um_next(cmap[size_t, SizeClass*].iterator it) nogil
-    cmap[uintptr_t, Segment*].iterator _map_prev "um_prev"(cmap[uintptr_t, Segment*].iterator it) nogil
-
-cdef void fi_sweep_empty(FreeIndex* fi) noexcept nogil:
-    """Drop size classes that have stayed empty (they are kept for a while so
-    that an alloc/free pair of one size does not create and destroy one)."""
-    cdef cmap[size_t, SizeClass*].iterator it = fi.classes.begin()
-    cdef SizeClass* sc
-    while it != fi.classes.end():
-        sc = um_second(it)
-        if sc.heap.empty():
-            um_pop(&fi.by_size, sc.size)
-            del sc
-            it = fi.classes.erase(it)
-        else:
-            it = um_next(it)
-    fi.n_empty_classes = 0
-
-cdef int fi_insert(FreeIndex* fi, Block* b) noexcept nogil:
-    """Add a free block. Returns -1 (and changes nothing) when out of host memory."""
-    cdef SizeClass* sc = <SizeClass*>um_find(&fi.by_size, b.size)
-    if sc == NULL:
-        if um_reserve(&fi.by_size, fi.by_size.count + 1) != 0:
-            return -1
-        sc = new SizeClass()
-        sc.size = b.size
-        fi.classes[b.size] = sc
-        um_put_unchecked(&fi.by_size, b.size, sc)
-    elif sc.heap.empty():
-        fi.n_empty_classes -= 1
-    heap_push(sc, b)
-    b.gc_count_base = fi.get_free_blocks_call_count
-    fi.n_blocks += 1
-    return 0
-
-cdef inline void fi_remove(FreeIndex* fi, Block* b) noexcept nogil:
-    fi_remove_from(fi, <SizeClass*>um_find(&fi.by_size, b.size), b)
-
-cdef void fi_remove_from(FreeIndex* fi, SizeClass* sc, Block* b) noexcept nogil:
-    heap_remove(sc, b)
-    fi.n_blocks -= 1
-    if sc.heap.empty():
-        fi.n_empty_classes += 1
-        if fi.n_empty_classes > 64 and fi.n_empty_classes > 2 * (fi.classes.size() - fi.n_empty_classes):
-            fi_sweep_empty(fi)
-
-cdef Block* fi_best_fit(FreeIndex* fi, size_t size, SizeClass** found) noexcept nogil:
-    """The smallest free block of at least ``size`` bytes, lowest address
-    first; ``found`` receives its size class."""
-    cdef SizeClass* sc = <SizeClass*>um_find(&fi.by_size, size)
-    if sc != NULL and not sc.heap.empty():
-        found[0] = sc
-        return sc.heap[0]
-    if fi.n_blocks == 0:
-        return NULL
-    cdef cmap[size_t, SizeClass*].iterator it = fi.classes.upper_bound(size)
-    while it != fi.classes.end():
-        sc = um_second(it)
-        if not sc.heap.empty():
-            found[0] = sc
-            return sc.heap[0]
-        it = um_next(it)
-    return NULL
-
-
-# The free indexes of one stream. They live while the stream has segments:
-# a program that uses many short-lived streams (a queue per task) must not
-# keep an index per stream it ever saw.
-cdef struct StreamPools:
-    uintptr_t stream
-    FreeIndex* small
-    FreeIndex* large
-    size_t n_segments
-    size_t n_stream_uses           # live blocks of any stream that record_stream named it on
-
-ctypedef unordered_map[uintptr_t, StreamPools*] StreamTable
-
-cdef void _stream_pools_delete(StreamPools* sp) noexcept nogil:
-    if sp.small != NULL:
-        fi_delete(sp.small)
-    if sp.large != NULL:
-        fi_delete(sp.large)
-    sys_free(sp)
-
-
-# ---------------------------------------------------------------------------
-# Trace events for memory history (recorded only while a hook is installed)
-# ---------------------------------------------------------------------------
-cdef enum TraceAction:
-    T_ALLOC = 0
-    T_FREE_REQUESTED
-    T_FREE_COMPLETED
-    T_SEGMENT_ALLOC
-    T_SEGMENT_FREE
-    T_OOM
-
-TRACE_ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc",
-                 "segment_free", "oom")
-
-cdef struct TraceEvent:
-    int action
-    uintptr_t addr
-    size_t size
-    uintptr_t stream
-    int64_t time_ns
+include "_core_errors.pxi"
+include "_core_stats.pxi"
+include "_core_debug.pxi"
+include "_core_checks.pxi"
 
 
 # Every allocator alive, so that fork handlers can repair their locks.
@@ -682,10 +110,6 @@ cdef bint _interpreter_exiting():
         return True
 
 
-# no_gc_clear: __dealloc__ needs the backend. When an allocator dies in a
-# reference cycle, the collector would otherwise clear its references first.
-@cython.no_gc_clear
-@cython.final          # cdef methods are called directly (and inlined), not through a vtable
 cdef class CachingAllocator:
     """A caching allocator for one device over a raw-memory backend.
 
@@ -705,68 +129,6 @@ cdef class CachingAllocator:
             segment is exactly the rounded request (no 2 MiB / 20 MiB segments).
     """
 
-    cdef readonly object backend
-    cdef readonly int device
-    cdef readonly str device_name
-    cdef object _py_malloc
-    cdef object _py_free
-    cdef RawAllocatorAPI _raw
-    cdef bint _has_raw
-    cdef object _raw_owner            # keeps the C context behind _raw alive
-
-    # policy
-    cdef size_t max_split_size
-    cdef size_t max_non_split_rounding
-    cdef size_t roundup_divisions[K_ROUNDUP_INTERVALS]
-    cdef double gc_threshold
-    cdef double max_reserved_ratio        # 0: off (PyTorch's policy)
-    cdef double fraction
-    cdef bint set_fraction
-    cdef size_t allowed_memory_maximum
-    cdef size_t capacity                  # the device's total memory, 0 if unknown
-    cdef size_t max_allocation            # the device's largest single allocation, 0 if unknown
-
-    # state
-    cdef UMLock lock
-    cdef DeviceStats stats
-    cdef size_t total_allocated_memory    # bytes held from the backend
-    cdef U64Map active                    # address -> allocated Block
-    cdef StreamTable streams              # stream handle -> its free indexes
-    cdef StreamPools* last_pools          # the last stream used (most calls use one)
-    cdef vector[uintptr_t] dropped_streams  # streams whose pools went, for the backend
-    cdef Segment* segments                # doubly linked list of all segments
-    cdef cmap[uintptr_t, Segment*] segments_by_base   # to refuse overlapping memory
-    cdef bint exact_segments              # CuPy's policy: a segment is the rounded request
-    cdef bint limit_in_bytes              # set_memory_limit (CuPy's set_limit), not a fraction
-    cdef int64_t lost_segment_count       # segments whose backend free failed (forgotten)
-    cdef int64_t lost_segment_bytes
-    cdef BlockSlab slab
-    cdef list pending_events              # [(event, block address)], stream-ordered frees
-    cdef list syncing_events              # taken from pending_events, waited on outside the lock
-    cdef size_t n_pending_events
-
-    # history and observers
-    cdef bint recording
-    cdef vector[TraceEvent] trace_buffer
-    cdef object trace_hook
-    cdef list oom_observers
-    cdef bint poisoned
-    cdef str poison_reason
-    # Anything above that sends c_malloc off its fastest path (poisoned,
-    # stream events pending, history recording, debug mode): one test.
-    cdef bint unusual
-    # How many times this thread holds the (recursive) lock: segments are
-    # given back outside it only when it is held once.
-    cdef int lock_depth
-
-    # debug mode: free memory is filled and checked on reuse
-    cdef bint debug_on
-    cdef object debug_site_fn           # () -> frames of the caller
-    cdef dict debug_sites               # block address -> (sequence, size, frames)
-    cdef int64_t debug_sequence
-    cdef vector[pair[uintptr_t, uintptr_t]] debug_damage   # (block, first changed byte)
-    cdef list debug_messages
-    cdef object __weakref__
 
     def __cinit__(self):
         self.segments = NULL
@@ -789,9 +151,11 @@ cdef class CachingAllocator:
         self._py_free = backend.free
         self._has_raw = False
         raw = getattr(backend, "_raw_api", None)
-        if raw is not None and PyCapsule_IsValid(raw, b"unimem.RawAllocatorAPI"):
-            self._raw = (<RawAllocatorAPI*>PyCapsule_GetPointer(raw, b"unimem.RawAllocatorAPI"))[0]
-            self._has_raw = True
+        if raw is not None and PyCapsule_IsValid(raw, UM_PROVIDER_CAPSULE):
+            self._raw = (<RawAllocatorAPI*>PyCapsule_GetPointer(raw, UM_PROVIDER_CAPSULE))[0]
+            # A provider built against another version of the ABI is called
+            # through its Python methods only.
+            self._has_raw = self._raw.version == UM_PROVIDER_VERSION
             # The struct lives in this object (the backend itself by default).
             self._raw_owner = getattr(backend, "_raw_owner", backend)
 
@@ -894,7 +258,7 @@ cdef class CachingAllocator:
         self.segments = NULL
         cdef StreamTable.iterator it = self.streams.begin()
         while it != self.streams.end():
-            _stream_pools_delete(deref(it).second)
+            stream_pools_delete(deref(it).second)
             inc(it)
         self.streams.clear()
         self.last_pools = NULL
@@ -972,7 +336,7 @@ cdef class CachingAllocator:
             sp.small = fi_new(True)
             sp.large = fi_new(False)
             if sp.small == NULL or sp.large == NULL:
-                _stream_pools_delete(sp)
+                stream_pools_delete(sp)
                 return NULL
             self.streams[stream] = sp
         self.last_pools = sp
@@ -988,7 +352,7 @@ cdef class CachingAllocator:
         if self.last_pools == sp:
             self.last_pools = NULL
         self.dropped_streams.push_back(sp.stream)
-        _stream_pools_delete(sp)
+        stream_pools_delete(sp)
 
     cdef void _drop_unused_streams(self) noexcept nogil:
         cdef vector[StreamPools*] unused
@@ -1066,7 +430,7 @@ cdef class CachingAllocator:
         block.by_handle = by_handle
         block.requested_size = orig_size
         if self.debug_on:
-            self._debug_check(block)
+            _debug_check(self, block)
         um_put_unchecked(&self.active, block.ptr, block)
         pool_increase(st, S_ALLOCATION, is_small, 1)
         pool_increase(st, S_ALLOCATED_BYTES, is_small, block.size)
@@ -1079,25 +443,6 @@ cdef class CachingAllocator:
             self._trace(T_ALLOC, block.ptr, orig_size, block.stream)
         return block
 
-    cdef void _debug_check(self, Block* block) noexcept nogil:
-        """Debug mode: a block about to be handed out must still hold the fill
-        byte everywhere; where it does not, something wrote after free."""
-        cdef size_t offset = 0
-        cdef size_t chunk
-        cdef unsigned char* p = <unsigned char*>block.ptr
-        cdef pair[uintptr_t, uintptr_t] damage
-        while offset < block.size:
-            chunk = block.size - offset
-            if chunk > 4096:
-                chunk = 4096
-            if memcmp(p + offset, debug_fill_page, chunk) != 0:
-                while p[offset] == DEBUG_FILL:
-                    offset += 1
-                damage.first = block.ptr
-                damage.second = block.ptr + offset
-                self.debug_damage.push_back(damage)
-                return
-            offset += chunk
 
     cdef inline int _reserve_for_alloc(self, FreeIndex* fi) noexcept nogil:
         """Reserve what handing out one block may need, so that nothing can
@@ -1214,7 +559,7 @@ cdef class CachingAllocator:
         try:
             rc = self._backend_malloc(alloc_size, stream, &ptr)
             if rc == 0:
-                self._check_new_segment(ptr, alloc_size)
+                _check_new_segment(self, ptr, alloc_size)
         except BaseException:
             sys_free(seg)
             block_delete(&self.slab, b)
@@ -1256,27 +601,6 @@ cdef class CachingAllocator:
             self._trace(T_SEGMENT_ALLOC, ptr, alloc_size, stream)
         return b
 
-    cdef int _check_new_segment(self, uintptr_t ptr, size_t size) except -1:
-        """A backend that hands out memory this allocator already holds would
-        give two owners the same bytes: refuse it (the memory is not given
-        back, since freeing it could free the live segment)."""
-        if ptr > <uintptr_t>-1 - size:
-            raise RuntimeError(f"the {self.device_name} backend returned {ptr:#x} for {size} bytes: "
-                               f"that range wraps around the address space (a backend error)")
-        cdef cmap[uintptr_t, Segment*].iterator it = self.segments_by_base.upper_bound(ptr)
-        cdef Segment* clash = NULL
-        if it != self.segments_by_base.end() and deref(it).first < ptr + size:
-            clash = deref(it).second
-        elif it != self.segments_by_base.begin():
-            it = _map_prev(it)
-            if deref(it).second.base + deref(it).second.size > ptr:
-                clash = deref(it).second
-        if clash != NULL:
-            raise RuntimeError(
-                f"the {self.device_name} backend returned {ptr:#x} ({size} bytes), which overlaps "
-                f"memory it already gave this allocator ({clash.base:#x}, {clash.size} bytes): "
-                f"a backend error; nothing was allocated")
-        return 0
 
     cdef inline void _link_segment(self, Segment* seg) noexcept nogil:
         seg.prev_seg = NULL
@@ -1789,50 +1113,8 @@ cdef class CachingAllocator:
         """Build (and report) the OutOfMemoryError for a failed request of
         ``requested`` bytes, for which a segment of ``tried`` bytes was asked
         (PyTorch's message names the latter)."""
-        if tried is None:
-            tried = requested
-        self._lock()
-        self.stats.num_ooms += 1
-        allocated = self.stats.core[S_ALLOCATED_BYTES][POOL_ALL].current
-        reserved = self.stats.core[S_RESERVED_BYTES][POOL_ALL].current
-        if self.recording:
-            self._trace(T_OOM, 0, min(self._round_size(min(requested, MAX_REQUEST)), <object>INT64_MAX), 0)
-        observers = list(self.oom_observers)
-        allowed_text = ""
-        if self.set_fraction:
-            allowed_text = f"{format_size(self.allowed_memory_maximum)} allowed; "
-        if self.max_allocation and tried > self.max_allocation:
-            allowed_text += (f"It allows at most {format_size(self.max_allocation)} "
-                             f"in one allocation. ")
-        self._unlock()
-        self._flush_trace()
-        try:
-            free, total = self.backend.memory_info(self.device)
-        except Exception:
-            free, total = None, (self.capacity or None)
-        name = self.device_name
-        api = getattr(self.backend, "api_name", None) or name
-        if requested >= ONE_EXABYTE:
-            message = f"{api} out of memory. Tried to allocate more than 1EB memory."
-        else:
-            capacity_text = (f"has a total capacity of {format_size(total)} of which "
-                             f"{format_size(free)} is free. " if total is not None and free is not None
-                             else "has an unknown capacity. ")
-            message = (
-                f"{api} out of memory. Tried to allocate {format_size(tried)}. "
-                f"{name} {self.device} {capacity_text}{allowed_text}"
-                f"Of the allocated memory {format_size(allocated)} is allocated by unimem, "
-                f"and {format_size(reserved - allocated)} is reserved by unimem but unallocated."
-            )
-        error = OutOfMemoryError(message, device=self.device, requested=requested,
-                                 capacity=total or 0, free=free or 0,
-                                 allocated=allocated, reserved=reserved)
-        for observer in observers:
-            try:
-                observer(self.device, requested, allocated, reserved, free)
-            except Exception as exc:        # a Ctrl-C in an observer reaches the caller
-                _report_unraisable(exc, "unimem out-of-memory observer")
-        return error
+        return _out_of_memory_error(self, requested, requested if tried is None else tried)
+
 
     cdef inline void _update_unusual(self) noexcept nogil:
         self.unusual = (self.poisoned or self.n_pending_events != 0 or self.recording
@@ -1895,7 +1177,7 @@ cdef class CachingAllocator:
             self._try_free(ptr, by_handle, True)
             raise
         if self.debug_on:
-            self._debug_after_malloc(ptr, size)
+            _debug_after_malloc(self, ptr, size)
         return 0
 
     cdef int _tell_backend_dropped_streams(self) except -1:
@@ -1913,35 +1195,6 @@ cdef class CachingAllocator:
                        "unimem: a backend's release_stream")
         return 0
 
-    cdef void _debug_after_malloc(self, uintptr_t ptr, size_t size):
-        """Debug mode, after the lock: remember where the block was allocated,
-        and report damage found on the way (with the site of the allocation
-        that last owned the changed byte)."""
-        cdef vector[pair[uintptr_t, uintptr_t]] damage
-        self._lock()
-        damage.swap(self.debug_damage)
-        self.debug_sequence += 1
-        sequence = self.debug_sequence
-        self._unlock()
-        frames = self.debug_site_fn() if self.debug_site_fn is not None else []
-        for entry in damage:
-            culprit = None
-            for start, (seq, length, site) in self.debug_sites.items():
-                if start <= entry.second < start + length and (culprit is None or seq > culprit[0]):
-                    culprit = (seq, start, length, site)
-            where = ("at " + ", called from ".join(f"{f['filename']}:{f['line']} in {f['name']}"
-                                                    for f in culprit[3][:3])
-                     if culprit is not None and culprit[3] else "at an unknown place")
-            message = (f"write after free: the byte at {entry.second:#x} (offset "
-                       f"{entry.second - entry.first} of the block handed out at {entry.first:#x}) "
-                       f"changed after it was freed; that memory was last allocated "
-                       + (f"at {culprit[1]:#x} ({culprit[2]} bytes) " if culprit else "") + where)
-            self.debug_messages.append(message)
-            try:
-                warnings.warn(WriteAfterFreeWarning(message), stacklevel=3)
-            except BaseException as exc:      # warnings turned into errors: still report
-                _report_unraisable(exc, "unimem debug mode")
-        self.debug_sites[ptr] = (sequence, size, frames)
 
     cdef int _try_free(self, uintptr_t ptr, bint by_handle, bint from_finalizer) except -1:
         """Free a live block. Returns 1 (changing nothing) for an address this
@@ -1995,7 +1248,7 @@ cdef class CachingAllocator:
                 f"pointer {ptr:#x} was not allocated by this {self.device_name} "
                 f"allocator (device {self.device}), or was already freed")
         if rc == 4:
-            raise ValueError(_HANDLE_OWNED_MESSAGE.format(ptr))
+            raise ValueError(HANDLE_OWNED_MESSAGE.format(ptr))
         return 0
 
     cdef bint c_owns(self, uintptr_t ptr) noexcept:
@@ -2003,67 +1256,6 @@ cdef class CachingAllocator:
         cdef bint found = um_find(&self.active, ptr) != NULL
         self._unlock()
         return found
-
-    def _time_hot_path(self, sizes, Py_ssize_t pairs, stream=0, bint release_gil=False):
-        """Time ``pairs`` malloc+free pairs through the typed entry points,
-        with no Python in between; returns nanoseconds per pair. ``sizes``
-        is one size or a sequence used in turn. With ``release_gil`` the
-        loop runs without the GIL (threads then really contend for the
-        allocator's lock). (For the benchmarks: the cost of the core itself.)"""
-        cdef vector[size_t] cycle
-        for n in ([sizes] if isinstance(sizes, int) else sizes):
-            cycle.push_back(<size_t>_check_size(n))
-        cdef uintptr_t s = _check_stream(stream)
-        cdef Py_ssize_t i
-        cdef size_t k = 0, count = cycle.size()
-        cdef uintptr_t p
-        cdef int64_t t0, elapsed
-        for i in range(<Py_ssize_t>count):                 # make sure every size is cached
-            self.c_free(self.c_malloc(cycle[i], s))
-        if release_gil:
-            if self.unusual:
-                raise RuntimeError("the GIL-free timing loop needs an allocator without history, "
-                                   "debug mode or pending events")
-            with nogil:
-                elapsed = self._time_cached_pairs_nogil(&cycle, pairs, s)
-            if elapsed < 0:
-                raise RuntimeError("a size was not cached (another thread emptied the cache?)")
-            return elapsed / <double>pairs
-        t0 = um_now_ns()
-        for i in range(pairs):
-            p = self.c_malloc(cycle[k], s)
-            self.c_free(p)
-            k += 1
-            if k == count:
-                k = 0
-        return (um_now_ns() - t0) / <double>pairs
-
-    cdef int64_t _time_cached_pairs_nogil(self, vector[size_t]* cycle, Py_ssize_t pairs,
-                                          uintptr_t stream) noexcept nogil:
-        """The cache-hit path alone, as c_malloc/c_free take it: nanoseconds
-        for ``pairs`` pairs, or -1 when a request missed the cache."""
-        cdef int status
-        cdef Block* b
-        cdef uintptr_t p
-        cdef size_t k = 0, count = cycle.size()
-        cdef Py_ssize_t i
-        cdef int64_t t0 = um_now_ns()
-        for i in range(pairs):
-            self.lock.lock()
-            b = self._malloc_cached(cycle[0][k], stream, False, &status)
-            if b == NULL:
-                self.lock.unlock()
-                return -1
-            p = b.ptr
-            self.lock.unlock()
-            um_escape(<void*>p)
-            self.lock.lock()
-            self._free_fast(p, False)
-            self.lock.unlock()
-            k += 1
-            if k == count:
-                k = 0
-        return um_now_ns() - t0
 
     # ------------------------------------------------------------------
     # Python API
@@ -2080,8 +1272,8 @@ cdef class CachingAllocator:
     def malloc(self, size, stream=0):
         """Allocate ``size`` bytes on ``stream`` and return the address (0 for
         size 0). Raises :class:`OutOfMemoryError` when the device is full."""
-        cdef object n = _check_size(size)
-        cdef uintptr_t s = _check_stream(stream)
+        cdef object n = check_size(size)
+        cdef uintptr_t s = check_stream(stream)
         self._refuse_huge(n)
         return self.c_malloc(n, s)
 
@@ -2089,14 +1281,14 @@ cdef class CachingAllocator:
         """Free the block at ``ptr``. Raises ValueError for an address this
         allocator did not hand out or that was already freed, and for the
         block of an :class:`Allocation` (which frees itself)."""
-        self.c_free(_check_pointer(ptr))
+        self.c_free(check_pointer(ptr))
 
     def allocate(self, size, stream=0):
         """Allocate and return an :class:`Allocation` that frees its block when
         it is garbage collected (what array libraries hold on to). Only the
         Allocation can free the block: :meth:`free` refuses its address."""
-        cdef object n = _check_size(size)
-        cdef uintptr_t s = _check_stream(stream)
+        cdef object n = check_size(size)
+        cdef uintptr_t s = check_stream(stream)
         self._refuse_huge(n)
         cdef uintptr_t p = self.c_malloc(n, s, True)
         return _make_allocation(self, p, n)
@@ -2104,7 +1296,7 @@ cdef class CachingAllocator:
     def owns(self, ptr):
         """Whether ``ptr`` is a live allocation of this allocator."""
         try:
-            return self.c_owns(_check_pointer(ptr))
+            return self.c_owns(check_pointer(ptr))
         except (TypeError, ValueError):
             return False
 
@@ -2115,8 +1307,8 @@ cdef class CachingAllocator:
         The backend may check the stream first (``check_stream(stream,
         device)``, optional): a handle that names no stream is refused here,
         not at the free, which could then never happen."""
-        cdef uintptr_t p = _check_pointer(ptr)
-        cdef uintptr_t s = _check_stream(stream)
+        cdef uintptr_t p = check_pointer(ptr)
+        cdef uintptr_t s = check_stream(stream)
         cdef Block* b
         cdef StreamPools* sp
         check = getattr(self.backend, "check_stream", None)
@@ -2151,7 +1343,7 @@ cdef class CachingAllocator:
         stream events first."""
         self._check_usable()
         cdef bint one_stream = stream is not None
-        cdef uintptr_t handle = _check_stream(stream) if one_stream else 0
+        cdef uintptr_t handle = check_stream(stream) if one_stream else 0
         self._lock()
         try:
             self._synchronize_and_free_events()
@@ -2207,7 +1399,7 @@ cdef class CachingAllocator:
         as ``cupy.cuda.MemoryPool.set_limit(size=...)`` does: a request whose
         segment would pass the limit gets a segment of just its rounded size
         when that fits (CuPy's pool allocates no more than asked)."""
-        cdef object n = _check_size(limit)
+        cdef object n = check_size(limit)
         if n > MAX_RESERVED:
             raise ValueError(f"memory limit too large: {n} bytes")
         self._lock()
@@ -2278,7 +1470,7 @@ cdef class CachingAllocator:
 
     def round_size(self, size):
         """The size a request of ``size`` bytes is rounded to."""
-        cdef object n = _check_size(size)
+        cdef object n = check_size(size)
         if n == 0:
             return 0
         if n > MAX_REQUEST:
@@ -2286,44 +1478,11 @@ cdef class CachingAllocator:
         return self._round_size(n)
 
     # statistics ---------------------------------------------------------
-    cdef list _stat_values(self):
-        cdef DeviceStats st
-        self._lock()
-        st = self.stats
-        self._unlock()
-        cdef list values = [0] * N_STAT_VALUES
-        cdef int k, p, n = 0
-        cdef Stat* s
-        for k in range(N_STATS):
-            for p in (POOL_ALL, POOL_SMALL, POOL_LARGE):
-                s = &st.core[k][p]
-                values[n] = s.current
-                values[n + 1] = s.peak
-                values[n + 2] = s.allocated
-                values[n + 3] = s.freed
-                n += 4
-        for k in range(2):
-            s = &st.oversize_allocations if k == 0 else &st.oversize_segments
-            values[n] = s.current
-            values[n + 1] = s.peak
-            values[n + 2] = s.allocated
-            values[n + 3] = s.freed
-            n += 4
-        values[n] = st.num_alloc_retries
-        values[n + 1] = st.num_ooms
-        values[n + 2] = st.num_sync_all_streams
-        values[n + 3] = st.num_device_alloc
-        values[n + 4] = st.num_device_free
-        values[n + 5] = -1 if self.max_split_size == SIZE_UNSET else <int64_t>self.max_split_size
-        n += 6
-        for k in range(12):      # the "allocated.*" alias of "allocation.*"
-            values[n + k] = values[k]
-        return values
 
     def memory_stats(self):
         """All statistics as a flat ``OrderedDict`` sorted by key, with
         PyTorch's key names (see ``torch.cuda.memory_stats``)."""
-        values = self._stat_values()
+        values = _stat_values(self)
         return collections.OrderedDict(zip(_SORTED_KEYS, [values[i] for i in _SORTED_ORDER]))
 
     cpdef int64_t stat(self, int which, int pool, int metric):
@@ -2363,116 +1522,40 @@ cdef class CachingAllocator:
         self._unlock()
         return {"alloc": _duration_dict(a), "free": _duration_dict(f)}
 
+
     def reset_peak_stats(self):
         """Reset every "peak" statistic to its current value."""
-        cdef int k, p
         self._lock()
-        for k in range(N_STATS):
-            for p in range(3):
-                stat_reset_peak(&self.stats.core[k][p])
-        stat_reset_peak(&self.stats.oversize_allocations)
-        stat_reset_peak(&self.stats.oversize_segments)
-        self.stats.device_alloc_time.max = 0
-        self.stats.device_alloc_time.min = 0
-        self.stats.device_free_time.max = 0
-        self.stats.device_free_time.min = 0
+        stats_reset_peak(&self.stats)
         self._unlock()
 
     def reset_accumulated_stats(self):
         """Reset the "allocated"/"freed" histories and the event counters."""
-        cdef int k, p
         self._lock()
-        for k in range(N_STATS):
-            for p in range(3):
-                stat_reset_accumulated(&self.stats.core[k][p])
-        stat_reset_accumulated(&self.stats.oversize_allocations)
-        stat_reset_accumulated(&self.stats.oversize_segments)
-        self.stats.num_alloc_retries = 0
-        self.stats.num_ooms = 0
-        self.stats.num_sync_all_streams = 0
-        self.stats.num_device_alloc = 0
-        self.stats.num_device_free = 0
-        self.stats.device_alloc_time.total = 0
-        self.stats.device_alloc_time.count = 0
-        self.stats.device_free_time.total = 0
-        self.stats.device_free_time.count = 0
+        stats_reset_accumulated(&self.stats)
         self._unlock()
 
     # state -------------------------------------------------------------
     def snapshot(self):
         """The segments and their blocks, in PyTorch's snapshot layout."""
-        cdef Segment* seg
-        cdef Block* b
-        segments = []
-        self._lock()
-        try:
-            seg = self.segments
-            while seg != NULL:
-                blocks = []
-                allocated_size = active_size = requested_size = 0
-                b = seg.head
-                while b != NULL:
-                    if b.allocated:
-                        state = "active_allocated"
-                    elif b.event_count > 0 or b.stream_uses != NULL:
-                        state = "active_pending_free"
-                    else:
-                        state = "inactive"
-                    blocks.append({"address": b.ptr, "size": b.size,
-                                   "requested_size": b.requested_size,
-                                   "state": state, "frames": []})
-                    if b.allocated:
-                        allocated_size += b.size
-                    if state != "inactive":     # as PyTorch: what waits on a stream counts
-                        active_size += b.size
-                        requested_size += b.requested_size
-                    b = b.next
-                segments.append({
-                    "device": self.device, "address": seg.base, "total_size": seg.size,
-                    "allocated_size": allocated_size, "active_size": active_size,
-                    "requested_size": requested_size, "stream": seg.stream,
-                    "segment_type": "small" if seg.is_small else "large",
-                    "segment_pool_id": (0, 0), "is_expandable": False,
-                    "frames": [], "blocks": blocks,
-                })
-                seg = seg.next_seg
-        finally:
-            self._unlock()
-        segments.sort(key=lambda s: s["address"])
-        return segments
+        return _snapshot_segments(self)
 
     def live_allocations(self):
         """``{address: (size, requested_size, stream)}`` of every live block."""
-        cdef size_t i
-        cdef Block* b
-        out = {}
-        self._lock()
-        for i in range(self.active.mask + 1):
-            if self.active.keys[i] != 0:
-                b = <Block*>self.active.vals[i]
-                out[b.ptr] = (b.size, b.requested_size, b.stream)
-        self._unlock()
-        return out
+        return _live_allocations(self)
+
+    # debug mode ----------------------------------------------------------
 
     def enable_debug(self, site_fn=None):
-        """Debug mode: fill free memory with DEBUG_FILL_BYTE and check it on
-        reuse (the backend's memory must be readable by the host). A write
-        after free is reported as a WriteAfterFreeWarning naming where the
+        """Debug mode: fill free memory with a known byte (DEBUG_FILL, 0xDB) and
+        check it on reuse (the backend's memory must be readable by the host). A
+        write after free is reported as a WriteAfterFreeWarning naming where the
         memory was last allocated (``site_fn()`` gives the caller's frames)."""
-        cdef Segment* seg
-        cdef Block* b
         self._lock()
         self.debug_on = True
         self._update_unusual()
         self.debug_site_fn = site_fn
-        seg = self.segments
-        while seg != NULL:
-            b = seg.head
-            while b != NULL:
-                if not b.allocated and b.event_count == 0:
-                    memset(<void*>b.ptr, DEBUG_FILL, b.size)
-                b = b.next
-            seg = seg.next_seg
+        _fill_free_blocks(self)
         self._unlock()
 
     @property
@@ -2541,224 +1624,13 @@ cdef class CachingAllocator:
         """Verify the allocator's internal consistency (for tests): segments
         tile their memory, the free index holds exactly the free blocks, and
         every statistic equals what the blocks say. Raises AssertionError."""
-        cdef Segment* seg
-        cdef Block* b
-        cdef FreeIndex* fi
-        cdef SizeClass* sc
-        cdef Stat s
-        cdef size_t k
-        cdef int p
-        cdef StreamTable.iterator it
-        expect = {name: [0, 0, 0] for name in _CORE_STAT_NAMES}
-        segment_streams = []
-        stream_use_count = {}
-        n_free_blocks = 0
-        self._lock()
-        try:
-            seg = self.segments
-            reserved = 0
-            while seg != NULL:
-                assert seg.head.prev == NULL and seg.head.ptr == seg.base, "segment head"
-                segment_streams.append(seg.stream)
-                assert self.segments_by_base[seg.base] == seg, "segment indexed by its base"
-                p = POOL_SMALL if seg.is_small else POOL_LARGE
-                for pool in (POOL_ALL, p):
-                    expect["segment"][pool] += 1
-                    expect["reserved_bytes"][pool] += seg.size
-                reserved += seg.size
-                b = seg.head
-                cursor = seg.base
-                while b != NULL:
-                    assert b.ptr == cursor, "blocks must tile their segment"
-                    assert b.segment == seg and b.is_small == seg.is_small and b.stream == seg.stream
-                    assert b.size > 0 and b.size % K_MIN_BLOCK == 0
-                    if b.next != NULL:
-                        assert b.next.prev == b
-                    cursor += b.size
-                    split = seg.head.next != NULL
-                    for pool in (POOL_ALL, p):
-                        if b.allocated:
-                            expect["allocation"][pool] += 1
-                            expect["allocated_bytes"][pool] += b.size
-                        if b.allocated or b.event_count > 0:
-                            expect["active"][pool] += 1
-                            expect["active_bytes"][pool] += b.size
-                            expect["requested_bytes"][pool] += b.requested_size
-                        elif split:
-                            expect["inactive_split"][pool] += 1
-                            expect["inactive_split_bytes"][pool] += b.size
-                    if b.stream_uses != NULL:
-                        for k in range(b.stream_uses.size()):
-                            use = b.stream_uses[0][k]
-                            stream_use_count[use] = stream_use_count.get(use, 0) + 1
-                    if b.allocated:
-                        assert um_find(&self.active, b.ptr) == <void*>b, "allocated block is indexed"
-                    elif b.event_count == 0:
-                        n_free_blocks += 1
-                        fi = self._pool_of(b)
-                        sc = <SizeClass*>um_find(&fi.by_size, b.size)
-                        assert sc != NULL and b.heap_pos < sc.heap.size() and sc.heap[b.heap_pos] == b, \
-                            "free block is in its size class"
-                        assert b.prev == NULL or b.prev.allocated or b.prev.event_count > 0, "free neighbours merge"
-                    b = b.next
-                assert cursor == seg.base + seg.size, "blocks cover their segment"
-                seg = seg.next_seg
-            assert reserved == self.total_allocated_memory
-            indexed = 0
-            it = self.streams.begin()
-            while it != self.streams.end():
-                indexed += deref(it).second.small.n_blocks + deref(it).second.large.n_blocks
-                segments_of_stream = deref(it).second.n_segments
-                stream = deref(it).first
-                assert deref(it).second.n_stream_uses == stream_use_count.get(stream, 0), \
-                    "each stream's table entry counts the live blocks that record_stream named it on"
-                assert segments_of_stream == sum(1 for seg_stream in segment_streams if seg_stream == stream), \
-                    "each stream's pools count its segments"
-                inc(it)
-            for stream in set(segment_streams):
-                assert self.streams.find(stream) != self.streams.end(), "every segment's stream has pools"
-            assert self.segments_by_base.size() == len(segment_streams), "the segment index holds the segments"
-            assert indexed == n_free_blocks, f"free index holds {indexed} blocks, segments {n_free_blocks}"
-            for k in range(N_STATS):
-                name = _CORE_STAT_NAMES[k]
-                for p in range(3):
-                    s = self.stats.core[k][p]
-                    assert s.current == expect[name][p], f"{name}[{p}] is {s.current}, blocks say {expect[name][p]}"
-                    assert s.peak >= s.current, f"{name}[{p}] peak below current"
-        finally:
-            self._unlock()
+        _check_invariants(self)
 
-
-cdef object _duration_dict(DurationStat d):
-    return {"total": d.total, "max": d.max, "min": d.min, "count": d.count,
-            "avg": d.total // d.count if d.count else 0}
-
-
-cdef inline size_t roundup_power2_next_division(size_t size, size_t divisions) noexcept nogil:
-    if (size & (size - 1)) == 0:
-        return size
-    cdef size_t power2_floor = (<size_t>1) << um_floor_log2(size)
-    cdef size_t power2_division = power2_floor >> um_floor_log2(divisions)
-    if power2_division == 0:
-        return power2_floor << 1
-    cdef size_t round_floor = size & ~(power2_division - 1)
-    return size if round_floor == size else round_floor + power2_division
-
-
-cdef object _as_integer(object value, str what):
-    """``value`` as a Python int, as ``operator.index`` reads it: bools,
-    floats and objects whose ``__index__`` returns no int are refused."""
-    if type(value) is int:
-        return value
-    if value is None or isinstance(value, (bool, float, complex, str, bytes)):
-        raise TypeError(f"{what} must be an integer, not {type(value).__name__}")
-    try:
-        return _operator_index(value)
-    except TypeError:
-        raise TypeError(f"{what} must be an integer, not {type(value).__name__}") from None
-
-
-cdef object _check_size(object size):
-    """A request size as a non-negative Python int, or a clear error."""
-    n = _as_integer(size, "size (a number of bytes)")
-    if n < 0:
-        raise ValueError(f"size must be non-negative, got {n}")
-    return n
-
-
-cdef inline bint _exact_size(object size, size_t* out):
-    """The hot path's test: ``size`` is an int that fits a size_t (written
-    to ``out``), read without any Python-level operation. False for
-    anything else, which then goes through _check_size."""
-    if type(size) is not int:
-        return False
-    try:
-        out[0] = <size_t>size
-    except OverflowError:          # negative, or beyond 2**64: the slow path explains
-        return False
-    return True
-
-
-cdef uintptr_t _check_pointer(object ptr) except? 0:
-    """An address as a pointer, or a clear error: TypeError for what is not
-    an integer, ValueError for an integer that is no address."""
-    if type(ptr) is int:
-        try:
-            return <uintptr_t>ptr
-        except OverflowError:
-            raise ValueError(f"invalid pointer {ptr!r}: not an address") from None
-    ptr = _as_integer(ptr, "an address")
-    if ptr < 0 or ptr >= (1 << 64):
-        raise ValueError(f"invalid pointer {ptr!r}: not an address")
-    return ptr
-
-
-cdef uintptr_t _check_stream(object stream) except? 0:
-    if stream is None:
-        return 0
-    stream = _as_integer(stream, "a stream handle")
-    if stream < 0:
-        raise ValueError(f"stream handle must be non-negative, got {stream}")
-    if stream >= (1 << 64):
-        raise ValueError(f"stream handle {stream} does not fit in a pointer")
-    return stream
-
-
-cdef extern from "Python.h":
-    void PyErr_SetObject(object exc_type, object value)
-    void PyErr_WriteUnraisable(object where)
-
-
-cdef void _report_unraisable(BaseException exc, str where):
-    """Report an error from a callback that must not raise (a finalizer, an
-    observer) through sys.unraisablehook, as Python does for __del__."""
-    PyErr_SetObject(type(exc), exc)
-    PyErr_WriteUnraisable(where)
-
-
-cdef int _tell_each(object callback, list calls, str where) except -1:
-    """``callback(*args)`` for each of ``calls``, a backend's optional
-    notification: an error is reported as unraisable and the others still
-    run; a Ctrl-C (KeyboardInterrupt, SystemExit) is raised once all ran."""
-    interrupt = None
-    for args in calls:
-        try:
-            callback(*args)
-        except Exception as exc:
-            _report_unraisable(exc, where)
-        except BaseException as exc:
-            interrupt = exc
-    if interrupt is not None:
-        raise interrupt
-    return 0
-
-
-def format_size(size):
-    """Bytes as PyTorch's out-of-memory messages write them (c10's
-    format_size): up to 1024 in bytes, then KiB, MiB, and GiB however large
-    ("800000000.00 GiB")."""
-    if size is None:
-        return "unknown"
-    size = int(size)
-    if size <= 1024:
-        return f"{size} bytes"
-    if size <= 1048576:
-        return f"{size / 1024.0:.2f} KiB"
-    if size <= 1073741824:
-        return f"{size / 1048576.0:.2f} MiB"
-    return f"{size / 1073741824.0:.2f} GiB"
-
-
-_HANDLE_OWNED_MESSAGE = (
-    "pointer {:#x} belongs to an unimem Allocation: release it with Allocation.release() "
-    "or drop the Allocation (freeing its address directly would let the Allocation "
-    "free another owner's block later)")
 
 
 # ---------------------------------------------------------------------------
 # Allocation handles: a block that frees itself when its last user lets go
 # ---------------------------------------------------------------------------
-@cython.no_gc_clear
 cdef class Allocation:
     """A live block, freed when this object is garbage collected (or at
     :meth:`release`). Array libraries keep one alive for as long as any array
@@ -2767,9 +1639,6 @@ cdef class Allocation:
     Attributes: ``ptr`` (address), ``size`` (bytes requested), ``allocator``.
     """
 
-    cdef readonly CachingAllocator allocator
-    cdef readonly uintptr_t ptr
-    cdef readonly size_t size
 
     def __dealloc__(self):
         cdef uintptr_t ptr = self.ptr
@@ -2815,290 +1684,6 @@ cdef Allocation _make_allocation(CachingAllocator allocator, uintptr_t ptr, size
 
 
 # ---------------------------------------------------------------------------
-# The per-device-type table behind the facade's fast functions
-# ---------------------------------------------------------------------------
-# Slots of the per-thread current-device table: taken by live registries,
-# given back when one dies. Each registry also has an id never reused.
-_free_registry_slots = list(range(UM_MAX_REGISTRIES - 1, -1, -1))
-cdef uint64_t _last_registry_id = 0
-# Every registry alive, so that a forked child gets fresh creation locks.
-_live_registries = weakref.WeakSet()
-
-@cython.final          # its cpdef methods are then called directly from C
-cdef class DeviceRegistry:
-    """The caching allocators of one kind of device (``cpu``, ``xpu``,
-    ``cuda``), one per device index, created on first use by ``factory``.
-
-    The current device index is per thread (as in PyTorch) unless
-    ``current_device_fn`` reports it (CUDA's current device, for instance).
-    ``current_stream_fn`` gives the stream a request without one uses, and
-    ``stream_handle_fn`` turns a stream object (a CuPy stream, a SYCL queue)
-    into the integer handle the core keys its pools by.
-    """
-
-    cdef readonly int slot
-    cdef uint64_t owner_id
-    cdef readonly str device_type
-    cdef readonly int device_count
-    cdef object _factory
-    cdef list _allocators
-    cdef object _create_lock
-    cdef object _thread_current         # threading.local, when no C table slot was free
-    cdef object __weakref__
-    cdef public object current_device_fn
-    cdef public object current_stream_fn
-    cdef public object stream_handle_fn
-
-    def __cinit__(self, *args, **kwargs):
-        self.slot = -1
-
-    def __init__(self, str device_type, int device_count, factory, *,
-                 current_device_fn=None, current_stream_fn=None, stream_handle_fn=None):
-        global _last_registry_id
-        if self.slot < 0 and self._thread_current is None:
-            if _free_registry_slots:
-                self.slot = _free_registry_slots.pop()
-                _last_registry_id += 1
-                self.owner_id = _last_registry_id
-            else:
-                # The C table is full (many MemoryPools alive): this registry
-                # keeps its per-thread current device in Python instead.
-                self._thread_current = threading.local()
-        self.device_type = device_type
-        self.device_count = device_count
-        self._factory = factory
-        self._allocators = [None] * device_count
-        self._create_lock = threading.Lock()
-        _live_registries.add(self)
-        self.current_device_fn = current_device_fn
-        self.current_stream_fn = current_stream_fn
-        self.stream_handle_fn = stream_handle_fn
-
-    cdef int check_index(self, int index) except -1:
-        if index < 0 or index >= self.device_count:
-            raise ValueError(
-                f"device index {index} is out of range: {self.device_type} has "
-                f"{self.device_count} device{'s' if self.device_count != 1 else ''}")
-        return 0
-
-    cpdef int current_index(self) except -1:
-        if self.current_device_fn is not None:
-            return self.current_device_fn()
-        if self.slot < 0:
-            return getattr(self._thread_current, "index", 0)
-        if um_current_owner[self.slot] != self.owner_id:
-            return 0                   # not set in this thread (by this registry)
-        return um_current_device[self.slot]
-
-    def set_current_index(self, int index):
-        self.check_index(index)
-        if self.slot < 0:
-            self._thread_current.index = index
-            return
-        um_current_device[self.slot] = index
-        um_current_owner[self.slot] = self.owner_id
-
-    def __dealloc__(self):
-        if self.slot >= 0 and _free_registry_slots is not None:
-            _free_registry_slots.append(self.slot)
-
-    cpdef CachingAllocator get(self, int index):
-        """The allocator of device ``index``, created if needed."""
-        self.check_index(index)
-        cdef CachingAllocator a = <CachingAllocator>self._allocators[index]
-        if a is not None:
-            return a
-        with self._create_lock:
-            if self._allocators[index] is None:
-                allocator = self._factory(index)
-                if not isinstance(allocator, CachingAllocator):
-                    raise TypeError("the registry's factory must return a CachingAllocator")
-                self._allocators[index] = allocator
-            return self._allocators[index]
-
-    def _reset_after_fork(self):
-        # Another thread may have held it while creating an allocator.
-        self._create_lock = threading.Lock()
-
-    def peek(self, int index):
-        """The allocator of device ``index`` if it was created, else None."""
-        self.check_index(index)
-        return self._allocators[index]
-
-    def initialized(self):
-        """The allocators created so far, by index."""
-        return {i: a for i, a in enumerate(self._allocators) if a is not None}
-
-    def is_initialized(self):
-        return any(a is not None for a in self._allocators)
-
-    cdef uintptr_t stream_handle(self, object stream, int index=-1) except? 0:
-        if stream is None:
-            if self.current_stream_fn is None:
-                return 0
-            return _check_stream(self.current_stream_fn(index))
-        if self.stream_handle_fn is None:
-            return _check_stream(stream)
-        # Ints too: a cudaStream_t such as cudaStreamPerThread is keyed per
-        # thread, and an XPU handle is checked against the queue table.
-        return _check_stream(self.stream_handle_fn(stream))
-
-    def stream_handle_of(self, stream, int device=-1):
-        """The integer handle the pools key ``stream`` by (None: ``device``'s
-        current stream)."""
-        if stream is None and device < 0:
-            device = self.current_index()
-        return self.stream_handle(stream, device)
-
-    def alloc(self, size, device=None, stream=None):
-        """Allocate ``size`` bytes on ``device`` (an index; None: the current
-        one) and ``stream``; return the address (0 for size 0)."""
-        return self._alloc(size, device, stream)
-
-    cdef object _alloc(self, object size, object device, object stream):
-        cdef size_t n
-        cdef object checked = None
-        if not _exact_size(size, &n):
-            checked = _check_size(size)            # raises for what is no size
-        cdef int index = self.current_index() if device is None else _device_int(device)
-        cdef CachingAllocator a = self.get(index)
-        if checked is not None:
-            if checked > MAX_REQUEST:
-                raise a._out_of_memory(checked)
-            n = checked
-        elif n > MAX_REQUEST:
-            raise a._out_of_memory(n)
-        return a.c_malloc(n, self.stream_handle(stream, index))
-
-    def delete(self, ptr):
-        """Free an address handed out by :meth:`alloc` on any device."""
-        self._delete(ptr)
-
-    cdef int _delete(self, object ptr) except -1:
-        cdef uintptr_t p = _check_pointer(ptr)
-        if p == 0:
-            return 0
-        cdef int current = self.current_index() if self.device_count else 0
-        cdef CachingAllocator a
-        cdef int rc
-        # The current device's allocator first: the block is most likely there.
-        first = self._allocators[current] if 0 <= current < self.device_count else None
-        for a in [first] + self._allocators:
-            if a is not None:
-                rc = a._try_free(p, False, False)
-                if rc == 0:
-                    return 0
-                if rc == 4:
-                    raise ValueError(_HANDLE_OWNED_MESSAGE.format(p))
-        raise ValueError(f"pointer {p:#x} was not allocated by the unimem "
-                         f"{self.device_type} allocator, or was already freed")
-
-    def find_owner(self, ptr):
-        """The allocator holding the live block at ``ptr``, or None."""
-        for a in self._allocators:
-            if a is not None and a.owns(ptr):
-                return a
-        return None
-
-    def memory_allocated(self, device=None):
-        cdef int index = self.current_index() if device is None else _device_int(device)
-        self.check_index(index)
-        cdef CachingAllocator a = <CachingAllocator>self._allocators[index]
-        return 0 if a is None else a.stats.core[S_ALLOCATED_BYTES][POOL_ALL].current
-
-
-cdef int _device_int(object device) except? -1:
-    if isinstance(device, bool) or not isinstance(device, int):
-        raise TypeError(f"device index must be an int, not {type(device).__name__}")
-    if device < 0:
-        raise ValueError(f"device index must be non-negative, got {device}")
-    if device > 1 << 20:
-        raise ValueError(f"device index {device} is out of range")
-    return device
-
-
-# ---------------------------------------------------------------------------
-# The current accelerator's registry, for the facade's fastest functions
-# ---------------------------------------------------------------------------
-cdef DeviceRegistry _current_registry = None
-_registry_resolver = None
-
-
-def set_current_registry_resolver(resolver):
-    """Install the function the fast facade calls once to learn the current
-    accelerator's registry (the front decides; the core only caches it)."""
-    global _registry_resolver, _current_registry
-    _registry_resolver = resolver
-    _current_registry = None
-
-
-cdef DeviceRegistry _current():
-    global _current_registry
-    if _current_registry is None:
-        if _registry_resolver is None:
-            raise RuntimeError("unimem's device registry is not set up (import unimem)")
-        _current_registry = _registry_resolver()
-    return _current_registry
-
-
-def caching_allocator_alloc(size, device=None, stream=None):
-    r"""Perform a memory allocation using the current accelerator's caching allocator.
-
-    Memory is allocated for a given device and a stream, this
-    function is intended to be used for interoperability with other
-    frameworks. Allocated memory is released through
-    :func:`~unimem.accelerator.caching_allocator_delete`.
-
-    Args:
-        size (int): number of bytes to be allocated.
-        device (int, optional): selected device. If it is
-            ``None`` the current device is used.
-        stream (int or stream object, optional): selected stream. If is ``None`` then
-            the default stream for the selected device is used.
-
-    Returns:
-        int: the address of the allocated memory (0 when ``size`` is 0).
-    """
-    return _current()._alloc(size, device, stream)
-
-
-def caching_allocator_delete(mem_ptr):
-    r"""Delete memory allocated using the current accelerator's caching allocator.
-
-    Memory allocated with :func:`~unimem.accelerator.caching_allocator_alloc`.
-    is freed here. The associated device and stream are tracked inside
-    the allocator.
-
-    Args:
-        mem_ptr (int): memory address to be freed by the allocator.
-    """
-    _current()._delete(mem_ptr)
-
-
-def namespace_alloc_functions(dict types, str type_name, slow_alloc, slow_delete):
-    """``caching_allocator_alloc`` and ``caching_allocator_delete`` for the
-    namespace of device type ``type_name`` (``unimem.xpu``, ...): the device
-    type is looked up in ``types`` (the front's live table) on every call, so
-    a replaced backend is seen at once; a call naming a device, or on a type
-    not set up yet, goes to ``slow_alloc`` / ``slow_delete`` (the front's
-    checked methods). Typed here because the lookups through Python methods
-    cost more than the allocation itself."""
-    def caching_allocator_alloc(size, device=None, stream=None):
-        dtype = types.get(type_name)
-        if dtype is None or device is not None:
-            return slow_alloc(size, device, stream)
-        return (<DeviceRegistry?>dtype.registry)._alloc(size, None, stream)
-
-    def caching_allocator_delete(mem_ptr):
-        dtype = types.get(type_name)
-        if dtype is None:
-            return slow_delete(mem_ptr)
-        (<DeviceRegistry?>dtype.registry)._delete(mem_ptr)
-
-    return caching_allocator_alloc, caching_allocator_delete
-
-
-# ---------------------------------------------------------------------------
 # fork(): locks held by other threads would stay held in the child
 # ---------------------------------------------------------------------------
 # Before fork() each allocator's lock is taken (waiting a little at most), so
@@ -3127,10 +1712,4 @@ def _after_fork_in_child():
     _held_for_fork.clear()
     for allocator in list(_live_allocators):
         allocator._reset_lock_after_fork()
-    for registry in list(_live_registries):
-        registry._reset_after_fork()
 
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
-                        after_in_child=_after_fork_in_child)

@@ -25,10 +25,9 @@ from cpython.pycapsule cimport PyCapsule_New, PyCapsule_GetPointer, PyCapsule_Ge
 from libc.stdint cimport uintptr_t, int64_t
 from libcpp.vector cimport vector
 
-from unimem.backends._capi cimport RawAllocatorAPI, RAW_OK, RAW_OUT_OF_MEMORY, RAW_ERROR
+from unimem._native.provider cimport (RawAllocatorAPI, RAW_OK, RAW_OUT_OF_MEMORY, RAW_ERROR,
+                                      UM_PROVIDER_CAPSULE, UM_PROVIDER_VERSION)
 
-cdef extern from "_csupport.hpp" nogil:
-    int64_t um_now_ns()
 
 cdef extern from *:
     """
@@ -175,10 +174,11 @@ cdef class USMRawAllocator:
         for q in default_queues:
             self.ctx.default_queues.push_back(<void*><uintptr_t>q.addressof_ref())
             self.ctx.held.push_back(0)
+        self.api.version = UM_PROVIDER_VERSION
         self.api.ctx = &self.ctx
         self.api.malloc = usm_malloc
         self.api.free = usm_free
-        self._raw_api = PyCapsule_New(&self.api, b"unimem.RawAllocatorAPI", NULL)
+        self._raw_api = PyCapsule_New(&self.api, UM_PROVIDER_CAPSULE, NULL)
 
     def add_queue(self, queue, Py_ssize_t handle):
         """Serve stream ``handle`` (1 or more, its slot empty) with ``queue``,
@@ -228,17 +228,6 @@ cdef class USMRawAllocator:
     def free(self, uintptr_t ptr, size_t size, int device, uintptr_t stream):
         if usm_free(&self.ctx, ptr, size, device, stream) != RAW_OK:
             raise ValueError(f"no SYCL queue for device {device}, stream {stream}")
-
-    def _time_raw_pairs(self, size_t size, Py_ssize_t pairs, int device=0):
-        """Nanoseconds per USM malloc+free pair, called as C (for the benchmarks)."""
-        cdef uintptr_t p = 0
-        cdef Py_ssize_t i
-        cdef int64_t t0 = um_now_ns()
-        for i in range(pairs):
-            if usm_malloc(&self.ctx, size, device, 0, &p) != RAW_OK:
-                raise MemoryError(f"SYCL malloc_{self.kind} of {size} bytes failed")
-            usm_free(&self.ctx, p, size, device, 0)
-        return (um_now_ns() - t0) / <double>pairs
 
 
 cdef memory_make_fn _memory_make = NULL

@@ -9,17 +9,13 @@ returns host memory, which glibc's malloc would keep in its heap. Its malloc
 and free are published to the core as C functions (no Python, no GIL on a
 cache miss)."""
 from cpython.pycapsule cimport PyCapsule_New
-from libc.stdint cimport uintptr_t, int64_t
-from libc.stdlib cimport malloc as sys_malloc, free as sys_free
+from libc.stdint cimport uintptr_t
 from posix.mman cimport mmap, munmap, PROT_READ, PROT_WRITE, MAP_PRIVATE, MAP_ANONYMOUS, MAP_FAILED
 
-from unimem.backends._capi cimport RawAllocatorAPI, RAW_OK, RAW_OUT_OF_MEMORY, RAW_ERROR
+from unimem._native.provider cimport (RawAllocatorAPI, RAW_OK, RAW_OUT_OF_MEMORY, RAW_ERROR,
+                                      UM_PROVIDER_CAPSULE, UM_PROVIDER_VERSION)
 
 import os
-
-cdef extern from "_csupport.hpp" nogil:
-    int64_t um_now_ns()
-    void um_escape(void* p)
 
 cdef int host_malloc(void* ctx, size_t size, int device, uintptr_t stream,
                      uintptr_t* out) noexcept nogil:
@@ -40,6 +36,7 @@ cdef int host_free(void* ctx, uintptr_t ptr, size_t size, int device,
 
 
 cdef RawAllocatorAPI HOST_API
+HOST_API.version = UM_PROVIDER_VERSION
 HOST_API.ctx = NULL
 HOST_API.malloc = host_malloc
 HOST_API.free = host_free
@@ -76,7 +73,7 @@ cdef class PageAlignedBackend:
 
     def __init__(self, str name="CPU"):
         self.name = name
-        self._raw_api = PyCapsule_New(&HOST_API, b"unimem.RawAllocatorAPI", NULL)
+        self._raw_api = PyCapsule_New(&HOST_API, UM_PROVIDER_CAPSULE, NULL)
         self.host_accessible = True
         self.survives_fork = True
 
@@ -111,31 +108,6 @@ cdef class PageAlignedBackend:
         """Whether the memory is page-locked (it is not)."""
         return False
 
-    def _time_raw_pairs(self, size_t size, Py_ssize_t pairs):
-        """Nanoseconds per mmap+munmap pair, called as C (for the benchmarks)."""
-        cdef uintptr_t p
-        cdef Py_ssize_t i
-        cdef int64_t t0 = um_now_ns()
-        for i in range(pairs):
-            host_malloc(NULL, size, 0, 0, &p)
-            host_free(NULL, p, size, 0, 0)
-        return (um_now_ns() - t0) / <double>pairs
-
     def __repr__(self):
         return f"<unimem PageAlignedBackend {self.name}>"
 
-
-def _time_libc_pairs(size_t size, Py_ssize_t pairs):
-    """Nanoseconds per glibc malloc+free pair (a peer in the benchmarks: a
-    general-purpose allocator that caches host memory itself)."""
-    cdef void* p
-    cdef Py_ssize_t i
-    cdef int64_t t0
-    with nogil:                        # threads in the benchmarks run at once
-        t0 = um_now_ns()
-        for i in range(pairs):
-            p = sys_malloc(size)
-            um_escape(p)               # or the compiler removes the pair
-            sys_free(p)
-        t0 = um_now_ns() - t0
-    return t0 / <double>pairs

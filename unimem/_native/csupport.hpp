@@ -1,6 +1,8 @@
-// Small C++ helpers for unimem/_core.pyx that Cython cannot express directly.
+// Small C++ helpers for the caching core that Cython cannot express directly:
+// its lock and a bit trick.
 #pragma once
 #include <atomic>
+#include "provider.h"      // um_now_ns(): one clock for the core and the providers
 #include <chrono>
 #include <cstdint>
 #include <pthread.h>
@@ -140,21 +142,4 @@ struct UMLock {
     }
 };
 
-static inline int64_t um_now_ns() {
-    return std::chrono::duration_cast<std::chrono::nanoseconds>(
-               std::chrono::steady_clock::now().time_since_epoch())
-        .count();
-}
-
 static inline int um_floor_log2(uint64_t x) { return 63 - __builtin_clzll(x); }
-
-// Make the compiler believe a pointer escapes (benchmark loops): it may then
-// not remove a malloc/free pair as having no effect.
-static inline void um_escape(void* p) { asm volatile("" : : "g"(p) : "memory"); }
-
-// Per-thread current device index, one slot per live device registry; the
-// owner says which registry set it (slots are reused once a registry dies,
-// and a new one must not inherit another's index).
-#define UM_MAX_REGISTRIES 64
-static thread_local int um_current_device[UM_MAX_REGISTRIES];
-static thread_local uint64_t um_current_owner[UM_MAX_REGISTRIES];

@@ -1,0 +1,162 @@
+cimport cython
+# The caching core's interface: what other Cython modules (the runtime's
+# device registry, benchmark loops) may cimport. The state machine itself is
+# in _core.pyx; its data structures in unimem/_native/.
+from libc.stdint cimport int64_t, uintptr_t
+from libcpp.map cimport map as cmap
+from libcpp.utility cimport pair
+from libcpp.vector cimport vector
+
+from unimem._native.addr_map cimport U64Map
+from unimem._native.blocks cimport Block, FreeIndex, Segment, BlockSlab, StreamPools, StreamTable
+from unimem._native.policy cimport K_ROUNDUP_INTERVALS
+from unimem._native.provider cimport RawAllocatorAPI
+from unimem._native.stats cimport DeviceStats, TraceEvent
+
+cdef extern from "csupport.hpp" nogil:
+    cppclass UMLock:
+        bint try_lock()
+        bint lock_for(int64_t timeout_ns)
+        void lock()
+        void unlock()
+        void reset_after_fork()
+
+
+# no_gc_clear: __dealloc__ needs the backend. When an allocator dies in a
+# reference cycle, the collector would otherwise clear its references first.
+# final: cdef methods are called directly (and inlined), not through a vtable.
+@cython.no_gc_clear
+@cython.final
+cdef class CachingAllocator:
+    cdef readonly object backend
+    cdef readonly int device
+    cdef readonly str device_name
+    cdef object _py_malloc
+    cdef object _py_free
+    cdef RawAllocatorAPI _raw
+    cdef bint _has_raw
+    cdef object _raw_owner            # keeps the C context behind _raw alive
+
+    # policy
+    cdef size_t max_split_size
+    cdef size_t max_non_split_rounding
+    cdef size_t roundup_divisions[K_ROUNDUP_INTERVALS]
+    cdef double gc_threshold
+    cdef double max_reserved_ratio        # 0: off (PyTorch's policy)
+    cdef double fraction
+    cdef bint set_fraction
+    cdef size_t allowed_memory_maximum
+    cdef size_t capacity                  # the device's total memory, 0 if unknown
+    cdef size_t max_allocation            # the device's largest single allocation, 0 if unknown
+
+    # state
+    cdef UMLock lock
+    cdef DeviceStats stats
+    cdef size_t total_allocated_memory    # bytes held from the backend
+    cdef U64Map active                    # address -> allocated Block
+    cdef StreamTable streams              # stream handle -> its free indexes
+    cdef StreamPools* last_pools          # the last stream used (most calls use one)
+    cdef vector[uintptr_t] dropped_streams  # streams whose pools went, for the backend
+    cdef Segment* segments                # doubly linked list of all segments
+    cdef cmap[uintptr_t, Segment*] segments_by_base   # to refuse overlapping memory
+    cdef bint exact_segments              # CuPy's policy: a segment is the rounded request
+    cdef bint limit_in_bytes              # set_memory_limit (CuPy's set_limit), not a fraction
+    cdef int64_t lost_segment_count       # segments whose backend free failed (forgotten)
+    cdef int64_t lost_segment_bytes
+    cdef BlockSlab slab
+    cdef list pending_events              # [(event, block address)], stream-ordered frees
+    cdef list syncing_events              # taken from pending_events, waited on outside the lock
+    cdef size_t n_pending_events
+
+    # history and observers
+    cdef bint recording
+    cdef vector[TraceEvent] trace_buffer
+    cdef object trace_hook
+    cdef list oom_observers
+    cdef bint poisoned
+    cdef str poison_reason
+    # Anything above that sends c_malloc off its fastest path (poisoned,
+    # stream events pending, history recording, debug mode): one test.
+    cdef bint unusual
+    # How many times this thread holds the (recursive) lock: segments are
+    # given back outside it only when it is held once.
+    cdef int lock_depth
+
+    # debug mode: free memory is filled and checked on reuse
+    cdef bint debug_on
+    cdef object debug_site_fn           # () -> frames of the caller
+    cdef dict debug_sites               # block address -> (sequence, size, frames)
+    cdef int64_t debug_sequence
+    cdef vector[pair[uintptr_t, uintptr_t]] debug_damage   # (block, first changed byte)
+    cdef list debug_messages
+    cdef object __weakref__
+
+    cdef inline void _lock(self) noexcept
+    cdef inline void _unlock(self) noexcept nogil
+    cdef inline size_t _round_size(self, size_t size) noexcept nogil
+    cdef inline bint _should_split(self, Block* b, size_t size) noexcept nogil
+    cdef inline bint _gc_enabled(self) noexcept nogil
+    cdef inline FreeIndex* _pool(self, uintptr_t stream, bint is_small) noexcept nogil
+    cdef StreamPools* _stream_pools(self, uintptr_t stream) noexcept nogil
+    cdef void _drop_stream_if_unused(self, StreamPools* sp) noexcept nogil
+    cdef void _drop_unused_streams(self) noexcept nogil
+    cdef inline FreeIndex* _pool_of(self, Block* b) noexcept nogil
+    cdef Block* _get_free_block(self, FreeIndex* fi, size_t size) noexcept nogil
+    cdef Block* _alloc_found_block(self, Block* block, FreeIndex* fi, size_t size,
+                                   size_t orig_size, bint by_handle) noexcept nogil
+    cdef inline int _reserve_for_alloc(self, FreeIndex* fi) noexcept nogil
+    cdef Block* _malloc_cached(self, size_t orig_size, uintptr_t stream, bint by_handle,
+                               int* status) noexcept nogil
+    cdef inline void _trace(self, int action, uintptr_t addr, size_t size, uintptr_t stream) noexcept nogil
+    cdef int _backend_malloc(self, size_t size, uintptr_t stream, uintptr_t* out) except -1
+    cdef int _backend_free(self, uintptr_t ptr, size_t size, uintptr_t stream,
+                           bint release_gil) except -1
+    cdef Block* _alloc_block(self, size_t alloc_size, size_t size, uintptr_t stream, bint is_small,
+                             bint is_retry) except? NULL
+    cdef inline void _link_segment(self, Segment* seg) noexcept nogil
+    cdef inline void _unlink_segment(self, Segment* seg) noexcept nogil
+    cdef void _detach_segment(self, Segment* seg) noexcept nogil
+    cdef int _release(self, vector[Segment*]& victims) except -1
+    cdef inline bint _segment_is_free(self, Segment* seg) noexcept nogil
+    cdef int _release_segments(self, bint only_large, bint has_stream, uintptr_t stream,
+                               size_t min_size) except -1
+    cdef bint _release_available_cached_blocks(self, size_t size, uintptr_t stream) except -1
+    cdef int _garbage_collect(self) except -1
+    cdef int _release_to_reserved_ratio(self, size_t size, size_t alloc_size) except -1
+    cdef inline int64_t _gc_age(self, Block* b) noexcept nogil
+    cdef inline size_t _segment_size(self, size_t size) noexcept nogil
+    cdef Block* _malloc_slow(self, size_t orig_size, uintptr_t stream, bint by_handle,
+                             bint* oom, size_t* tried) except? NULL
+    cdef size_t _try_merge(self, Block* dst, Block* src, FreeIndex* fi) noexcept nogil
+    cdef void _free_block(self, Block* b) noexcept nogil
+    cdef inline int _reserve_class(self, Block* b) noexcept nogil
+    cdef int _free_fast(self, uintptr_t ptr, bint by_handle) noexcept nogil
+    cdef inline void _account_free_request(self, Block* b) noexcept nogil
+    cdef int _free_with_events(self, uintptr_t ptr) except -1
+    cdef void _forget_stream_uses(self, Block* b) noexcept nogil
+    cdef int _release_events(self, list events) except -1
+    cdef int _process_events(self) except -1
+    cdef int _synchronize_and_free_events(self) except -1
+    cdef int _flush_trace(self) except -1
+    cdef object _out_of_memory(self, object requested, object tried=*)
+    cdef inline void _update_unusual(self) noexcept nogil
+    cdef int _check_usable(self) except -1
+    cdef uintptr_t c_malloc(self, size_t size, uintptr_t stream, bint by_handle=*) except? 0
+    cdef int _after_malloc(self, uintptr_t ptr, size_t size, bint by_handle) except -1
+    cdef int _tell_backend_dropped_streams(self) except -1
+    cdef int _try_free(self, uintptr_t ptr, bint by_handle, bint from_finalizer) except -1
+    cdef int _after_free(self) except -1
+    cdef int c_free(self, uintptr_t ptr) except -1
+    cdef bint c_owns(self, uintptr_t ptr) noexcept
+    cdef int _refuse_huge(self, object n) except -1
+    cpdef int64_t stat(self, int which, int pool, int metric)
+    cdef bint _lock_for_fork(self)
+
+
+@cython.no_gc_clear
+cdef class Allocation:
+    cdef readonly CachingAllocator allocator
+    cdef readonly uintptr_t ptr
+    cdef readonly size_t size
+
+

@@ -1,0 +1,117 @@
+# Included by _core.pyx: checks off the hot path. A new segment from the
+# backend must not overlap memory the allocator already holds; and, for the
+# tests, the whole allocator's consistency (segments, free index, statistics).
+
+cdef int _check_new_segment(CachingAllocator self, uintptr_t ptr, size_t size) except -1:
+    """A backend that hands out memory this allocator already holds would
+    give two owners the same bytes: refuse it (the memory is not given
+    back, since freeing it could free the live segment)."""
+    if ptr > <uintptr_t>-1 - size:
+        raise RuntimeError(f"the {self.device_name} backend returned {ptr:#x} for {size} bytes: "
+                           f"that range wraps around the address space (a backend error)")
+    cdef cmap[uintptr_t, Segment*].iterator it = self.segments_by_base.upper_bound(ptr)
+    cdef Segment* clash = NULL
+    if it != self.segments_by_base.end() and deref(it).first < ptr + size:
+        clash = deref(it).second
+    elif it != self.segments_by_base.begin():
+        it = _map_prev(it)
+        if deref(it).second.base + deref(it).second.size > ptr:
+            clash = deref(it).second
+    if clash != NULL:
+        raise RuntimeError(
+            f"the {self.device_name} backend returned {ptr:#x} ({size} bytes), which overlaps "
+            f"memory it already gave this allocator ({clash.base:#x}, {clash.size} bytes): "
+            f"a backend error; nothing was allocated")
+    return 0
+
+
+def _check_invariants(CachingAllocator self):
+    """Verify the allocator's internal consistency (for tests): segments
+    tile their memory, the free index holds exactly the free blocks, and
+    every statistic equals what the blocks say. Raises AssertionError."""
+    cdef Segment* seg
+    cdef Block* b
+    cdef FreeIndex* fi
+    cdef SizeClass* sc
+    cdef Stat s
+    cdef size_t k
+    cdef int p
+    cdef StreamTable.iterator it
+    expect = {name: [0, 0, 0] for name in _CORE_STAT_NAMES}
+    segment_streams = []
+    stream_use_count = {}
+    n_free_blocks = 0
+    self._lock()
+    try:
+        seg = self.segments
+        reserved = 0
+        while seg != NULL:
+            assert seg.head.prev == NULL and seg.head.ptr == seg.base, "segment head"
+            segment_streams.append(seg.stream)
+            assert self.segments_by_base[seg.base] == seg, "segment indexed by its base"
+            p = POOL_SMALL if seg.is_small else POOL_LARGE
+            for pool in (POOL_ALL, p):
+                expect["segment"][pool] += 1
+                expect["reserved_bytes"][pool] += seg.size
+            reserved += seg.size
+            b = seg.head
+            cursor = seg.base
+            while b != NULL:
+                assert b.ptr == cursor, "blocks must tile their segment"
+                assert b.segment == seg and b.is_small == seg.is_small and b.stream == seg.stream
+                assert b.size > 0 and b.size % K_MIN_BLOCK == 0
+                if b.next != NULL:
+                    assert b.next.prev == b
+                cursor += b.size
+                split = seg.head.next != NULL
+                for pool in (POOL_ALL, p):
+                    if b.allocated:
+                        expect["allocation"][pool] += 1
+                        expect["allocated_bytes"][pool] += b.size
+                    if b.allocated or b.event_count > 0:
+                        expect["active"][pool] += 1
+                        expect["active_bytes"][pool] += b.size
+                        expect["requested_bytes"][pool] += b.requested_size
+                    elif split:
+                        expect["inactive_split"][pool] += 1
+                        expect["inactive_split_bytes"][pool] += b.size
+                if b.stream_uses != NULL:
+                    for k in range(b.stream_uses.size()):
+                        use = b.stream_uses[0][k]
+                        stream_use_count[use] = stream_use_count.get(use, 0) + 1
+                if b.allocated:
+                    assert um_find(&self.active, b.ptr) == <void*>b, "allocated block is indexed"
+                elif b.event_count == 0:
+                    n_free_blocks += 1
+                    fi = self._pool_of(b)
+                    sc = <SizeClass*>um_find(&fi.by_size, b.size)
+                    assert sc != NULL and b.heap_pos < sc.heap.size() and sc.heap[b.heap_pos] == b, \
+                        "free block is in its size class"
+                    assert b.prev == NULL or b.prev.allocated or b.prev.event_count > 0, "free neighbours merge"
+                b = b.next
+            assert cursor == seg.base + seg.size, "blocks cover their segment"
+            seg = seg.next_seg
+        assert reserved == self.total_allocated_memory
+        indexed = 0
+        it = self.streams.begin()
+        while it != self.streams.end():
+            indexed += deref(it).second.small.n_blocks + deref(it).second.large.n_blocks
+            segments_of_stream = deref(it).second.n_segments
+            stream = deref(it).first
+            assert deref(it).second.n_stream_uses == stream_use_count.get(stream, 0), \
+                "each stream's table entry counts the live blocks that record_stream named it on"
+            assert segments_of_stream == sum(1 for seg_stream in segment_streams if seg_stream == stream), \
+                "each stream's pools count its segments"
+            inc(it)
+        for stream in set(segment_streams):
+            assert self.streams.find(stream) != self.streams.end(), "every segment's stream has pools"
+        assert self.segments_by_base.size() == len(segment_streams), "the segment index holds the segments"
+        assert indexed == n_free_blocks, f"free index holds {indexed} blocks, segments {n_free_blocks}"
+        for k in range(N_STATS):
+            name = _CORE_STAT_NAMES[k]
+            for p in range(3):
+                s = self.stats.core[k][p]
+                assert s.current == expect[name][p], f"{name}[{p}] is {s.current}, blocks say {expect[name][p]}"
+                assert s.peak >= s.current, f"{name}[{p}] peak below current"
+    finally:
+        self._unlock()

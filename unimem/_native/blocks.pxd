@@ -1,0 +1,253 @@
+# Blocks, segments, and the free-block index of one (stream, pool).
+#
+# Why the free-block index looks the way it does: PyTorch keeps free blocks in a
+# ``std::set`` ordered by (size, address). We keep, per stream and pool, one
+# *size class* per distinct block size (a min-heap of blocks by address), found in
+# O(1) through a hash table, plus an ordered map of the sizes for the best fit
+# when the exact size is not cached. The answer is the same block PyTorch would
+# pick; an exact-size hit, the common case in training loops, costs no tree walk
+# however many different sizes are cached.
+from libc.stdint cimport int64_t, uintptr_t
+from libc.stdlib cimport malloc as sys_malloc, free as sys_free
+from libc.string cimport memset
+from libcpp.vector cimport vector
+from libcpp.map cimport map as cmap
+from libcpp.utility cimport pair
+from libcpp.unordered_map cimport unordered_map
+
+from unimem._native.addr_map cimport (U64Map, um_init, um_destroy, um_find, um_pop,
+                                      um_put_unchecked, um_reserve)
+
+cdef struct Segment
+cdef cppclass FreeIndex
+
+cdef struct Block:
+    uintptr_t ptr
+    size_t size
+    size_t requested_size
+    uintptr_t stream               # the stream the block was allocated on
+    Block* prev                    # neighbours inside the same segment
+    Block* next
+    Segment* segment
+    FreeIndex* index               # the free index of its stream and pool
+    vector[uintptr_t]* stream_uses # other streams that used it (record_stream)
+    int64_t gc_count_base          # pool's get_free_block count when it was freed
+    size_t heap_pos                # position in its size class while free
+    int event_count                # outstanding stream events before reuse
+    bint allocated
+    bint is_small
+    bint by_handle                 # handed out inside an Allocation: only it may free it
+
+cdef struct Segment:
+    uintptr_t base
+    size_t size
+    uintptr_t stream
+    bint is_small
+    Block* head
+    Segment* prev_seg              # the allocator's list of all segments
+    Segment* next_seg
+
+
+# A pool of Block structs: splitting and merging on the hot path must not call
+# malloc/free. Blocks are recycled through a singly linked free list.
+cdef struct BlockSlab:
+    Block* free_list
+
+cdef inline Block* block_new(BlockSlab* slab) noexcept nogil:
+    cdef Block* b = slab.free_list
+    if b != NULL:
+        slab.free_list = b.next
+    else:
+        b = <Block*>sys_malloc(sizeof(Block))
+        if b == NULL:
+            return NULL
+    memset(b, 0, sizeof(Block))
+    return b
+
+cdef inline void block_delete(BlockSlab* slab, Block* b) noexcept nogil:
+    if b.stream_uses != NULL:
+        del b.stream_uses
+        b.stream_uses = NULL
+    b.next = slab.free_list
+    slab.free_list = b
+
+cdef inline void slab_destroy(BlockSlab* slab) noexcept nogil:
+    cdef Block* b = slab.free_list
+    cdef Block* n
+    while b != NULL:
+        n = b.next
+        sys_free(b)
+        b = n
+    slab.free_list = NULL
+
+
+
+cdef cppclass SizeClass:
+    size_t size
+    vector[Block*] heap            # a min-heap of free blocks by address
+
+cdef cppclass FreeIndex:
+    cmap[size_t, SizeClass*] classes   # every size class, ordered by size
+    U64Map by_size                     # size -> SizeClass*, for O(1) exact hits
+    size_t n_blocks
+    size_t n_empty_classes
+    int64_t get_free_blocks_call_count # for garbage collection ages
+    bint is_small
+
+cdef inline bint addr_less(Block* a, Block* b) noexcept nogil:
+    return a.ptr < b.ptr
+
+cdef inline void heap_sift_up(vector[Block*]* h, size_t i) noexcept nogil:
+    cdef Block* item = h[0][i]
+    cdef size_t parent
+    while i > 0:
+        parent = (i - 1) >> 1
+        if not addr_less(item, h[0][parent]):
+            break
+        h[0][i] = h[0][parent]
+        h[0][i].heap_pos = i
+        i = parent
+    h[0][i] = item
+    item.heap_pos = i
+
+cdef inline void heap_sift_down(vector[Block*]* h, size_t i) noexcept nogil:
+    cdef size_t n = h.size()
+    cdef Block* item = h[0][i]
+    cdef size_t child
+    while True:
+        child = 2 * i + 1
+        if child >= n:
+            break
+        if child + 1 < n and addr_less(h[0][child + 1], h[0][child]):
+            child += 1
+        if not addr_less(h[0][child], item):
+            break
+        h[0][i] = h[0][child]
+        h[0][i].heap_pos = i
+        i = child
+    h[0][i] = item
+    item.heap_pos = i
+
+cdef inline void heap_push(SizeClass* sc, Block* b) noexcept nogil:
+    sc.heap.push_back(b)
+    heap_sift_up(&sc.heap, sc.heap.size() - 1)
+
+cdef inline void heap_remove(SizeClass* sc, Block* b) noexcept nogil:
+    cdef size_t i = b.heap_pos
+    cdef Block* last = sc.heap.back()
+    sc.heap.pop_back()
+    if last == b:
+        return
+    sc.heap[i] = last
+    last.heap_pos = i
+    heap_sift_up(&sc.heap, i)
+    heap_sift_down(&sc.heap, last.heap_pos)
+
+cdef inline FreeIndex* fi_new(bint is_small) noexcept nogil:
+    cdef FreeIndex* fi = new FreeIndex()
+    if um_init(&fi.by_size, 6) != 0:
+        del fi
+        return NULL
+    fi.n_blocks = 0
+    fi.n_empty_classes = 0
+    fi.get_free_blocks_call_count = 0
+    fi.is_small = is_small
+    return fi
+
+cdef inline void fi_delete(FreeIndex* fi) noexcept nogil:
+    cdef pair[size_t, SizeClass*] entry
+    for entry in fi.classes:
+        del entry.second
+    um_destroy(&fi.by_size)
+    del fi
+
+cdef extern from *:
+    """
+    template <class It> static inline auto um_second(It it) { return it->second; }
+    template <class It> static inline It um_next(It it) { return ++it; }
+    template <class It> static inline It um_prev(It it) { return --it; }
+    """
+    SizeClass* um_second(cmap[size_t, SizeClass*].iterator it) nogil
+    cmap[size_t, SizeClass*].iterator um_next(cmap[size_t, SizeClass*].iterator it) nogil
+    cmap[uintptr_t, Segment*].iterator _map_prev "um_prev"(cmap[uintptr_t, Segment*].iterator it) nogil
+
+cdef inline void fi_sweep_empty(FreeIndex* fi) noexcept nogil:
+    """Drop size classes that have stayed empty (they are kept for a while so
+    that an alloc/free pair of one size does not create and destroy one)."""
+    cdef cmap[size_t, SizeClass*].iterator it = fi.classes.begin()
+    cdef SizeClass* sc
+    while it != fi.classes.end():
+        sc = um_second(it)
+        if sc.heap.empty():
+            um_pop(&fi.by_size, sc.size)
+            del sc
+            it = fi.classes.erase(it)
+        else:
+            it = um_next(it)
+    fi.n_empty_classes = 0
+
+cdef inline int fi_insert(FreeIndex* fi, Block* b) noexcept nogil:
+    """Add a free block. Returns -1 (and changes nothing) when out of host memory."""
+    cdef SizeClass* sc = <SizeClass*>um_find(&fi.by_size, b.size)
+    if sc == NULL:
+        if um_reserve(&fi.by_size, fi.by_size.count + 1) != 0:
+            return -1
+        sc = new SizeClass()
+        sc.size = b.size
+        fi.classes[b.size] = sc
+        um_put_unchecked(&fi.by_size, b.size, sc)
+    elif sc.heap.empty():
+        fi.n_empty_classes -= 1
+    heap_push(sc, b)
+    b.gc_count_base = fi.get_free_blocks_call_count
+    fi.n_blocks += 1
+    return 0
+
+cdef inline void fi_remove(FreeIndex* fi, Block* b) noexcept nogil:
+    fi_remove_from(fi, <SizeClass*>um_find(&fi.by_size, b.size), b)
+
+cdef inline void fi_remove_from(FreeIndex* fi, SizeClass* sc, Block* b) noexcept nogil:
+    heap_remove(sc, b)
+    fi.n_blocks -= 1
+    if sc.heap.empty():
+        fi.n_empty_classes += 1
+        if fi.n_empty_classes > 64 and fi.n_empty_classes > 2 * (fi.classes.size() - fi.n_empty_classes):
+            fi_sweep_empty(fi)
+
+cdef inline Block* fi_best_fit(FreeIndex* fi, size_t size, SizeClass** found) noexcept nogil:
+    """The smallest free block of at least ``size`` bytes, lowest address
+    first; ``found`` receives its size class."""
+    cdef SizeClass* sc = <SizeClass*>um_find(&fi.by_size, size)
+    if sc != NULL and not sc.heap.empty():
+        found[0] = sc
+        return sc.heap[0]
+    if fi.n_blocks == 0:
+        return NULL
+    cdef cmap[size_t, SizeClass*].iterator it = fi.classes.upper_bound(size)
+    while it != fi.classes.end():
+        sc = um_second(it)
+        if not sc.heap.empty():
+            found[0] = sc
+            return sc.heap[0]
+        it = um_next(it)
+    return NULL
+
+
+# The free indexes of one stream. They live while the stream has segments:
+# a program that uses many short-lived streams (a queue per task) must not
+# keep an index per stream it ever saw.
+cdef struct StreamPools:
+    uintptr_t stream
+    FreeIndex* small
+    FreeIndex* large
+    size_t n_segments
+    size_t n_stream_uses           # live blocks of any stream that record_stream named it on
+
+ctypedef unordered_map[uintptr_t, StreamPools*] StreamTable
+
+cdef inline void stream_pools_delete(StreamPools* sp) noexcept nogil:
+    if sp.small != NULL:
+        fi_delete(sp.small)
+    if sp.large != NULL:
+        fi_delete(sp.large)
+    sys_free(sp)
