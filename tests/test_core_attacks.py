@@ -647,3 +647,18 @@ def test_xpu_empty_cache_does_not_wait_on_the_queue_holding_the_lock():
     """, timeout=30)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "caught 0" not in result.stdout and "caught" in result.stdout, result.stdout
+
+
+def test_a_second_init_is_refused_and_leaves_the_allocator_working():
+    """``__init__`` called again on a live allocator used to reset its
+    statistics and replace its address table while segments and blocks
+    existed (leaking the table and losing every live block)."""
+    a = _core.CachingAllocator(SimulatedBackend(), 0)
+    p = a.malloc(4096)
+    before = a.memory_stats()
+    with pytest.raises(RuntimeError, match="already initialized"):
+        a.__init__(SimulatedBackend(), 0)
+    assert a.memory_stats() == before
+    assert a.owns(p)
+    a.free(p)
+    a._check_invariants()

@@ -108,22 +108,10 @@ cdef class CachingAllocator:
     cdef Block* _malloc_cached(self, size_t orig_size, uintptr_t stream, bint by_handle,
                                int* status) noexcept nogil
     cdef inline void _trace(self, int action, uintptr_t addr, size_t size, uintptr_t stream) noexcept nogil
-    cdef int _backend_malloc(self, size_t size, uintptr_t stream, uintptr_t* out) except -1
-    cdef int _backend_free(self, uintptr_t ptr, size_t size, uintptr_t stream,
-                           bint release_gil) except -1
     cdef Block* _alloc_block(self, size_t alloc_size, size_t size, uintptr_t stream, bint is_small,
                              bint is_retry) except? NULL
     cdef inline void _link_segment(self, Segment* seg) noexcept nogil
     cdef inline void _unlink_segment(self, Segment* seg) noexcept nogil
-    cdef void _detach_segment(self, Segment* seg) noexcept nogil
-    cdef int _release(self, vector[Segment*]& victims) except -1
-    cdef inline bint _segment_is_free(self, Segment* seg) noexcept nogil
-    cdef int _release_segments(self, bint only_large, bint has_stream, uintptr_t stream,
-                               size_t min_size) except -1
-    cdef bint _release_available_cached_blocks(self, size_t size, uintptr_t stream) except -1
-    cdef int _garbage_collect(self) except -1
-    cdef int _release_to_reserved_ratio(self, size_t size, size_t alloc_size) except -1
-    cdef inline int64_t _gc_age(self, Block* b) noexcept nogil
     cdef inline size_t _segment_size(self, size_t size) noexcept nogil
     cdef Block* _malloc_slow(self, size_t orig_size, uintptr_t stream, bint by_handle,
                              bint* oom, size_t* tried) except? NULL
@@ -132,18 +120,12 @@ cdef class CachingAllocator:
     cdef inline int _reserve_class(self, Block* b) noexcept nogil
     cdef int _free_fast(self, uintptr_t ptr, bint by_handle) noexcept nogil
     cdef inline void _account_free_request(self, Block* b) noexcept nogil
-    cdef int _free_with_events(self, uintptr_t ptr) except -1
-    cdef void _forget_stream_uses(self, Block* b) noexcept nogil
-    cdef int _release_events(self, list events) except -1
-    cdef int _process_events(self) except -1
-    cdef int _synchronize_and_free_events(self) except -1
     cdef int _flush_trace(self) except -1
     cdef object _out_of_memory(self, object requested, object tried=*)
     cdef inline void _update_unusual(self) noexcept nogil
     cdef int _check_usable(self) except -1
     cdef uintptr_t c_malloc(self, size_t size, uintptr_t stream, bint by_handle=*) except? 0
     cdef int _after_malloc(self, uintptr_t ptr, size_t size, bint by_handle) except -1
-    cdef int _tell_backend_dropped_streams(self) except -1
     cdef int _try_free(self, uintptr_t ptr, bint by_handle, bint from_finalizer) except -1
     cdef int _after_free(self) except -1
     cdef int c_free(self, uintptr_t ptr) except -1

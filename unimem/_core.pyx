@@ -23,12 +23,15 @@ Python, stream events, history hooks) is on the miss path.
 
 Layout: the data structures (blocks, segments, the free index, the address
 table, the statistics' storage) are in ``unimem/_native/*.pxd`` as inline
-functions; this file is the state machine (lifecycle, lock, hot path, miss
-path, free and merge, stream events) and its thin Python methods; the cold
-parts are included from ``_core_errors.pxi`` (errors, OOM text),
+functions, and the provider ABI in ``_native/provider.h``. This file is the
+state machine: lifecycle, lock, hot path, miss path, free and merge, and the
+thin Python methods. Included from beside it, as module-level functions of
+the same extension: ``_core_provider.pxi`` (calls into the backend),
+``_core_reclaim.pxi`` (cached memory going back), ``_core_streams.pxi``
+(stream-ordered reuse), ``_core_errors.pxi`` (errors, OOM text),
 ``_core_stats.pxi`` (statistics and snapshot export), ``_core_debug.pxi``
-(debug mode) and ``_core_checks.pxi`` (consistency checks). Other Cython
-modules cimport the interface in ``_core.pxd``.
+(debug mode) and ``_core_checks.pxi`` (option and consistency checks).
+Other Cython modules cimport the interface in ``_core.pxd``.
 """
 
 cimport cython
@@ -82,6 +85,9 @@ include "_core_errors.pxi"
 include "_core_stats.pxi"
 include "_core_debug.pxi"
 include "_core_checks.pxi"
+include "_core_provider.pxi"
+include "_core_reclaim.pxi"
+include "_core_streams.pxi"
 
 
 # Every allocator alive, so that fork handlers can repair their locks.
@@ -130,26 +136,26 @@ cdef class CachingAllocator:
     """
 
 
-    def __cinit__(self):
-        self.segments = NULL
-        self.last_pools = NULL
-        self.slab.free_list = NULL
-        self.active.keys = NULL
-        self.active.vals = NULL
-
     def __init__(self, backend, int device=0, *, max_split_size=None,
                  max_non_split_rounding=K_LARGE_BUFFER,
                  roundup_power2_divisions=None,
                  double garbage_collection_threshold=0.0, double max_reserved_ratio=0.0,
                  bint exact_segments=False):
+        # C fields start zeroed and object fields None (Cython's tp_new); a
+        # second __init__ would drop the tables of a working allocator.
+        if self.backend is not None:
+            raise RuntimeError("this CachingAllocator is already initialized")
         if backend is None:
             raise TypeError("a backend is required")
+        _set_policy(self, max_split_size, max_non_split_rounding, roundup_power2_divisions,
+                    garbage_collection_threshold, max_reserved_ratio)
+        if um_init(&self.active, 10) != 0:
+            raise MemoryError("cannot allocate the allocator's tables")
         self.backend = backend
         self.device = device
         self.device_name = str(getattr(backend, "name", type(backend).__name__))
         self._py_malloc = backend.malloc
         self._py_free = backend.free
-        self._has_raw = False
         raw = getattr(backend, "_raw_api", None)
         if raw is not None and PyCapsule_IsValid(raw, UM_PROVIDER_CAPSULE):
             self._raw = (<RawAllocatorAPI*>PyCapsule_GetPointer(raw, UM_PROVIDER_CAPSULE))[0]
@@ -158,59 +164,12 @@ cdef class CachingAllocator:
             self._has_raw = self._raw.version == UM_PROVIDER_VERSION
             # The struct lives in this object (the backend itself by default).
             self._raw_owner = getattr(backend, "_raw_owner", backend)
-
-        if max_split_size is None:
-            self.max_split_size = SIZE_UNSET
-        else:
-            if max_split_size < K_LARGE_BUFFER:
-                raise ValueError(f"max_split_size must be at least {K_LARGE_BUFFER} bytes (20 MiB), got {max_split_size}")
-            self.max_split_size = max_split_size
-        if max_non_split_rounding < K_LARGE_BUFFER:
-            raise ValueError(f"max_non_split_rounding must be at least {K_LARGE_BUFFER} bytes (20 MiB)")
-        self.max_non_split_rounding = max_non_split_rounding
-        cdef int i
-        if roundup_power2_divisions is None:
-            divisions = [0] * K_ROUNDUP_INTERVALS
-        else:
-            divisions = list(roundup_power2_divisions)
-            if len(divisions) != K_ROUNDUP_INTERVALS:
-                raise ValueError(f"roundup_power2_divisions needs {K_ROUNDUP_INTERVALS} values, got {len(divisions)}")
-        for i in range(K_ROUNDUP_INTERVALS):
-            d = divisions[i]
-            if d < 0 or (d & (d - 1)) != 0:
-                raise ValueError(f"roundup_power2_divisions must be powers of 2 (or 0), got {d}")
-            self.roundup_divisions[i] = d
-        if not (0.0 <= garbage_collection_threshold < 1.0):
-            raise ValueError("garbage_collection_threshold must be in [0.0, 1.0)")
-        self.gc_threshold = garbage_collection_threshold
-        if max_reserved_ratio != 0.0 and not (max_reserved_ratio >= 1.0):
-            raise ValueError(f"max_reserved_ratio must be at least 1.0 (or 0: off), got {max_reserved_ratio}")
-        self.max_reserved_ratio = max_reserved_ratio
-
         self.fraction = 1.0
-        self.set_fraction = False
-        self.capacity = 0
-        self.max_allocation = 0
-        memset(&self.stats, 0, sizeof(DeviceStats))
-        self.total_allocated_memory = 0
-        if um_init(&self.active, 10) != 0:
-            raise MemoryError("cannot allocate the allocator's tables")
         self.exact_segments = exact_segments
-        self.limit_in_bytes = False
-        self.lost_segment_count = 0
-        self.lost_segment_bytes = 0
         self.pending_events = []
         self.syncing_events = []
-        self.n_pending_events = 0
-        self.recording = False
-        self.trace_hook = None
         self.oom_observers = []
-        self.poisoned = False
-        self.poison_reason = None
-        self.debug_on = False
-        self.unusual = False
         self.debug_sites = {}
-        self.debug_sequence = 0
         self.debug_messages = []
         _live_allocators.add(self)
 
@@ -228,10 +187,10 @@ cdef class CachingAllocator:
         cdef Segment* nxt
         while seg != NULL:
             nxt = seg.next_seg
-            if self._segment_is_free(seg):
-                self._detach_segment(seg)
+            if _segment_is_free(self, seg):
+                _detach_segment(self, seg)
                 try:
-                    self._backend_free(seg.base, seg.size, seg.stream, False)
+                    _backend_free(self, seg.base, seg.size, seg.stream, False)
                 except BaseException as exc:
                     _report_unraisable(exc, "unimem allocator teardown")
                 block_delete(&self.slab, seg.head)
@@ -487,52 +446,7 @@ cdef class CachingAllocator:
     # ------------------------------------------------------------------
     # the miss path (may call Python)
     # ------------------------------------------------------------------
-    cdef int _backend_malloc(self, size_t size, uintptr_t stream, uintptr_t* out) except -1:
-        """Ask the backend for ``size`` bytes. 0: got it; 1: out of memory."""
-        cdef int rc
-        cdef int64_t t0 = um_now_ns()
-        out[0] = 0
-        if self._has_raw:
-            rc = self._raw.malloc(self._raw.ctx, size, self.device, stream, out)
-            if rc == RAW_OK and out[0] != 0:
-                duration_add(&self.stats.device_alloc_time, (um_now_ns() - t0) // 1000)
-                return 0
-            if rc == RAW_OUT_OF_MEMORY:
-                return 1
-            # Anything else: let the Python method explain itself below.
-        try:
-            ptr = self._py_malloc(size, self.device, stream)
-        except MemoryError:
-            return 1
-        if ptr is None or ptr == 0:
-            return 1
-        try:
-            if isinstance(ptr, (bool, float)):       # 4096.5 is no address, True no pointer
-                raise TypeError
-            out[0] = _operator_index(ptr)
-        except (TypeError, OverflowError):
-            # The memory (if any) cannot be described, so it cannot be given back.
-            raise TypeError(f"backend malloc must return an address as a positive int, got {ptr!r}") from None
-        duration_add(&self.stats.device_alloc_time, (um_now_ns() - t0) // 1000)
-        return 0
 
-    cdef int _backend_free(self, uintptr_t ptr, size_t size, uintptr_t stream,
-                           bint release_gil) except -1:
-        """Give memory back. ``release_gil`` only when the lock is not held."""
-        cdef int rc
-        cdef int64_t t0 = um_now_ns()
-        if self._has_raw:
-            if release_gil:
-                with nogil:
-                    rc = self._raw.free(self._raw.ctx, ptr, size, self.device, stream)
-            else:
-                rc = self._raw.free(self._raw.ctx, ptr, size, self.device, stream)
-            if rc == RAW_OK:
-                duration_add(&self.stats.device_free_time, (um_now_ns() - t0) // 1000)
-                return 0
-        self._py_free(ptr, size, self.device, stream)
-        duration_add(&self.stats.device_free_time, (um_now_ns() - t0) // 1000)
-        return 0
 
     cdef Block* _alloc_block(self, size_t alloc_size, size_t size, uintptr_t stream, bint is_small,
                              bint is_retry) except? NULL:
@@ -557,7 +471,7 @@ cdef class CachingAllocator:
         cdef uintptr_t ptr = 0
         cdef int rc
         try:
-            rc = self._backend_malloc(alloc_size, stream, &ptr)
+            rc = _backend_malloc(self, alloc_size, stream, &ptr)
             if rc == 0:
                 _check_new_segment(self, ptr, alloc_size)
         except BaseException:
@@ -574,7 +488,7 @@ cdef class CachingAllocator:
         if sp == NULL:
             sys_free(seg)
             block_delete(&self.slab, b)
-            self._backend_free(ptr, alloc_size, stream, False)
+            _backend_free(self, ptr, alloc_size, stream, False)
             raise MemoryError("host memory for the allocator's bookkeeping ran out")
         seg.base = ptr
         seg.size = alloc_size
@@ -619,187 +533,13 @@ cdef class CachingAllocator:
             seg.next_seg.prev_seg = seg.prev_seg
         self.segments_by_base.erase(seg.base)
 
-    cdef void _detach_segment(self, Segment* seg) noexcept nogil:
-        """Take a wholly free segment out of the allocator (and its statistics)."""
-        cdef Block* b = seg.head
-        cdef StreamPools* sp
-        fi_remove(self._pool_of(b), b)
-        self._unlink_segment(seg)
-        self.stats.num_device_free += 1
-        self.total_allocated_memory -= seg.size
-        pool_decrease(&self.stats, S_SEGMENT, seg.is_small, 1)
-        pool_decrease(&self.stats, S_RESERVED_BYTES, seg.is_small, seg.size)
-        if seg.size >= self.max_split_size:
-            stat_decrease(&self.stats.oversize_segments, 1)
-        if self.recording:
-            self._trace(T_SEGMENT_FREE, seg.base, seg.size, seg.stream)
-        sp = self._stream_pools(seg.stream)
-        if sp != NULL:
-            sp.n_segments -= 1
-            self._drop_stream_if_unused(sp)
 
-    cdef int _release(self, vector[Segment*]& victims) except -1:
-        """Give wholly free, unsplit segments back to the backend (PyTorch's
-        release_block). They leave the allocator under the lock; the backend
-        is then called outside it (and, for a raw backend, without the GIL),
-        because giving memory back may wait for the device (the XPU backend
-        waits on the queue, whose host tasks may need the GIL and this lock).
 
-        A backend free that raises may or may not have released the memory
-        (a Ctrl-C can arrive after the driver let go): such a segment is never
-        cached again, since handing it out could hand out freed memory. It is
-        forgotten, counted in :meth:`lost_segments`, and the first error is
-        raised once the other segments were given back."""
-        cdef vector[Segment*] detached
-        cdef Segment* seg
-        cdef size_t i
-        for i in range(victims.size()):
-            seg = victims[i]
-            if self._segment_is_free(seg):   # it may have been reused meanwhile
-                self._detach_segment(seg)
-                detached.push_back(seg)
-        if detached.empty():
-            return 0
-        cdef bint outside = self.lock_depth == 1
-        first_error = None
-        if outside:
-            self._unlock()
-        try:
-            for i in range(detached.size()):
-                seg = detached[i]
-                try:
-                    self._backend_free(seg.base, seg.size, seg.stream, outside)
-                except BaseException as exc:
-                    if first_error is None:
-                        first_error = exc
-                    self.lost_segment_count += 1
-                    self.lost_segment_bytes += seg.size
-        finally:
-            if outside:
-                self._lock()
-            for i in range(detached.size()):
-                block_delete(&self.slab, detached[i].head)
-                sys_free(detached[i])
-        if first_error is not None:
-            raise first_error
-        return 0
 
-    cdef inline bint _segment_is_free(self, Segment* seg) noexcept nogil:
-        cdef Block* b = seg.head
-        return (b.next == NULL and not b.allocated and b.event_count == 0
-                and b.stream_uses == NULL)
 
-    cdef int _release_segments(self, bint only_large, bint has_stream, uintptr_t stream,
-                               size_t min_size) except -1:
-        """Release every wholly free segment matching the filter. The first
-        backend error is raised after the others were tried."""
-        cdef vector[Segment*] victims
-        cdef Segment* seg = self.segments
-        while seg != NULL:
-            if (self._segment_is_free(seg) and not (only_large and seg.is_small)
-                    and not (has_stream and seg.stream != stream) and seg.size >= min_size):
-                victims.push_back(seg)
-            seg = seg.next_seg
-        return self._release(victims)
 
-    cdef bint _release_available_cached_blocks(self, size_t size, uintptr_t stream) except -1:
-        """With max_split_size set (PyTorch's release_available_cached_blocks):
-        free the smallest cached oversize block of the stream that is big
-        enough, or else the stream's oversize blocks, largest first, until
-        as much as was asked has been released."""
-        if self.max_split_size == SIZE_UNSET:
-            return False
-        cdef size_t key = size if size >= self.max_split_size else self.max_split_size
-        cdef Segment* seg = self.segments
-        cdef Segment* best = NULL
-        cdef vector[Segment*] victims
-        candidates = []
-        while seg != NULL:
-            if (not seg.is_small and seg.stream == stream and self._segment_is_free(seg)
-                    and seg.size >= self.max_split_size):
-                candidates.append((seg.size, seg.base, <uintptr_t>seg))
-                if seg.size >= key and (best == NULL or (seg.size, seg.base) < (best.size, best.base)):
-                    best = seg
-            seg = seg.next_seg
-        if best != NULL:
-            victims.push_back(best)
-            self._release(victims)
-            return True
-        cdef size_t released = 0
-        for seg_size, _, seg_addr in sorted(candidates, reverse=True):
-            if released >= key:
-                break
-            released += seg_size
-            victims.push_back(<Segment*><uintptr_t>seg_addr)
-        self._release(victims)
-        return released >= key
 
-    cdef int _garbage_collect(self) except -1:
-        """Free cached large blocks that have waited longest (PyTorch's
-        garbage_collect_cached_blocks), until reserved memory is back under
-        garbage_collection_threshold × the allowed maximum."""
-        cdef size_t gc_threshold = <size_t>(self.gc_threshold * <double>self.allowed_memory_maximum)
-        if self.total_allocated_memory <= gc_threshold:
-            return 0
-        cdef size_t target = self.total_allocated_memory - gc_threshold
-        cdef size_t reclaimed = 0
-        cdef double total_age = 0.0
-        cdef int64_t count = 0
-        cdef Segment* seg = self.segments
-        cdef vector[Segment*] freeable
-        while seg != NULL:
-            if not seg.is_small and self._segment_is_free(seg):
-                freeable.push_back(seg)
-                total_age += <double>self._gc_age(seg.head)
-                count += 1
-            seg = seg.next_seg
-        cdef bint freed_one = True
-        cdef double threshold
-        cdef size_t i
-        cdef vector[Segment*] victims
-        while reclaimed < target and freed_one and count > 0:
-            threshold = total_age / count
-            freed_one = False
-            for i in range(freeable.size()):
-                seg = freeable[i]
-                if seg == NULL:
-                    continue
-                if <double>self._gc_age(seg.head) >= threshold:
-                    freed_one = True
-                    reclaimed += seg.size
-                    total_age -= <double>self._gc_age(seg.head)
-                    count -= 1
-                    freeable[i] = NULL
-                    victims.push_back(seg)
-        return self._release(victims)
 
-    cdef int _release_to_reserved_ratio(self, size_t size, size_t alloc_size) except -1:
-        """unimem's max_reserved_ratio (off by default; PyTorch has no such
-        policy): before growing, give back wholly free cached segments,
-        largest first, while reserved memory would exceed the ratio times
-        the memory in use. It bounds what the cache keeps beyond the live
-        data, at the cost of device calls when the working set shifts."""
-        cdef double in_use = <double>(self.stats.core[S_ALLOCATED_BYTES][POOL_ALL].current + size)
-        cdef double limit = self.max_reserved_ratio * in_use
-        cdef double reserved = <double>(self.total_allocated_memory + alloc_size)
-        if reserved <= limit:
-            return 0
-        cdef Segment* seg = self.segments
-        cdef vector[Segment*] victims
-        free_segments = []
-        while seg != NULL:
-            if self._segment_is_free(seg):
-                free_segments.append((-<int64_t>seg.size, seg.base, <uintptr_t>seg))
-            seg = seg.next_seg
-        for negative_size, _, address in sorted(free_segments):
-            if reserved <= limit:
-                break
-            victims.push_back(<Segment*><uintptr_t>address)
-            reserved += negative_size
-        return self._release(victims)
-
-    cdef inline int64_t _gc_age(self, Block* b) noexcept nogil:
-        return self._pool_of(b).get_free_blocks_call_count - b.gc_count_base
 
     cdef inline size_t _segment_size(self, size_t size) noexcept nogil:
         """The segment a miss of ``size`` rounded bytes asks the backend for
@@ -835,15 +575,15 @@ cdef class CachingAllocator:
             oom[0] = True
             return NULL
         if self._gc_enabled():
-            self._garbage_collect()
+            _garbage_collect(self)
         if self.max_reserved_ratio:
-            self._release_to_reserved_ratio(size, alloc_size)
+            _release_to_reserved_ratio(self, size, alloc_size)
         b = self._alloc_block(alloc_size, size, stream, is_small, False)
-        if b == NULL and self._release_available_cached_blocks(size, stream):
+        if b == NULL and _release_available_cached_blocks(self, size, stream):
             b = self._alloc_block(alloc_size, size, stream, is_small, False)
         if b == NULL:
-            self._synchronize_and_free_events()
-            self._release_segments(False, False, 0, 0)
+            _synchronize_and_free_events(self)
+            _release_segments(self, False, False, 0, 0)
             b = self._alloc_block(alloc_size, size, stream, is_small, True)
         if b == NULL:
             oom[0] = True
@@ -954,137 +694,10 @@ cdef class CachingAllocator:
         if self.recording:
             self._trace(T_FREE_REQUESTED, b.ptr, b.requested_size, b.stream)
 
-    cdef int _free_with_events(self, uintptr_t ptr) except -1:
-        """Free a block used on other streams: record an event on each, and
-        keep the block out of the pool until all of them have completed.
 
-        The block leaves the address index before the backend is called:
-        recording an event is Python code, whose garbage collection may run a
-        finalizer that frees the same address again, and that second free must
-        find nothing. If an event cannot be recorded, the events recorded so
-        far are given back and the block is live again, as before the call."""
-        cdef Block* b = <Block*>um_pop(&self.active, ptr)
-        cdef size_t i
-        events = []
-        try:
-            for i in range(b.stream_uses.size()):
-                events.append(self.backend.record_event(b.stream_uses[0][i], self.device))
-        except BaseException:
-            um_put(&self.active, ptr, b)      # count went down by one: no growth, cannot fail
-            self._release_events(events)
-            raise
-        self._account_free_request(b)
-        self._forget_stream_uses(b)
-        b.event_count = len(events)
-        for ev in events:
-            self.pending_events.append((ev, <uintptr_t>b))
-        self.n_pending_events = len(self.pending_events)
-        self._update_unusual()
-        if b.event_count == 0:
-            self._free_block(b)
-        return 0
 
-    cdef void _forget_stream_uses(self, Block* b) noexcept nogil:
-        """The block's events are recorded: its streams need it no more."""
-        cdef StreamPools* sp
-        cdef StreamTable.iterator it
-        for s in b.stream_uses[0]:
-            it = self.streams.find(s)
-            if it != self.streams.end():
-                sp = deref(it).second
-                sp.n_stream_uses -= 1
-                self._drop_stream_if_unused(sp)
-        del b.stream_uses
-        b.stream_uses = NULL
 
-    cdef int _release_events(self, list events) except -1:
-        """Give back events that will not be waited for (optional for a backend)."""
-        release = getattr(self.backend, "release_event", None)
-        if release is not None:
-            _tell_each(release, [(ev,) for ev in events], "unimem: giving back a stream event")
-        return 0
 
-    cdef int _process_events(self) except -1:
-        """Blocks whose recorded stream work has finished go back to the pool.
-
-        The backend is asked about every event first, and only then is any
-        block touched: a query is Python code, during which another thread may
-        fork, and the child must not find an event handled but still pending."""
-        cdef Block* b
-        query = self.backend.event_done
-        pending = self.pending_events
-        done = []
-        error = None
-        try:
-            for ev, _ in pending:
-                done.append(bool(query(ev)))
-        except BaseException as exc:
-            error = exc                     # the events not asked about stay pending
-        still_pending = []
-        for i in range(len(pending)):
-            if i >= len(done) or not done[i]:
-                still_pending.append(pending[i])
-                continue
-            b = <Block*><uintptr_t>pending[i][1]
-            if b.event_count == 1 and self._reserve_class(b) != 0:
-                still_pending.append(pending[i])
-                continue
-            b.event_count -= 1
-            if b.event_count == 0:
-                self._free_block(b)
-        self.pending_events = still_pending
-        self.n_pending_events = len(still_pending)
-        self._update_unusual()
-        if error is not None:
-            raise error
-        return 0
-
-    cdef int _synchronize_and_free_events(self) except -1:
-        """Wait for every recorded stream event, then free their blocks
-        (PyTorch's synchronize_and_free_events; counted in num_sync_all_streams).
-
-        Lock held on entry and exit, but not while waiting: a wait on a SYCL
-        queue may need a host task that frees a pool block, and so this lock
-        (when the lock is held more than once by this thread, it cannot be let
-        go, and only the events already complete are processed). The events
-        waited on sit in ``syncing_events`` meanwhile, so that a child forked
-        during the wait finds them (see _after_fork_in_child)."""
-        cdef Block* b
-        self.stats.num_sync_all_streams += 1
-        if not self.pending_events:
-            return 0
-        if self.lock_depth != 1:
-            return self._process_events()
-        taken = self.pending_events
-        self.pending_events = []
-        self.syncing_events = self.syncing_events + taken
-        self._unlock()
-        synced = 0
-        try:
-            sync = self.backend.event_synchronize
-            for ev, _ in taken:
-                sync(ev)
-                synced += 1
-        finally:
-            self._lock()
-            try:
-                for i in range(len(taken)):
-                    if i >= synced:
-                        self.pending_events.append(taken[i])      # wait again next time
-                        continue
-                    b = <Block*><uintptr_t>taken[i][1]
-                    if b.event_count == 1 and self._reserve_class(b) != 0:
-                        self.pending_events.append(taken[i])
-                        continue
-                    b.event_count -= 1
-                    if b.event_count == 0:
-                        self._free_block(b)
-            finally:
-                taken_ids = {id(e) for e in taken}
-                self.syncing_events = [e for e in self.syncing_events if id(e) not in taken_ids]
-                self.n_pending_events = len(self.pending_events)
-                self._update_unusual()
-        return 0
 
     # ------------------------------------------------------------------
     # after the lock: history and out-of-memory reporting
@@ -1157,7 +770,7 @@ cdef class CachingAllocator:
             self._unlock()
         if oom:
             if not self.dropped_streams.empty():
-                self._tell_backend_dropped_streams()
+                _tell_backend_dropped_streams(self)
             if self.recording:
                 self._flush_trace()
             raise self._out_of_memory(size, tried)
@@ -1170,7 +783,7 @@ cdef class CachingAllocator:
         who never saw the address."""
         try:
             if not self.dropped_streams.empty():
-                self._tell_backend_dropped_streams()
+                _tell_backend_dropped_streams(self)
             if self.recording:
                 self._flush_trace()
         except BaseException:
@@ -1180,20 +793,6 @@ cdef class CachingAllocator:
             _debug_after_malloc(self, ptr, size)
         return 0
 
-    cdef int _tell_backend_dropped_streams(self) except -1:
-        """Tell the backend (``release_stream(stream, device)``, optional) of
-        the streams this allocator no longer keeps anything for."""
-        cdef vector[uintptr_t] dropped
-        self._lock()
-        dropped.swap(self.dropped_streams)
-        self._unlock()
-        if dropped.empty():
-            return 0
-        release = getattr(self.backend, "release_stream", None)
-        if release is not None:
-            _tell_each(release, [(stream, self.device) for stream in dropped],
-                       "unimem: a backend's release_stream")
-        return 0
 
 
     cdef int _try_free(self, uintptr_t ptr, bint by_handle, bint from_finalizer) except -1:
@@ -1219,7 +818,7 @@ cdef class CachingAllocator:
             try:
                 if rc == 3:
                     raise MemoryError("host memory for the allocator's bookkeeping ran out")
-                self._free_with_events(ptr)
+                _free_with_events(self, ptr)
                 rc = 0
             finally:
                 self._unlock()
@@ -1235,7 +834,7 @@ cdef class CachingAllocator:
         if self.recording:
             self._flush_trace()
         if not self.dropped_streams.empty():
-            self._tell_backend_dropped_streams()
+            _tell_backend_dropped_streams(self)
         return 0
 
     cdef int c_free(self, uintptr_t ptr) except -1:
@@ -1346,12 +945,12 @@ cdef class CachingAllocator:
         cdef uintptr_t handle = check_stream(stream) if one_stream else 0
         self._lock()
         try:
-            self._synchronize_and_free_events()
-            self._release_segments(False, one_stream, handle, 0)
+            _synchronize_and_free_events(self)
+            _release_segments(self, False, one_stream, handle, 0)
             self._drop_unused_streams()
         finally:
             self._unlock()
-        self._tell_backend_dropped_streams()
+        _tell_backend_dropped_streams(self)
         self._flush_trace()
 
     def process_events(self):
@@ -1359,7 +958,7 @@ cdef class CachingAllocator:
         self._lock()
         try:
             if self.n_pending_events:
-                self._process_events()
+                _process_events(self)
         finally:
             self._unlock()
         self._flush_trace()

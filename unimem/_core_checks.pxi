@@ -1,6 +1,7 @@
-# Included by _core.pyx: checks off the hot path. A new segment from the
-# backend must not overlap memory the allocator already holds; and, for the
-# tests, the whole allocator's consistency (segments, free index, statistics).
+# Included by _core.pyx: checks off the hot path. The policy options given to
+# CachingAllocator(); a new segment from the backend, which must not overlap
+# memory the allocator already holds; and, for the tests, the whole
+# allocator's consistency (segments, free index, statistics).
 
 cdef int _check_new_segment(CachingAllocator self, uintptr_t ptr, size_t size) except -1:
     """A backend that hands out memory this allocator already holds would
@@ -115,3 +116,35 @@ def _check_invariants(CachingAllocator self):
                 assert s.peak >= s.current, f"{name}[{p}] peak below current"
     finally:
         self._unlock()
+
+
+cdef int _set_policy(CachingAllocator self, object max_split_size, object max_non_split_rounding,
+                     object roundup_power2_divisions, double garbage_collection_threshold,
+                     double max_reserved_ratio) except -1:
+    """Check the policy options of CachingAllocator() and store them; a
+    ValueError names the first one out of range (nothing is stored then)."""
+    cdef int i
+    if max_split_size is not None and max_split_size < K_LARGE_BUFFER:
+        raise ValueError(f"max_split_size must be at least {K_LARGE_BUFFER} bytes (20 MiB), got {max_split_size}")
+    if max_non_split_rounding < K_LARGE_BUFFER:
+        raise ValueError(f"max_non_split_rounding must be at least {K_LARGE_BUFFER} bytes (20 MiB)")
+    if roundup_power2_divisions is None:
+        divisions = [0] * K_ROUNDUP_INTERVALS
+    else:
+        divisions = list(roundup_power2_divisions)
+        if len(divisions) != K_ROUNDUP_INTERVALS:
+            raise ValueError(f"roundup_power2_divisions needs {K_ROUNDUP_INTERVALS} values, got {len(divisions)}")
+    for d in divisions:
+        if d < 0 or (d & (d - 1)) != 0:
+            raise ValueError(f"roundup_power2_divisions must be powers of 2 (or 0), got {d}")
+    if not (0.0 <= garbage_collection_threshold < 1.0):
+        raise ValueError("garbage_collection_threshold must be in [0.0, 1.0)")
+    if max_reserved_ratio != 0.0 and not (max_reserved_ratio >= 1.0):
+        raise ValueError(f"max_reserved_ratio must be at least 1.0 (or 0: off), got {max_reserved_ratio}")
+    self.max_split_size = SIZE_UNSET if max_split_size is None else max_split_size
+    self.max_non_split_rounding = max_non_split_rounding
+    for i in range(K_ROUNDUP_INTERVALS):
+        self.roundup_divisions[i] = divisions[i]
+    self.gc_threshold = garbage_collection_threshold
+    self.max_reserved_ratio = max_reserved_ratio
+    return 0

@@ -1,0 +1,67 @@
+# Included by _core.pyx: the calls into the backend. Through the provider ABI
+# (C, no GIL) when the backend publishes one of this version, else through its
+# Python methods; timed for backend_timing(). Cache misses and returns only.
+
+cdef int _backend_malloc(CachingAllocator self, size_t size, uintptr_t stream, uintptr_t* out) except -1:
+    """Ask the backend for ``size`` bytes. 0: got it; 1: out of memory."""
+    cdef int rc
+    cdef int64_t t0 = um_now_ns()
+    out[0] = 0
+    if self._has_raw:
+        rc = self._raw.malloc(self._raw.ctx, size, self.device, stream, out)
+        if rc == RAW_OK and out[0] != 0:
+            duration_add(&self.stats.device_alloc_time, (um_now_ns() - t0) // 1000)
+            return 0
+        if rc == RAW_OUT_OF_MEMORY:
+            return 1
+        # Anything else: let the Python method explain itself below.
+    try:
+        ptr = self._py_malloc(size, self.device, stream)
+    except MemoryError:
+        return 1
+    if ptr is None or ptr == 0:
+        return 1
+    try:
+        if isinstance(ptr, (bool, float)):       # 4096.5 is no address, True no pointer
+            raise TypeError
+        out[0] = _operator_index(ptr)
+    except (TypeError, OverflowError):
+        # The memory (if any) cannot be described, so it cannot be given back.
+        raise TypeError(f"backend malloc must return an address as a positive int, got {ptr!r}") from None
+    duration_add(&self.stats.device_alloc_time, (um_now_ns() - t0) // 1000)
+    return 0
+
+
+cdef int _backend_free(CachingAllocator self, uintptr_t ptr, size_t size, uintptr_t stream,
+                       bint release_gil) except -1:
+    """Give memory back. ``release_gil`` only when the lock is not held."""
+    cdef int rc
+    cdef int64_t t0 = um_now_ns()
+    if self._has_raw:
+        if release_gil:
+            with nogil:
+                rc = self._raw.free(self._raw.ctx, ptr, size, self.device, stream)
+        else:
+            rc = self._raw.free(self._raw.ctx, ptr, size, self.device, stream)
+        if rc == RAW_OK:
+            duration_add(&self.stats.device_free_time, (um_now_ns() - t0) // 1000)
+            return 0
+    self._py_free(ptr, size, self.device, stream)
+    duration_add(&self.stats.device_free_time, (um_now_ns() - t0) // 1000)
+    return 0
+
+
+cdef int _tell_backend_dropped_streams(CachingAllocator self) except -1:
+    """Tell the backend (``release_stream(stream, device)``, optional) of
+    the streams this allocator no longer keeps anything for."""
+    cdef vector[uintptr_t] dropped
+    self._lock()
+    dropped.swap(self.dropped_streams)
+    self._unlock()
+    if dropped.empty():
+        return 0
+    release = getattr(self.backend, "release_stream", None)
+    if release is not None:
+        _tell_each(release, [(stream, self.device) for stream in dropped],
+                   "unimem: a backend's release_stream")
+    return 0

@@ -1,0 +1,140 @@
+# Included by _core.pyx: stream-ordered reuse. A block used on other streams
+# (record_stream) is freed with one event per stream and goes back to the
+# free index only when they all completed; empty_cache and the last retry
+# before out-of-memory wait for them, outside the lock.
+
+cdef int _free_with_events(CachingAllocator self, uintptr_t ptr) except -1:
+    """Free a block used on other streams: record an event on each, and
+    keep the block out of the pool until all of them have completed.
+
+    The block leaves the address index before the backend is called:
+    recording an event is Python code, whose garbage collection may run a
+    finalizer that frees the same address again, and that second free must
+    find nothing. If an event cannot be recorded, the events recorded so
+    far are given back and the block is live again, as before the call."""
+    cdef Block* b = <Block*>um_pop(&self.active, ptr)
+    cdef size_t i
+    events = []
+    try:
+        for i in range(b.stream_uses.size()):
+            events.append(self.backend.record_event(b.stream_uses[0][i], self.device))
+    except BaseException:
+        um_put(&self.active, ptr, b)      # count went down by one: no growth, cannot fail
+        _release_events(self, events)
+        raise
+    self._account_free_request(b)
+    _forget_stream_uses(self, b)
+    b.event_count = len(events)
+    for ev in events:
+        self.pending_events.append((ev, <uintptr_t>b))
+    self.n_pending_events = len(self.pending_events)
+    self._update_unusual()
+    if b.event_count == 0:
+        self._free_block(b)
+    return 0
+
+
+cdef void _forget_stream_uses(CachingAllocator self, Block* b) noexcept nogil:
+    """The block's events are recorded: its streams need it no more."""
+    cdef StreamPools* sp
+    cdef StreamTable.iterator it
+    for s in b.stream_uses[0]:
+        it = self.streams.find(s)
+        if it != self.streams.end():
+            sp = deref(it).second
+            sp.n_stream_uses -= 1
+            self._drop_stream_if_unused(sp)
+    del b.stream_uses
+    b.stream_uses = NULL
+
+
+cdef int _release_events(CachingAllocator self, list events) except -1:
+    """Give back events that will not be waited for (optional for a backend)."""
+    release = getattr(self.backend, "release_event", None)
+    if release is not None:
+        _tell_each(release, [(ev,) for ev in events], "unimem: giving back a stream event")
+    return 0
+
+
+cdef int _process_events(CachingAllocator self) except -1:
+    """Blocks whose recorded stream work has finished go back to the pool.
+
+    The backend is asked about every event first, and only then is any
+    block touched: a query is Python code, during which another thread may
+    fork, and the child must not find an event handled but still pending."""
+    cdef Block* b
+    query = self.backend.event_done
+    pending = self.pending_events
+    done = []
+    error = None
+    try:
+        for ev, _ in pending:
+            done.append(bool(query(ev)))
+    except BaseException as exc:
+        error = exc                     # the events not asked about stay pending
+    still_pending = []
+    for i in range(len(pending)):
+        if i >= len(done) or not done[i]:
+            still_pending.append(pending[i])
+            continue
+        b = <Block*><uintptr_t>pending[i][1]
+        if b.event_count == 1 and self._reserve_class(b) != 0:
+            still_pending.append(pending[i])
+            continue
+        b.event_count -= 1
+        if b.event_count == 0:
+            self._free_block(b)
+    self.pending_events = still_pending
+    self.n_pending_events = len(still_pending)
+    self._update_unusual()
+    if error is not None:
+        raise error
+    return 0
+
+
+cdef int _synchronize_and_free_events(CachingAllocator self) except -1:
+    """Wait for every recorded stream event, then free their blocks
+    (PyTorch's synchronize_and_free_events; counted in num_sync_all_streams).
+
+    Lock held on entry and exit, but not while waiting: a wait on a SYCL
+    queue may need a host task that frees a pool block, and so this lock
+    (when the lock is held more than once by this thread, it cannot be let
+    go, and only the events already complete are processed). The events
+    waited on sit in ``syncing_events`` meanwhile, so that a child forked
+    during the wait finds them (see _after_fork_in_child)."""
+    cdef Block* b
+    self.stats.num_sync_all_streams += 1
+    if not self.pending_events:
+        return 0
+    if self.lock_depth != 1:
+        return _process_events(self)
+    taken = self.pending_events
+    self.pending_events = []
+    self.syncing_events = self.syncing_events + taken
+    self._unlock()
+    synced = 0
+    try:
+        sync = self.backend.event_synchronize
+        for ev, _ in taken:
+            sync(ev)
+            synced += 1
+    finally:
+        self._lock()
+        try:
+            for i in range(len(taken)):
+                if i >= synced:
+                    self.pending_events.append(taken[i])      # wait again next time
+                    continue
+                b = <Block*><uintptr_t>taken[i][1]
+                if b.event_count == 1 and self._reserve_class(b) != 0:
+                    self.pending_events.append(taken[i])
+                    continue
+                b.event_count -= 1
+                if b.event_count == 0:
+                    self._free_block(b)
+        finally:
+            taken_ids = {id(e) for e in taken}
+            self.syncing_events = [e for e in self.syncing_events if id(e) not in taken_ids]
+            self.n_pending_events = len(self.pending_events)
+            self._update_unusual()
+    return 0
