@@ -131,7 +131,6 @@ cdef class CachingAllocator:
     cdef int c_free(self, uintptr_t ptr) except -1
     cdef bint c_owns(self, uintptr_t ptr) noexcept
     cdef int _refuse_huge(self, object n) except -1
-    cpdef int64_t stat(self, int which, int pool, int metric)
     cdef bint _lock_for_fork(self)
 
 

@@ -1084,20 +1084,6 @@ cdef class CachingAllocator:
         values = _stat_values(self)
         return collections.OrderedDict(zip(_SORTED_KEYS, [values[i] for i in _SORTED_ORDER]))
 
-    cpdef int64_t stat(self, int which, int pool, int metric):
-        """One core statistic by index (see ``_CORE_STAT_NAMES``); used by the
-        fast facade getters."""
-        if not (0 <= which < N_STATS and 0 <= pool < 3 and 0 <= metric < 4):
-            raise IndexError("no such statistic")
-        cdef Stat* s = &self.stats.core[which][pool]
-        if metric == 0:
-            return s.current
-        if metric == 1:
-            return s.peak
-        if metric == 2:
-            return s.allocated
-        return s.freed
-
     def memory_allocated(self):
         """Bytes currently handed out (``allocated_bytes.all.current``)."""
         return self.stats.core[S_ALLOCATED_BYTES][POOL_ALL].current

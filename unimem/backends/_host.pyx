@@ -104,10 +104,6 @@ cdef class PageAlignedBackend:
     def event_synchronize(self, event):
         pass
 
-    def pinned(self):
-        """Whether the memory is page-locked (it is not)."""
-        return False
-
     def __repr__(self):
         return f"<unimem PageAlignedBackend {self.name}>"
 
