@@ -6,7 +6,7 @@ allocator when RMM is installed; ``torch.empty(..., device="cuda")`` on
 PyTorch's caching allocator when PyTorch has CUDA; and raw ``cudaMalloc`` +
 ``cudaFree``.
 
-Targets (issues 4 and 6): unimem no slower than CuPy's own pool (ratio <= 1.0)
+Targets: unimem no slower than CuPy's own pool (ratio <= 1.0)
 and faster than RMM. Without a GPU this benchmark says so and stops.
 """
 from __future__ import annotations

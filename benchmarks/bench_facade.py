@@ -11,7 +11,7 @@ C++ call (``torch._C._cuda_memoryStats``) is replaced by one that returns a
 prebuilt nested dict of the same keys, so the PyTorch figures here are its
 Python side only: a lower bound on what PyTorch costs.
 
-Targets (issue 6): ``memory_allocated(0)`` <= 1 us, ``memory_stats(0)`` <= 30 us.
+Targets: ``memory_allocated(0)`` <= 1 us, ``memory_stats(0)`` <= 30 us.
 """
 from __future__ import annotations
 

@@ -15,7 +15,7 @@
 The pool's own pairs are the fastest of several runs (noise only adds time
 at this scale); the raw backends' pairs are medians.
 
-Targets (issue 6): Python API pair <= 250 ns, typed core pair <= 60 ns, and
+Targets: Python API pair <= 250 ns, typed core pair <= 60 ns, and
 the pool at least 10x faster than its raw backend at every size.
 """
 from __future__ import annotations

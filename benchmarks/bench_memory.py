@@ -16,7 +16,7 @@ Each trace is replayed on a simulated 80 GiB device through:
   segments are released while reserved memory would exceed 1.1 x the memory
   in use.
 
-Targets (issue 6): on every trace, peak reserved <= 1.15 x peak requested,
+Targets: on every trace, peak reserved <= 1.15 x peak requested,
 and never above PyTorch's reserved peak for the same trace.
 """
 from __future__ import annotations

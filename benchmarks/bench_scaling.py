@@ -8,7 +8,7 @@ between):
 * an exact hit: a request for a size the cache holds;
 * a best fit: a request for a size it does not hold, served by the next larger.
 
-Target (issue 6): O(1) or O(log n): with 100,000 free blocks, at most 2x the
+Target: O(1) or O(log n): with 100,000 free blocks, at most 2x the
 cost with 10.
 """
 from __future__ import annotations

@@ -13,7 +13,7 @@ parallelism, so a flat line is the best a shared pool can do.
 
 One shared pool cannot go faster with more threads; what it must not do is
 collapse (waiters stealing the lock's cache line from the holder, or spinning
-while a preempted holder waits for their core). Target (issue 6): with 2 and
+while a preempted holder waits for their core). Target: with 2 and
 4 threads, total throughput at least half of one thread's, for every way in.
 """
 from __future__ import annotations

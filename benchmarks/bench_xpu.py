@@ -6,7 +6,7 @@ Two comparisons per size, from 512 B to 256 MiB, in one run:
   vs the pool's alloc + free of a cached block (the core, called from C);
 * ``dpnp.empty`` vs ``unimem.xpu.empty`` (both from Python, array included).
 
-Targets (issue 3): the pool pair at least 10x faster than the raw pair at
+Target: the pool pair at least 10x faster than the raw pair at
 every size, and ``unimem.xpu.empty`` faster than ``dpnp.empty``.
 """
 from __future__ import annotations

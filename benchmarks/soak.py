@@ -8,7 +8,7 @@ bookkeeping (blocks, size classes, table entries) shows as growth.
     python -m benchmarks.soak                  # 10 million operations
     python -m benchmarks.soak --ops 300000     # the short form CI runs
 
-Target (issue 7): RSS growth under 5% after warm-up.
+Target: RSS growth under 5% after warm-up.
 """
 from __future__ import annotations
 

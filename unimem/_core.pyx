@@ -4,7 +4,7 @@
 """The caching core: a backend-agnostic caching allocator over integer addresses.
 
 One :class:`CachingAllocator` serves one device through one raw-memory backend.
-It implements PyTorch's CUDA caching policy (see ``shared/design.md``):
+It implements PyTorch's CUDA caching policy (c10/cuda/CUDACachingAllocator.cpp):
 
 * requests are rounded to 512 bytes (or to power-of-two divisions when
   ``roundup_power2_divisions`` asks for it);
