@@ -1,8 +1,11 @@
 """Type stubs for unimem/backends/_dpctl_api.pyx."""
 from typing import Any, List
 
+from typing_extensions import disjoint_base
+
 MAX_QUEUE_HANDLES: int
 
+@disjoint_base
 class USMRawAllocator:
     kind: str
     _raw_api: Any
@@ -16,7 +19,6 @@ class USMRawAllocator:
     def held(self, device: int) -> int: ...
     def malloc(self, size: int, device: int, stream: int) -> int: ...
     def free(self, ptr: int, size: int, device: int, stream: int) -> None: ...
-    def _time_raw_pairs(self, size: int, pairs: int, device: int = ...) -> float: ...
 
 def bind_memory_make(capsule: Any) -> None: ...
 def make_usm_memory(ptr: int, nbytes: int, queue: Any, owner: Any) -> Any: ...
