@@ -9,11 +9,14 @@ from __future__ import annotations
 import collections
 import functools
 import numbers
+import operator
 import sys
 import warnings
-from typing import Any, Dict, List, Optional, Tuple
+from typing import (Any, Callable, Dict, Iterable, List, Literal, Optional, Protocol, SupportsIndex, Tuple,
+                    Union)
 
 from . import _core
+from ._runtime.registry import namespace_alloc_functions
 from ._observe import history as _history
 from ._runtime import devices as _devices
 from ._runtime.config import settings_from_env
@@ -31,6 +34,132 @@ def nest_stats(flat: Dict[str, Any]) -> Dict[str, Any]:
             node = node.setdefault(part, {})
         node[leaf] = value
     return nested
+
+
+class HasPointer(Protocol):
+    """A memory object with its address as ``ptr``: a CuPy ``Memory`` (such as
+    :class:`unimem.cuda.PooledMemory`) or ``MemoryPointer``, an :class:`unimem.Allocation`."""
+
+    @property
+    def ptr(self) -> int: ...
+
+
+class HasArrayInterface(Protocol):
+    """A NumPy array (NumPy's ``__array_interface__``)."""
+
+    @property
+    def __array_interface__(self) -> Dict[str, Any]: ...
+
+
+class HasCudaArrayInterface(Protocol):
+    """A CUDA array such as a CuPy ndarray (``__cuda_array_interface__``)."""
+
+    @property
+    def __cuda_array_interface__(self) -> Dict[str, Any]: ...
+
+
+class HasSyclUsmArrayInterface(Protocol):
+    """A SYCL USM array or memory object: a dpnp ndarray, a dpctl
+    ``usm_ndarray`` or ``MemoryUSMDevice``/``Shared``/``Host``."""
+
+    @property
+    def __sycl_usm_array_interface__(self) -> Dict[str, Any]: ...
+
+
+MemoryLike = Union[SupportsIndex, HasPointer, HasArrayInterface, HasCudaArrayInterface,
+                   HasSyclUsmArrayInterface]
+"""What ``record_stream`` takes: an array, a memory object, or an address."""
+
+ADDRESS_LIMIT = 1 << 64
+
+
+def block_address(memory: MemoryLike) -> int:
+    """The address of the block behind ``memory``: where the whole buffer an
+    array views starts (a view's first element may lie further in), a memory
+    object's address, or an address as given. 0 when there is no memory (an
+    empty array, a freed ``PooledMemory``), as for PyTorch's empty tensors.
+
+    Raises ``TypeError`` for what is none of these (``bool``, ``float``,
+    ``None``, an object with no address) and ``ValueError`` for an integer
+    that is no address."""
+    if isinstance(memory, bool):            # an int to Python, but no address
+        raise _not_memory(memory)
+    if isinstance(memory, numbers.Integral):    # an int or a NumPy integer (which has an array interface)
+        address = operator.index(memory)
+    else:
+        start = _buffer_start(memory)
+        if start is None:
+            raise _not_memory(memory)
+        address = start
+    if not 0 <= address < ADDRESS_LIMIT:
+        raise ValueError(f"invalid address {address!r}: not a pointer")
+    return address
+
+
+def _not_memory(memory: object) -> TypeError:
+    return TypeError(f"expected an array, a memory object (MemoryPointer, Memory, MemoryUSM*, "
+                     f"unimem.Allocation) or an address, got {type(memory).__name__}")
+
+
+def _buffer_start(memory: Any) -> Optional[int]:
+    """Where the buffer behind an array or memory object starts (0 for an
+    empty array); None for what is neither. The array interfaces are looked
+    up on the type: reading CuPy's would ask CUDA for the current stream."""
+    kind = type(memory)
+    if hasattr(kind, "__sycl_usm_array_interface__"):
+        if getattr(memory, "size", None) == 0:
+            return 0
+        array = memory.get_array() if hasattr(memory, "get_array") else memory   # dpnp -> usm_ndarray
+        buffer = getattr(array, "usm_data", array)       # a usm_ndarray's whole buffer, or MemoryUSM*
+        return _integer_attribute(buffer, "_pointer")
+    if hasattr(kind, "__cuda_array_interface__"):
+        if memory.size == 0:
+            return 0
+        whole = getattr(getattr(memory, "data", None), "mem", None)
+        if whole is not None:                             # CuPy: ndarray.data is a MemoryPointer
+            return _integer_attribute(whole, "ptr")
+        return _integer_attribute(memory.__cuda_array_interface__["data"], 0)
+    if hasattr(memory, "mem"):                            # a CuPy MemoryPointer: its whole Memory
+        return _integer_attribute(memory.mem, "ptr")
+    if hasattr(kind, "__array_interface__"):
+        if getattr(memory, "size", None) == 0:
+            return 0
+        # NumPy collapses a view's base to the object owning the buffer (for
+        # unimem.cpu arrays, the pool block's exporter); its interface gives the start.
+        owner = memory
+        while getattr(owner, "base", None) is not None and hasattr(type(owner.base), "__array_interface__"):
+            owner = owner.base
+        return _integer_attribute(owner.__array_interface__["data"], 0)
+    if hasattr(memory, "ptr"):                            # CuPy Memory, PooledMemory, an Allocation
+        return _integer_attribute(memory, "ptr")
+    return None
+
+
+def _integer_attribute(holder: Any, key: Union[str, int]) -> int:
+    value = holder[key] if isinstance(key, int) else getattr(holder, key)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"the address of {type(holder).__name__} is not an int: {value!r}")
+    return value
+
+
+def record_stream_on_pools(memory: MemoryLike, stream: Any,
+                           pools: Iterable[Callable[[int], Optional[_core.CachingAllocator]]],
+                           stream_handle: Callable[[_core.CachingAllocator], int], pools_name: str) -> None:
+    """``record_stream`` for every namespace: the block behind ``memory``,
+    looked for with each of ``pools`` (``address -> its allocator or None``)
+    in turn, is marked as used by ``stream_handle(owner)``.
+
+    Nothing changes when ``memory`` is refused, its block is not in
+    ``pools_name`` or the stream is: the errors come before the record."""
+    address = block_address(memory)
+    if address == 0:            # no memory, nothing to protect (as PyTorch does for empty tensors)
+        return
+    for find_owner in pools:
+        owner = find_owner(address)
+        if owner is not None:
+            owner.record_stream(address, stream_handle(owner))
+            return
+    raise ValueError(f"address {address:#x} is not a live block of {pools_name}")
 
 
 def check_fraction(fraction: Any) -> float:
@@ -120,15 +249,33 @@ class MemoryAPI:
         """
         self._type().registry.delete(mem_ptr)
 
-    def record_stream(self, ptr: int, stream: Any) -> None:
-        r"""Mark the memory at ``ptr`` as used by ``stream``: once freed, it is
-        reused only after the work queued on ``stream`` up to then has completed
-        (``torch.Tensor.record_stream``)."""
+    def record_stream(self, memory: MemoryLike, stream: Any) -> None:
+        r"""Mark the memory as used by the stream ``stream``.
+
+        When the memory is deallocated, ensure the block is not reused for
+        another allocation until all work queued on ``stream`` at the time of
+        deallocation is complete (``torch.Tensor.record_stream``).
+
+        Args:
+            memory: an array whose memory comes from this device type's pool
+                (a CuPy ndarray, a dpnp ndarray or dpctl ``usm_ndarray``, a
+                NumPy array from :mod:`unimem.cpu`), a memory object (a CuPy
+                ``MemoryPointer`` or ``PooledMemory``, a dpctl ``MemoryUSM*``,
+                an :class:`unimem.Allocation`) or the address of a block, as
+                :func:`caching_allocator_alloc` returns. An empty array (no
+                memory) is left alone.
+            stream: a stream of this device type (a CuPy or PyTorch stream or
+                a ``cudaStream_t`` as an int; a ``dpctl.SyclQueue``; an int
+                handle), or ``None`` for the current stream.
+
+        Raises ``TypeError`` for what is no memory and ``ValueError`` for an
+        address that is not a live block of this device type's pool; nothing
+        is recorded then.
+        """
         registry = self._type().registry
-        owner = registry.find_owner(ptr)
-        if owner is None:
-            raise ValueError(f"pointer {ptr!r} is not a live allocation of the {self.type_name} allocator")
-        owner.record_stream(ptr, registry.stream_handle_of(stream, owner.device))
+        record_stream_on_pools(memory, stream, [registry.find_owner],
+                               lambda owner: registry.stream_handle_of(stream, owner.device),
+                               f"the {self.type_name} allocator")
 
     def set_per_process_memory_fraction(self, fraction: float, device: DeviceLike = None) -> None:
         r"""Set memory fraction for a process.
@@ -364,8 +511,9 @@ class MemoryAPI:
             return []
         return _history.snapshot(self.type_name, registry)["segments"]
 
-    def _record_memory_history(self, enabled: Optional[str] = "all", context: Optional[str] = "all",
-                               stacks: str = "python", max_entries: int = sys.maxsize,
+    def _record_memory_history(self, enabled: Optional[Literal["state", "all"]] = "all",
+                               context: Optional[Literal["state", "alloc", "all"]] = "all",
+                               stacks: Literal["python", "all"] = "python", max_entries: int = sys.maxsize,
                                device: DeviceLike = None, clear_history: bool = False,
                                skip_actions: Optional[List[str]] = None) -> None:
         r"""Enable recording of stack traces associated with memory
@@ -450,7 +598,7 @@ class MemoryAPI:
     def _hot_functions(self) -> Dict[str, Any]:
         """``caching_allocator_alloc``/``delete``, typed in the core for the
         common call (the current device), these methods for the rest."""
-        fast = _core.namespace_alloc_functions(_devices.types_by_name(), self.type_name,
+        fast = namespace_alloc_functions(_devices.types_by_name(), self.type_name,
                                                self.caching_allocator_alloc, self.caching_allocator_delete)
         exported = {}
         for function, method in zip(fast, (self.caching_allocator_alloc, self.caching_allocator_delete)):

@@ -34,7 +34,7 @@ from .backends.cuda import CUDABackend, OnDevice, stream_key
 _api = MemoryAPI("cuda")
 globals().update(_api.functions())
 
-__all__ = list(PUBLIC_FUNCTIONS) + ["allocator", "record_stream", "MemoryPool", "OutOfMemoryError", "PooledMemory"]
+__all__ = list(PUBLIC_FUNCTIONS) + ["allocator", "MemoryPool", "OutOfMemoryError", "PooledMemory"]
 
 
 def _cupy() -> Any:
@@ -162,33 +162,6 @@ def allocator(size: int) -> Any:
     except _core.OutOfMemoryError as error:
         raise _cupy_out_of_memory_class()(error) from None
     return _memory_pointer(allocation, device)
-
-
-def _base_pointer(memory: Any) -> int:
-    """The block address behind a CuPy array, a MemoryPointer or an int."""
-    data = getattr(memory, "data", None)
-    if data is not None and hasattr(data, "mem"):       # a cupy.ndarray
-        return data.mem.ptr
-    if hasattr(memory, "mem"):                          # a MemoryPointer
-        return memory.mem.ptr
-    if isinstance(memory, int):
-        return memory
-    raise TypeError(f"expected a CuPy array, a MemoryPointer or an address, got {type(memory).__name__}")
-
-
-def record_stream(memory: Any, stream: Any) -> None:
-    """Mark memory as used on ``stream`` (``torch.Tensor.record_stream``): once
-    freed, its block is reused only after the work queued on ``stream`` up to
-    then has completed (a CUDA event, as PyTorch records).
-
-    ``memory`` is a CuPy array, a ``MemoryPointer`` or an address from unimem;
-    ``stream`` a CuPy or PyTorch stream, or a ``cudaStream_t`` as an int."""
-    ptr = _base_pointer(memory)
-    registry = get_type("cuda").registry
-    owner = registry.find_owner(ptr)
-    if owner is None:
-        raise ValueError(f"address {ptr:#x} is not a live block of unimem's CUDA pools")
-    owner.record_stream(ptr, stream_key(stream))
 
 
 class _CupyAllocatorBackend(Backend):

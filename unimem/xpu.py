@@ -27,7 +27,7 @@ import numpy
 from . import _core, host
 from ._observe import history as _history
 from ._runtime.devices import device_index, get_type, new_allocator
-from ._memory_api import PUBLIC_FUNCTIONS, MemoryAPI
+from ._memory_api import PUBLIC_FUNCTIONS, MemoryAPI, MemoryLike, record_stream_on_pools
 from .backends import xpu as _backend
 
 _api = MemoryAPI("xpu")
@@ -35,7 +35,7 @@ globals().update(_api.functions())
 
 __all__ = list(PUBLIC_FUNCTIONS) + [
     "empty", "zeros", "ones", "full", "empty_like", "zeros_like", "ones_like", "full_like",
-    "asarray", "default_queue", "stream_handle", "allocator_for", "record_stream",
+    "asarray", "default_queue", "stream_handle", "allocator_for",
 ]
 
 ShapeLike = Union[int, Sequence[int]]
@@ -393,21 +393,30 @@ def asarray(obj: Any, dtype: Any = None, *, order: str = "C", device: Any = None
     return _filled(out, copy)
 
 
-def record_stream(array_or_ptr: Any, queue: Any) -> None:
-    r"""Mark memory as used by ``queue`` (``torch.Tensor.record_stream``): once
-    freed, the block is reused only after the work queued on ``queue`` up to
-    then has completed. Takes a pool-backed array or an address."""
-    ptr = array_or_ptr
-    if hasattr(array_or_ptr, "__sycl_usm_array_interface__"):
-        usm = array_or_ptr.get_array() if hasattr(array_or_ptr, "get_array") else array_or_ptr
-        ptr = usm.usm_data._pointer
-    handle = stream_handle(queue)
-    for registry in (get_type("xpu").registry, _shared_registry):
-        owner = None if registry is None else registry.find_owner(ptr)
-        if owner is not None:
-            owner.record_stream(ptr, handle)
-            return
-    owner = host.caching_allocator() if host.caching_allocator().owns(ptr) else None
-    if owner is None:
-        raise ValueError(f"address {ptr!r} is not a live block of unimem's XPU pools")
-    owner.record_stream(ptr, handle)
+def record_stream(memory: MemoryLike, stream: Any) -> None:
+    r"""Mark the memory as used by the stream ``stream``.
+
+    When the memory is deallocated, ensure the block is not reused for
+    another allocation until all work queued on ``stream`` at the time of
+    deallocation is complete (``torch.Tensor.record_stream``).
+
+    Args:
+        memory: an array whose memory comes from unimem's XPU pools (a dpnp
+            ndarray or dpctl ``usm_ndarray``, of device, shared or host USM),
+            a memory object (a dpctl ``MemoryUSM*``, an :class:`unimem.Allocation`)
+            or the address of a block. An empty array (no memory) is left alone.
+        stream: a ``dpctl.SyclQueue`` (a SYCL queue is PyTorch's XPU stream),
+            a handle from :func:`stream_handle`, or ``None`` for the default queue.
+
+    Raises ``TypeError`` for what is no memory or no queue and ``ValueError``
+    for an address that is not a live block of unimem's XPU pools; nothing
+    is recorded then.
+    """
+    pools = [get_type("xpu").registry.find_owner]
+    if _shared_registry is not None:
+        pools.append(_shared_registry.find_owner)
+    pinned = host.caching_allocator()
+    pools.append(lambda address: pinned if pinned.owns(address) else None)
+    record_stream_on_pools(memory, stream, pools,
+                           lambda owner: 0 if stream is None else stream_handle(stream),
+                           "unimem's XPU pools")

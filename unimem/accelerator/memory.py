@@ -6,12 +6,12 @@ accelerator, shaped like ``torch.accelerator.memory`` (and the
 from __future__ import annotations
 
 import collections
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Literal, Optional, Tuple
 
 from .. import host
-from .._core import caching_allocator_alloc, caching_allocator_delete
+from .._runtime.registry import caching_allocator_alloc, caching_allocator_delete
 from .._runtime.devices import DeviceLike, DeviceType, current_type, device_index as _device_index
-from .._memory_api import MemoryAPI
+from .._memory_api import MemoryAPI, MemoryLike
 
 if TYPE_CHECKING:
     from .._observe.history import PathLike
@@ -235,7 +235,8 @@ def memory_snapshot() -> List[Dict[str, Any]]:
     return _current()[1].memory_snapshot()
 
 
-def _record_memory_history(enabled: Optional[str] = "all", *args: Any, **kwargs: Any) -> None:
+def _record_memory_history(enabled: Optional[Literal["state", "all"]] = "all", *args: Any,
+                           **kwargs: Any) -> None:
     r"""Record the history of the current accelerator's allocations (see
     :func:`unimem.cpu._record_memory_history` for the arguments, as in
     ``torch.cuda.memory._record_memory_history``)."""
@@ -253,9 +254,13 @@ def _dump_snapshot(filename: PathLike = "dump_snapshot.pickle") -> None:
     _current()[1]._dump_snapshot(filename)
 
 
-def record_stream(ptr: int, stream: Any) -> None:
-    r"""Mark the memory at ``ptr`` as used by ``stream`` (see :func:`unimem.cuda.record_stream`)."""
-    _current()[1].record_stream(ptr, stream)
+def record_stream(memory: MemoryLike, stream: Any) -> None:
+    r"""Mark the memory as used by the stream ``stream`` (``torch.Tensor.record_stream``),
+    on the current accelerator: an array from its pool, a memory object or a
+    block's address, and one of its streams (``None``: the current one), as
+    for :func:`unimem.cpu.record_stream`.
+    """
+    _current()[1].record_stream(memory, stream)
 
 
 host_memory_stats = host.host_memory_stats
