@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import ctypes
 import operator
-from typing import Any, Sequence, Tuple, Union
+from typing import Any, Literal, Sequence, Tuple, Union
 
 import numpy
+from numpy.typing import DTypeLike, NDArray
 
 from ._memory_api import PUBLIC_FUNCTIONS, MemoryAPI
+from ._runtime.devices import DeviceLike
 
 _api = MemoryAPI("cpu")
 globals().update(_api.functions())
@@ -40,8 +42,8 @@ class _PoolBuffer:
                                     "typestr": dtype.str, "descr": dtype.descr, "version": 3}
 
 
-def empty(shape: Union[int, Sequence[int]], dtype: Any = float, order: str = "C",
-          device: Any = None) -> numpy.ndarray:
+def empty(shape: Union[int, Sequence[int]], dtype: DTypeLike = float, order: Literal["C", "F"] = "C",
+          device: DeviceLike = None) -> NDArray[Any]:
     """Return a new uninitialized NumPy array whose memory comes from the cpu pool."""
     if order not in ("C", "F"):
         raise ValueError(f"order must be 'C' or 'F', got {order!r}")
@@ -63,8 +65,8 @@ def empty(shape: Union[int, Sequence[int]], dtype: Any = float, order: str = "C"
     return numpy.asarray(_PoolBuffer(block, dims, dt, order))
 
 
-def zeros(shape: Union[int, Sequence[int]], dtype: Any = float, order: str = "C",
-          device: Any = None) -> numpy.ndarray:
+def zeros(shape: Union[int, Sequence[int]], dtype: DTypeLike = float, order: Literal["C", "F"] = "C",
+          device: DeviceLike = None) -> NDArray[Any]:
     """Return a new NumPy array of zeros whose memory comes from the cpu pool."""
     out = empty(shape, dtype, order, device)
     # All bytes zero, as numpy.zeros gives for every dtype (out.fill(0) refuses

@@ -18,16 +18,9 @@ from typing import Any, Iterator, Optional
 
 from .._runtime.devices import DeviceLike, current_type, device, device_index as _device_index
 from . import memory
-from .memory import (  # noqa: F401 - torch.accelerator re-exports its memory functions too
-    _dump_snapshot, _record_memory_history, _snapshot, caching_allocator_alloc,
-    caching_allocator_delete, empty_cache, empty_host_cache, get_memory_info,
-    get_per_process_memory_fraction, host_memory_stats, max_memory_allocated, max_memory_cached,
-    max_memory_reserved, memory_allocated, memory_cached, memory_reserved, memory_snapshot,
-    memory_stats, memory_stats_as_nested_dict, memory_summary, record_stream,
-    reset_accumulated_host_memory_stats, reset_accumulated_memory_stats, reset_max_memory_allocated,
-    reset_max_memory_cached, reset_peak_host_memory_stats, reset_peak_memory_stats,
-    set_per_process_memory_fraction,
-)
+# torch.accelerator re-exports its memory functions too; a star import, so
+# that type checkers see the re-export of every name in memory.__all__.
+from .memory import *  # noqa: F401,F403
 
 __all__ = [
     "current_accelerator", "device_count", "is_available", "current_device_index",

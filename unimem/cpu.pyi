@@ -1,0 +1,57 @@
+"""Type stubs for unimem/cpu.py: the memory functions it builds at import
+(their signatures are :class:`unimem._memory_api.MemoryAPI`'s), and its arrays."""
+from typing import Any, Literal, Sequence, Union
+
+from numpy.typing import DTypeLike, NDArray
+
+from unimem._memory_api import MemoryAPI
+from unimem._runtime.devices import DeviceLike
+
+__all__ = [
+    "is_available", "device_count", "current_device", "set_device", "caching_allocator_alloc",
+    "caching_allocator_delete", "record_stream", "set_per_process_memory_fraction",
+    "get_per_process_memory_fraction", "empty_cache", "memory_stats", "memory_stats_as_nested_dict",
+    "reset_accumulated_memory_stats", "reset_peak_memory_stats", "reset_max_memory_allocated",
+    "reset_max_memory_cached", "memory_allocated", "max_memory_allocated", "memory_reserved",
+    "max_memory_reserved", "memory_cached", "max_memory_cached", "get_memory_info", "mem_get_info",
+    "memory_snapshot", "memory_summary", "caching_allocator", "_record_memory_history", "_snapshot",
+    "_dump_snapshot", "empty", "zeros",
+]
+
+_api: MemoryAPI
+
+is_available = _api.is_available
+device_count = _api.device_count
+current_device = _api.current_device
+set_device = _api.set_device
+caching_allocator_alloc = _api.caching_allocator_alloc
+caching_allocator_delete = _api.caching_allocator_delete
+record_stream = _api.record_stream
+set_per_process_memory_fraction = _api.set_per_process_memory_fraction
+get_per_process_memory_fraction = _api.get_per_process_memory_fraction
+empty_cache = _api.empty_cache
+memory_stats = _api.memory_stats
+memory_stats_as_nested_dict = _api.memory_stats_as_nested_dict
+reset_accumulated_memory_stats = _api.reset_accumulated_memory_stats
+reset_peak_memory_stats = _api.reset_peak_memory_stats
+reset_max_memory_allocated = _api.reset_max_memory_allocated
+reset_max_memory_cached = _api.reset_max_memory_cached
+memory_allocated = _api.memory_allocated
+max_memory_allocated = _api.max_memory_allocated
+memory_reserved = _api.memory_reserved
+max_memory_reserved = _api.max_memory_reserved
+memory_cached = _api.memory_cached
+max_memory_cached = _api.max_memory_cached
+get_memory_info = _api.get_memory_info
+mem_get_info = _api.mem_get_info
+memory_snapshot = _api.memory_snapshot
+memory_summary = _api.memory_summary
+caching_allocator = _api.caching_allocator
+_record_memory_history = _api._record_memory_history
+_snapshot = _api._snapshot
+_dump_snapshot = _api._dump_snapshot
+
+def empty(shape: Union[int, Sequence[int]], dtype: DTypeLike = ..., order: Literal["C", "F"] = ...,
+          device: DeviceLike = ...) -> NDArray[Any]: ...
+def zeros(shape: Union[int, Sequence[int]], dtype: DTypeLike = ..., order: Literal["C", "F"] = ...,
+          device: DeviceLike = ...) -> NDArray[Any]: ...

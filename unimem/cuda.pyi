@@ -1,0 +1,80 @@
+"""Type stubs for unimem/cuda.py: the memory functions it builds at import
+(their signatures are :class:`unimem._memory_api.MemoryAPI`'s), CuPy's
+allocator hook and its memory pool."""
+from typing import Any, Optional
+
+from unimem import _core
+from unimem._memory_api import MemoryAPI
+from unimem.backends.base import Backend
+
+__all__ = [
+    "is_available", "device_count", "current_device", "set_device", "caching_allocator_alloc",
+    "caching_allocator_delete", "record_stream", "set_per_process_memory_fraction",
+    "get_per_process_memory_fraction", "empty_cache", "memory_stats", "memory_stats_as_nested_dict",
+    "reset_accumulated_memory_stats", "reset_peak_memory_stats", "reset_max_memory_allocated",
+    "reset_max_memory_cached", "memory_allocated", "max_memory_allocated", "memory_reserved",
+    "max_memory_reserved", "memory_cached", "max_memory_cached", "get_memory_info", "mem_get_info",
+    "memory_snapshot", "memory_summary", "caching_allocator", "_record_memory_history", "_snapshot",
+    "_dump_snapshot",
+    "allocator", "MemoryPool", "OutOfMemoryError", "PooledMemory",
+]
+
+_api: MemoryAPI
+
+is_available = _api.is_available
+device_count = _api.device_count
+current_device = _api.current_device
+set_device = _api.set_device
+caching_allocator_alloc = _api.caching_allocator_alloc
+caching_allocator_delete = _api.caching_allocator_delete
+record_stream = _api.record_stream
+set_per_process_memory_fraction = _api.set_per_process_memory_fraction
+get_per_process_memory_fraction = _api.get_per_process_memory_fraction
+empty_cache = _api.empty_cache
+memory_stats = _api.memory_stats
+memory_stats_as_nested_dict = _api.memory_stats_as_nested_dict
+reset_accumulated_memory_stats = _api.reset_accumulated_memory_stats
+reset_peak_memory_stats = _api.reset_peak_memory_stats
+reset_max_memory_allocated = _api.reset_max_memory_allocated
+reset_max_memory_cached = _api.reset_max_memory_cached
+memory_allocated = _api.memory_allocated
+max_memory_allocated = _api.max_memory_allocated
+memory_reserved = _api.memory_reserved
+max_memory_reserved = _api.max_memory_reserved
+memory_cached = _api.memory_cached
+max_memory_cached = _api.max_memory_cached
+get_memory_info = _api.get_memory_info
+mem_get_info = _api.mem_get_info
+memory_snapshot = _api.memory_snapshot
+memory_summary = _api.memory_summary
+caching_allocator = _api.caching_allocator
+_record_memory_history = _api._record_memory_history
+_snapshot = _api._snapshot
+_dump_snapshot = _api._dump_snapshot
+
+def allocator(size: int) -> Any: ...
+
+class OutOfMemoryError(_core.OutOfMemoryError):
+    """Also ``cupy.cuda.memory.OutOfMemoryError`` at runtime (made when CuPy is imported)."""
+    def __init__(self, error: _core.OutOfMemoryError) -> None: ...
+
+class PooledMemory:
+    """A ``cupy.cuda.memory.UnownedMemory`` at runtime (made when CuPy is imported)."""
+    ptr: int
+    size: int
+    device_id: int
+    @property
+    def allocation(self) -> _core.Allocation: ...
+    def free(self) -> None: ...
+
+class MemoryPool:
+    def __init__(self, allocator: Any = ..., *, backend: Optional[Backend] = ...) -> None: ...
+    def malloc(self, size: int) -> Any: ...
+    def free_all_blocks(self, stream: Any = ...) -> None: ...
+    def free_all_free(self) -> None: ...
+    def n_free_blocks(self) -> int: ...
+    def used_bytes(self) -> int: ...
+    def free_bytes(self) -> int: ...
+    def total_bytes(self) -> int: ...
+    def set_limit(self, size: Optional[int] = ..., fraction: Optional[float] = ...) -> None: ...
+    def get_limit(self) -> int: ...

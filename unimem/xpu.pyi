@@ -1,0 +1,72 @@
+"""Type stubs for unimem/xpu.py: the memory functions it builds at import
+(their signatures are :class:`unimem._memory_api.MemoryAPI`'s) and its dpnp
+arrays (``Any`` here: dpnp and dpctl ship no type information)."""
+from typing import Any, Literal, Sequence, Union
+
+from unimem import _core
+from unimem._memory_api import MemoryAPI, MemoryLike
+
+__all__ = [
+    "is_available", "device_count", "current_device", "set_device", "caching_allocator_alloc",
+    "caching_allocator_delete", "record_stream", "set_per_process_memory_fraction",
+    "get_per_process_memory_fraction", "empty_cache", "memory_stats", "memory_stats_as_nested_dict",
+    "reset_accumulated_memory_stats", "reset_peak_memory_stats", "reset_max_memory_allocated",
+    "reset_max_memory_cached", "memory_allocated", "max_memory_allocated", "memory_reserved",
+    "max_memory_reserved", "memory_cached", "max_memory_cached", "get_memory_info", "mem_get_info",
+    "memory_snapshot", "memory_summary", "caching_allocator", "_record_memory_history", "_snapshot",
+    "_dump_snapshot",
+    "empty", "zeros", "ones", "full", "empty_like", "zeros_like", "ones_like", "full_like",
+    "asarray", "default_queue", "stream_handle", "allocator_for",
+]
+
+_api: MemoryAPI
+
+is_available = _api.is_available
+device_count = _api.device_count
+current_device = _api.current_device
+set_device = _api.set_device
+caching_allocator_alloc = _api.caching_allocator_alloc
+caching_allocator_delete = _api.caching_allocator_delete
+set_per_process_memory_fraction = _api.set_per_process_memory_fraction
+get_per_process_memory_fraction = _api.get_per_process_memory_fraction
+empty_cache = _api.empty_cache
+memory_stats = _api.memory_stats
+memory_stats_as_nested_dict = _api.memory_stats_as_nested_dict
+reset_accumulated_memory_stats = _api.reset_accumulated_memory_stats
+reset_peak_memory_stats = _api.reset_peak_memory_stats
+reset_max_memory_allocated = _api.reset_max_memory_allocated
+reset_max_memory_cached = _api.reset_max_memory_cached
+memory_allocated = _api.memory_allocated
+max_memory_allocated = _api.max_memory_allocated
+memory_reserved = _api.memory_reserved
+max_memory_reserved = _api.max_memory_reserved
+memory_cached = _api.memory_cached
+max_memory_cached = _api.max_memory_cached
+get_memory_info = _api.get_memory_info
+mem_get_info = _api.mem_get_info
+memory_snapshot = _api.memory_snapshot
+memory_summary = _api.memory_summary
+caching_allocator = _api.caching_allocator
+_record_memory_history = _api._record_memory_history
+_snapshot = _api._snapshot
+_dump_snapshot = _api._dump_snapshot
+
+ShapeLike = Union[int, Sequence[int]]
+_UsmType = Literal["device", "shared", "host"]
+_Order = Literal["C", "F", "c", "f"]
+
+def record_stream(memory: MemoryLike, stream: Any) -> None: ...
+def default_queue(device: Any = ...) -> Any: ...
+def stream_handle(queue: Any) -> int: ...
+def allocator_for(usm_type: _UsmType = ..., device: Any = ...) -> _core.CachingAllocator: ...
+def empty(shape: ShapeLike, dtype: Any = ..., *, order: _Order = ..., device: Any = ...,
+          usm_type: _UsmType = ..., sycl_queue: Any = ...) -> Any: ...
+def zeros(shape: ShapeLike, dtype: Any = ..., **kwargs: Any) -> Any: ...
+def ones(shape: ShapeLike, dtype: Any = ..., **kwargs: Any) -> Any: ...
+def full(shape: ShapeLike, fill_value: Any, dtype: Any = ..., **kwargs: Any) -> Any: ...
+def empty_like(x: Any, dtype: Any = ..., **kwargs: Any) -> Any: ...
+def zeros_like(x: Any, dtype: Any = ..., **kwargs: Any) -> Any: ...
+def ones_like(x: Any, dtype: Any = ..., **kwargs: Any) -> Any: ...
+def full_like(x: Any, fill_value: Any, dtype: Any = ..., **kwargs: Any) -> Any: ...
+def asarray(obj: Any, dtype: Any = ..., *, order: _Order = ..., device: Any = ...,
+            usm_type: _UsmType = ..., sycl_queue: Any = ...) -> Any: ...
