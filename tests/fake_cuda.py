@@ -201,9 +201,9 @@ def serving_cuda(runtime):
     """Serve unimem's ``cuda`` device type from ``runtime`` (wired as on a GPU,
     the current stream read from the fake instead of CuPy) while inside."""
     from unimem._runtime import devices as _devices
-    from unimem.backends.cuda import make_device_type
+    from unimem._runtime.devices import make_cuda_type
     saved = (_devices._types.get("cuda"), _devices._unavailable.get("cuda"))
-    _devices._types["cuda"] = make_device_type(runtime, current_stream_fn=runtime.current_stream)
+    _devices._types["cuda"] = make_cuda_type(runtime, current_stream_fn=runtime.current_stream)
     try:
         yield runtime
     finally:

@@ -82,7 +82,7 @@ def test_debug_mode_is_off_by_default_and_only_where_the_host_can_read():
         from unimem.backends.simulated import SimulatedBackend
         p = unimem.cpu.caching_allocator_alloc(10)
         print(unimem.cpu.caching_allocator(0).debug,
-              _devices.new_allocator("test", SimulatedBackend(), 0).debug)
+              _devices.new_allocator(_devices.DEVICE_POOLS["cpu"], SimulatedBackend(), 0).debug)
     """, UNIMEM_DEBUG="1")
     assert done.stdout.split() == ["True", "False"]
 

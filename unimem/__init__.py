@@ -20,17 +20,18 @@ from __future__ import annotations
 import importlib
 from typing import Any, List
 
-from .backends.xpu import ensure_opencl_cpu_runtime
+from .backends.opencl_env import ensure_opencl_cpu_runtime
 
 # Before anything asks dpctl for devices: let it find the pip-installed SYCL
 # CPU runtime (a no-op where intel-opencl-rt is not installed).
 ensure_opencl_cpu_runtime()
 
-from . import accelerator, cpu, host
+from . import accelerator, cpu, host  # noqa: E402
 from ._runtime import devices as _devices  # noqa: E402
+from ._runtime import fork as _fork  # noqa: E402,F401  (the package's one fork handler)
 from ._core import Allocation, CachingAllocator, OutOfMemoryError, WriteAfterFreeWarning  # noqa: E402
 from ._observe.history import (attach_out_of_memory_observer, attach_out_of_memory_stats_observer,  # noqa: E402
-                       detach_out_of_memory_observer, detach_out_of_memory_stats_observer)
+                               detach_out_of_memory_observer, detach_out_of_memory_stats_observer)
 from ._integrations.install import install_allocators, installed_allocators, uninstall_allocators  # noqa: E402
 from ._runtime.devices import device  # noqa: E402
 from .backends.base import Backend  # noqa: E402

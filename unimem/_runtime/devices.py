@@ -1,7 +1,7 @@
 """Device types: which backend serves ``cpu``, ``xpu`` and ``cuda``, which one is
 the current accelerator, and how a ``device`` argument names a device.
 
-Each device type owns a :class:`unimem._core.DeviceRegistry` (one caching
+Each device type owns a :class:`unimem._runtime.registry.DeviceRegistry` (one caching
 allocator per device index, created on first use with the options of
 ``UNIMEM_ALLOC_CONF``). Backends are probed lazily: importing unimem neither
 imports CuPy or dpctl nor touches a GPU.
@@ -20,10 +20,12 @@ import weakref
 from typing import Any, Callable, Dict, List, Optional, Union
 
 from .. import _core
+from .registry import DeviceRegistry, set_current_registry_resolver
 from .config import settings_from_env
+from .pools import DEVICE_TYPES, Pool, PoolKind, register_named_pool
 from ..backends.base import Backend
 
-KNOWN_TYPES = ("cuda", "xpu", "cpu")
+KNOWN_TYPES = DEVICE_TYPES
 DEVICE_ENV_VAR = "UNIMEM_DEVICE"
 
 
@@ -92,14 +94,15 @@ class DeviceType:
                  current_stream_fn: Optional[Callable[[], int]] = None,
                  stream_handle_fn: Optional[Callable[[Any], int]] = None) -> None:
         self.name = name
+        self.pool = DEVICE_POOLS[name]
         self.backend = backend
         self.set_device_fn = set_device_fn
         count = backend.device_count() if device_count is None else device_count
         # The factory holds the backend, not this object: no reference cycle
         # through the backend, so allocators die (and give memory back) by
         # reference counting, with their backend still whole.
-        self.registry = _core.DeviceRegistry(
-            name, count, functools.partial(new_allocator, name, backend),
+        self.registry = DeviceRegistry(
+            name, count, functools.partial(new_allocator, self.pool, backend),
             current_device_fn=current_device_fn, current_stream_fn=current_stream_fn,
             stream_handle_fn=stream_handle_fn)
 
@@ -122,19 +125,22 @@ class DeviceType:
         return f"<unimem device type {self.name}: {self.device_count} device(s), backend {self.backend!r}>"
 
 
-def new_allocator(pool: str, backend: Backend, index: int, **core_options: Any) -> "_core.CachingAllocator":
+def new_allocator(pool: Pool, backend: Backend, index: int, **core_options: Any) -> "_core.CachingAllocator":
     """A caching allocator for device ``index`` of ``backend``, with the options
     of ``UNIMEM_ALLOC_CONF``, told its device's capacity, and announced to the
-    observability layer. ``pool`` names what it serves: ``"cpu"``, ``"xpu"``,
-    ``"cuda"``, ``"host"`` (the pinned pool), ``"xpu-shared"``. ``core_options``
-    go to :class:`unimem._core.CachingAllocator` over the configured ones
+    callbacks of :func:`on_allocator_created` (the observability layer).
+    ``pool`` is what it serves. ``core_options`` go to
+    :class:`unimem._core.CachingAllocator` over the configured ones
     (``exact_segments=True`` for CuPy's policy)."""
+    if not isinstance(pool, Pool):
+        raise TypeError(f"pool must be a unimem Pool, not {type(pool).__name__}")
     if backend in _broken_by_fork:
-        raise RuntimeError(fork_message(pool))
+        raise RuntimeError(pool.fork_message())
     settings = settings_from_env()
     allocator = _core.CachingAllocator(backend, index, **{**settings.core_kwargs(), **core_options})
+    memory_info = getattr(backend, "memory_info", None)     # optional, as every capability
     try:
-        _, total = backend.memory_info(index)
+        _, total = memory_info(index) if memory_info is not None else (0, 0)
     except NotImplementedError:
         total = 0
     if total:
@@ -144,9 +150,6 @@ def new_allocator(pool: str, backend: Backend, index: int, **core_options: Any) 
         allocator.set_max_allocation_size(max_allocation(index))
     if settings.per_process_memory_fraction is not None:
         allocator.set_memory_fraction(settings.per_process_memory_fraction)
-    if debug_mode_requested() and getattr(backend, "host_accessible", False):
-        from .._observe.history import python_frames
-        allocator.enable_debug(python_frames)
     _pools_by_allocator[allocator] = pool
     for callback in list(_allocator_created_callbacks):
         callback(pool, allocator)
@@ -155,11 +158,11 @@ def new_allocator(pool: str, backend: Backend, index: int, **core_options: Any) 
 
 # Which pool each allocator serves, and the hooks the observability layer
 # uses to attach itself to every new allocator.
-_pools_by_allocator: "weakref.WeakKeyDictionary[_core.CachingAllocator, str]" = weakref.WeakKeyDictionary()
-_allocator_created_callbacks: List[Callable[[str, "_core.CachingAllocator"], None]] = []
+_pools_by_allocator: "weakref.WeakKeyDictionary[_core.CachingAllocator, Pool]" = weakref.WeakKeyDictionary()
+_allocator_created_callbacks: List[Callable[[Pool, "_core.CachingAllocator"], None]] = []
 
 
-def on_allocator_created(callback: Callable[[str, "_core.CachingAllocator"], None]) -> None:
+def on_allocator_created(callback: Callable[[Pool, "_core.CachingAllocator"], None]) -> None:
     """Call ``callback(pool, allocator)`` for every allocator created from now on."""
     _allocator_created_callbacks.append(callback)
 
@@ -169,7 +172,8 @@ DEBUG_ENV_VAR = "UNIMEM_DEBUG"
 
 def debug_mode_requested() -> bool:
     """``UNIMEM_DEBUG=1``: fill freed memory and check it on reuse (where the
-    host can read the memory), reporting writes after free."""
+    host can read the memory), reporting writes after free. The observability
+    layer turns it on for each new allocator: it records the Python frames."""
     return os.environ.get(DEBUG_ENV_VAR, "").lower() in ("1", "true", "yes", "on")
 
 
@@ -179,31 +183,22 @@ def debug_mode_requested() -> bool:
 _broken_by_fork: "weakref.WeakSet[Backend]" = weakref.WeakSet()
 
 
-def fork_message(pool: str) -> str:
-    return (f"unimem: the {pool} memory of the parent process cannot be used after os.fork(): its "
-            f"device runtime does not survive a fork. To use it with multiprocessing, use the "
-            f"'spawn' start method (as PyTorch requires for CUDA).")
-
-
-def _after_fork_in_child() -> None:
-    """In a forked child, every allocator whose device does not survive the
-    fork refuses to work, saying why; host memory carries on. The table's
-    lock starts unlocked: the thread that held it in the parent does not
-    exist in the child and would never release it."""
+def reset_after_fork_in_child() -> None:
+    """In a forked child (called by :mod:`unimem._runtime.fork`), every
+    allocator whose device does not survive the fork refuses to work, saying
+    why; host memory carries on. The table's lock starts unlocked: the thread
+    that held it in the parent does not exist in the child and would never
+    release it."""
     global _lock
     _lock = threading.RLock()
     for allocator, pool in list(_pools_by_allocator.items()):
         if not getattr(allocator.backend, "survives_fork", True):
             _broken_by_fork.add(allocator.backend)
-            allocator._poison(fork_message(pool))
+            allocator._poison(pool.fork_message())
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def pool_of(allocator: "_core.CachingAllocator") -> Optional[str]:
-    """What an allocator made by :func:`new_allocator` serves (``"xpu"``, ``"host"``, ...)."""
+def pool_of(allocator: "_core.CachingAllocator") -> Optional[Pool]:
+    """The pool an allocator made by :func:`new_allocator` serves."""
     return _pools_by_allocator.get(allocator)
 
 
@@ -216,6 +211,68 @@ _unavailable: Dict[str, str] = {}      # type -> why it cannot be used
 _current: Optional[str] = None
 
 
+def _device_pool(name: str) -> Pool:
+    def registry() -> "DeviceRegistry":
+        return get_type(name).registry
+
+    def existing_registry() -> "Optional[DeviceRegistry]":
+        found = _types.get(name)
+        return None if found is None else found.registry
+    return register_named_pool(Pool(PoolKind.DEVICE, name, name, DISPLAY_NAMES[name], registry, existing_registry))
+
+
+#: The pools of the device types, by name.
+DEVICE_POOLS: Dict[str, Pool] = {name: _device_pool(name) for name in KNOWN_TYPES}
+
+
+def make_cuda_type(runtime: Optional[Any] = None,
+                   current_stream_fn: Optional[Callable[[int], Any]] = None) -> Union[DeviceType, str]:
+    """The ``cuda`` device type, or a string saying why there is none.
+
+    ``runtime`` is CuPy's runtime module by default; ``current_stream_fn(device)``
+    gives the stream (a CuPy stream or a ``cudaStream_t``) requests use when
+    they name none (CuPy's current stream by default). Pools key blocks by
+    :func:`unimem.backends.cuda.stream_key`."""
+    from ..backends import cuda as backend_module
+    if runtime is None:
+        try:
+            import cupy  # noqa: F401
+            runtime = backend_module._default_runtime()
+        except ImportError as exc:
+            return (f"CuPy is not installed ({exc}); install unimem with its CUDA extra "
+                    f"from the checkout: pip install -e \".[cuda]\"")
+    try:
+        count = runtime.getDeviceCount()
+    except Exception as exc:
+        return f"CUDA cannot be used here: {exc}"
+    if count == 0:
+        return "CUDA sees no GPU"
+    raw_current_stream = current_stream_fn if current_stream_fn is not None else backend_module._cupy_current_stream
+    stream_key = backend_module.stream_key
+
+    def current_stream_key(device: int) -> int:
+        return stream_key(raw_current_stream(device))
+
+    return DeviceType("cuda", backend_module.CUDABackend(runtime), current_device_fn=runtime.getDevice,
+                      set_device_fn=runtime.setDevice, current_stream_fn=current_stream_key,
+                      stream_handle_fn=stream_key)
+
+
+def make_xpu_type() -> Union[DeviceType, str]:
+    """The ``xpu`` device type, or a string saying why there is none."""
+    from ..backends import xpu as backend_module
+    try:
+        backend_module._import_dpctl()
+    except ImportError as exc:
+        return f'dpctl is not installed ({exc}); from unimem\'s checkout: pip install -e ".[xpu]"'
+    runtime = backend_module._SyclRuntime.get()
+    if not runtime.devices:
+        hint = "" if os.environ.get(backend_module.OCL_ENV) else \
+            " (no OpenCL CPU runtime found either: pip install intel-opencl-rt)"
+        return f"dpctl finds no SYCL device{hint}"
+    return DeviceType("xpu", backend_module.XPUBackend("device"), stream_handle_fn=runtime.stream_handle)
+
+
 def _probe(name: str) -> Optional[DeviceType]:
     """Build the device type ``name`` from its backend, or None (and the reason
     in ``_unavailable``) when this machine has no such device."""
@@ -223,11 +280,7 @@ def _probe(name: str) -> Optional[DeviceType]:
         from ..backends._host import PageAlignedBackend
         return DeviceType("cpu", PageAlignedBackend("CPU"))
     try:
-        if name == "xpu":
-            from ..backends import xpu as module
-        else:
-            from ..backends import cuda as module
-        made = module.make_device_type()
+        made = make_xpu_type() if name == "xpu" else make_cuda_type()
     except Exception as exc:  # a broken driver stack must not break import unimem
         _unavailable[name] = f"{type(exc).__name__}: {exc}"
         return None
@@ -300,7 +353,7 @@ def current_type_name() -> str:
     return current_type().name
 
 
-_core.set_current_registry_resolver(lambda: current_type().registry)
+set_current_registry_resolver(lambda: current_type().registry)
 
 
 def replace_backend(name: str, backend: Backend) -> DeviceType:
@@ -323,7 +376,7 @@ def replace_backend(name: str, backend: Backend) -> DeviceType:
             made = DeviceType(name, backend, device_count=count)
         _types[name] = made
         _unavailable.pop(name, None)
-        _core.set_current_registry_resolver(lambda: current_type().registry)
+        set_current_registry_resolver(lambda: current_type().registry)
         return made
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Optional, Tuple
 
 from .base import Backend
 
@@ -226,37 +226,7 @@ def cuda_stream_of(key: int) -> int:
     return CUDA_STREAM_LEGACY
 
 
-def make_device_type(runtime: Optional[Any] = None,
-                     current_stream_fn: Optional[Callable[[int], int]] = None):
-    """The ``cuda`` device type, or a string saying why there is none.
-
-    ``runtime`` is CuPy's runtime module by default; ``current_stream_fn(device)``
-    gives the ``cudaStream_t`` requests use when they name none (CuPy's current
-    stream by default). Pools key blocks by :func:`stream_key`."""
-    if runtime is None:
-        try:
-            import cupy  # noqa: F401
-            runtime = _default_runtime()
-        except ImportError as exc:
-            return (f"CuPy is not installed ({exc}); install unimem with its CUDA extra "
-                    f"from the checkout: pip install -e \".[cuda]\"")
-    try:
-        count = runtime.getDeviceCount()
-    except Exception as exc:
-        return f"CUDA cannot be used here: {exc}"
-    if count == 0:
-        return "CUDA sees no GPU"
-    raw_current_stream = current_stream_fn if current_stream_fn is not None else _cupy_current_stream
-
-    def current_stream_key(device: int) -> int:
-        return stream_key(raw_current_stream(device))
-
-    from .._runtime.devices import DeviceType
-    return DeviceType("cuda", CUDABackend(runtime), current_device_fn=runtime.getDevice,
-                      set_device_fn=runtime.setDevice, current_stream_fn=current_stream_key,
-                      stream_handle_fn=stream_key)
-
-
 def _cupy_current_stream(device: int) -> int:
+    """The ``cudaStream_t`` of CuPy's current stream on ``device``."""
     import cupy
     return cupy.cuda.get_current_stream(device).ptr

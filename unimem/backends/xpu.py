@@ -8,8 +8,9 @@ queue is a SYCL barrier submitted to it.
 
 The pip wheels of the Intel OpenCL CPU runtime (``intel-opencl-rt``) install
 ``libintelocl.so`` but register it under a path that does not exist, so the
-OpenCL loader would not find the SYCL CPU device. :func:`ensure_opencl_cpu_runtime`
-points the loader at it (``OCL_ICD_FILENAMES``) before dpctl is first imported.
+OpenCL loader would not find the SYCL CPU device:
+:func:`unimem.backends.opencl_env.ensure_opencl_cpu_runtime` points the loader
+at it (``OCL_ICD_FILENAMES``) before dpctl is first imported.
 """
 from __future__ import annotations
 
@@ -21,33 +22,10 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 
 from . import _dpctl_api
 from .base import Backend
+from .opencl_env import OCL_ENV, ensure_opencl_cpu_runtime
 
 USM_KINDS = ("device", "shared", "host")
-OCL_ENV = "OCL_ICD_FILENAMES"
 BACKEND_PREFERENCE = ("level_zero", "cuda", "hip", "opencl")
-
-
-def _runtime_library_dirs() -> List[str]:
-    dirs = [os.path.join(sys.prefix, "lib")]
-    if sys.base_prefix != sys.prefix:
-        dirs.append(os.path.join(sys.base_prefix, "lib"))
-    return dirs
-
-
-def ensure_opencl_cpu_runtime() -> Optional[str]:
-    """Let the OpenCL loader find the pip-installed Intel CPU runtime.
-
-    Adds ``libintelocl.so`` from this environment to ``OCL_ICD_FILENAMES``
-    (keeping what the user set there). Must run before dpctl's first import;
-    returns the library path, or None when there is none to add."""
-    for directory in _runtime_library_dirs():
-        path = os.path.join(directory, "libintelocl.so")
-        if os.path.exists(path):
-            current = [p for p in os.environ.get(OCL_ENV, "").split(os.pathsep) if p]
-            if path not in current:
-                os.environ[OCL_ENV] = os.pathsep.join(current + [path])
-            return path
-    return None
 
 
 def _import_dpctl():
@@ -251,13 +229,10 @@ class _SyclRuntime:
         return queue
 
 
-def _reset_lock_in_forked_child() -> None:
-    # The thread that held the lock in the parent does not exist in the child.
+def reset_after_fork_in_child() -> None:
+    """Called by unimem's fork handler in a forked child: the thread that
+    held the runtime's lock in the parent does not exist in the child."""
     _SyclRuntime._lock = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_reset_lock_in_forked_child)
 
 
 class XPUBackend(Backend):
@@ -362,24 +337,5 @@ class XPUBackend(Backend):
         """Host USM on device 0's context: the pinned memory of ``unimem.host``."""
         return XPUBackend("host")
 
-    @property
-    def pinned(self) -> bool:
-        return self.kind == "host"
-
     def __repr__(self) -> str:
         return f"<unimem XPUBackend {self.kind} USM on {len(self.runtime.devices)} device(s)>"
-
-
-def make_device_type():
-    """The ``xpu`` device type, or a string saying why there is none."""
-    try:
-        _import_dpctl()
-    except ImportError as exc:
-        return f'dpctl is not installed ({exc}); from unimem\'s checkout: pip install -e ".[xpu]"'
-    runtime = _SyclRuntime.get()
-    if not runtime.devices:
-        hint = "" if os.environ.get(OCL_ENV) else " (no OpenCL CPU runtime found either: pip install intel-opencl-rt)"
-        return f"dpctl finds no SYCL device{hint}"
-    from .._runtime.devices import DeviceType
-    backend = XPUBackend("device")
-    return DeviceType("xpu", backend, stream_handle_fn=runtime.stream_handle)
