@@ -21,8 +21,9 @@ MiB = 1 << 20
 def recorded_snapshot():
     """A PyTorch-format snapshot with history, from a unimem allocator."""
     from unimem._observe.history import History
+    from unimem._runtime.devices import DEVICE_POOLS
     allocator = _core.CachingAllocator(SimulatedBackend(capacity=1 << 40), 0)
-    history = History("test")
+    history = History(DEVICE_POOLS["cpu"])
     history.configure("all", None, "python", 100_000, True, None)
     allocator.set_trace_hook(history.hook_for(allocator))
     live = [allocator.malloc(size) for size in (1000, 3 * MiB, 25 * MiB, 512)]

@@ -22,13 +22,16 @@ from __future__ import annotations
 
 import functools
 import warnings
+import weakref
 from typing import Any, Callable, Dict, Optional, Tuple
 
 from . import _core
+from ._runtime.registry import DeviceRegistry
 from ._runtime import devices as _devices
 from ._runtime.devices import get_type, new_allocator
+from ._runtime.pools import Pool, PoolKind
 from ._memory_api import PUBLIC_FUNCTIONS, MemoryAPI
-from .backends.base import Backend
+from .backends.base import Backend, forward_to_inner
 from .backends.cuda import CUDABackend, OnDevice, stream_key
 
 _api = MemoryAPI("cuda")
@@ -164,20 +167,20 @@ def allocator(size: int) -> Any:
     return _memory_pointer(allocation, device)
 
 
+@forward_to_inner(intercepted={"malloc", "free", "_raw_api", "_raw_owner", "host_accessible"})
 class _CupyAllocatorBackend(Backend):
     """Raw memory from a CuPy-style allocator (``size -> MemoryPointer``, such
-    as ``cupy.cuda.malloc_managed``), kept alive until given back. Stream
-    events are the CUDA backend's."""
-
-    name = "GPU"
+    as ``cupy.cuda.malloc_managed``), kept alive until given back. Everything
+    else (devices, memory info, stream events, fork) is the CUDA backend's,
+    ``inner``. Whether the host can read the memory is not known: not assumed."""
 
     def __init__(self, raw_allocator: Any, cuda_backend: CUDABackend) -> None:
         self.raw_allocator = raw_allocator
-        self.cuda_backend = cuda_backend
+        self.inner = cuda_backend
         self._held: Dict[int, Any] = {}
 
     def malloc(self, size: int, device: int, stream: int) -> int:
-        with OnDevice(self.cuda_backend.runtime, device):   # as cupy.cuda.Device(device) does
+        with OnDevice(self.inner.runtime, device):   # as cupy.cuda.Device(device) does
             pointer = self.raw_allocator(size)
         self._held[pointer.ptr] = pointer
         return pointer.ptr
@@ -185,30 +188,31 @@ class _CupyAllocatorBackend(Backend):
     def free(self, ptr: int, size: int, device: int, stream: int) -> None:
         del self._held[ptr]
 
-    def device_count(self) -> int:
-        return self.cuda_backend.device_count()
 
-    def memory_info(self, device: int) -> Any:
-        return self.cuda_backend.memory_info(device)
-
-    def record_event(self, stream: int, device: int) -> Any:
-        return self.cuda_backend.record_event(stream, device)
-
-    def release_event(self, event: Any) -> None:
-        self.cuda_backend.release_event(event)
-
-    def event_done(self, event: Any) -> bool:
-        return self.cuda_backend.event_done(event)
-
-    def event_synchronize(self, event: Any) -> None:
-        self.cuda_backend.event_synchronize(event)
-
-
-def _cupy_policy_allocator(backend: Backend, index: int) -> _core.CachingAllocator:
+def _cupy_policy_allocator(pool: Pool, backend: Backend, index: int) -> _core.CachingAllocator:
     """An allocator for a pool of its own, with CuPy's segment policy (a miss
     takes a segment of just the rounded request), so that CuPy's numbers
     (``total_bytes``, ``n_free_blocks``, ``set_limit``) hold."""
-    return new_allocator("cuda-pool", backend, index, exact_segments=True)
+    return new_allocator(pool, backend, index, exact_segments=True)
+
+
+def _own_pool(owner: "MemoryPool") -> Pool:
+    """The :class:`Pool` of a ``MemoryPool`` with allocators of its own. It
+    reaches the registry through ``owner`` weakly: the allocators hold their
+    pool, and must not keep the ``MemoryPool`` alive."""
+    owner_ref = weakref.ref(owner)
+
+    def existing_registry() -> Optional[DeviceRegistry]:
+        found = owner_ref()
+        return None if found is None else found._registry
+
+    def registry() -> DeviceRegistry:
+        found = existing_registry()
+        if found is None:
+            raise RuntimeError("the unimem.cuda.MemoryPool of this allocator is gone")
+        return found
+
+    return Pool(PoolKind.CUPY_POOL, "cuda", "cuda-pool", "GPU", registry, existing_registry)
 
 
 def _cuda_stream_functions() -> Tuple[Optional[Callable[[int], int]], Callable[[Any], int]]:
@@ -254,9 +258,10 @@ class MemoryPool:
             self._registry = get_type("cuda").registry
         else:
             current_stream_fn, stream_handle_fn = _cuda_stream_functions()
-            self._registry = _core.DeviceRegistry(
-                "cuda-pool", backend.device_count(),
-                functools.partial(_cupy_policy_allocator, backend),
+            pool = _own_pool(self)
+            self._registry = DeviceRegistry(
+                pool.name, backend.device_count(),
+                functools.partial(_cupy_policy_allocator, pool, backend),
                 current_device_fn=current_device_fn, current_stream_fn=current_stream_fn,
                 stream_handle_fn=stream_handle_fn)
 

@@ -51,7 +51,7 @@ __all__ = ["UnimemPlugin", "memory_stats", "memory_summary", "cluster_summary"]
 AllocConf = Union[None, str, Mapping[str, Any]]
 PLUGIN_NAME = "unimem"
 # The device column's name for the pinned host pool (unimem.host).
-HOST_POOL = "host"
+HOST_POOL = host.POOL.label(0)
 
 
 def _alloc_conf_text(alloc_conf: AllocConf) -> Optional[str]:
@@ -229,7 +229,7 @@ def worker_report(dask_worker: Any = None) -> Dict[str, Any]:
     for dtype in _devices.probed_types():
         wanted.update((dtype.name, index) for index in dtype.registry.initialized())
     for type_name, index in sorted(wanted, key=lambda d: (_devices.KNOWN_TYPES.index(d[0]), d[1])):
-        devices[f"{type_name}:{index}"] = dict(MemoryAPI(type_name).memory_stats(index))
+        devices[_devices.DEVICE_POOLS[type_name].label(index)] = dict(MemoryAPI(type_name).memory_stats(index))
     if host.is_initialized():
         devices[HOST_POOL] = dict(host.host_memory_stats())
     plugins = getattr(dask_worker, "plugins", {})

@@ -17,19 +17,20 @@ import threading
 from typing import Any, Dict, Mapping, Optional
 
 from . import _core
-from ._observe import history as _history
+from ._runtime.registry import DeviceRegistry
+from ._runtime import devices as _devices
 from ._runtime.devices import new_allocator
+from ._runtime.pools import Pool, PoolKind, register_named_pool
 from ._memory_api import nest_stats
 from .backends.base import Backend
 
 _lock = threading.Lock()
 _backend: Optional[Backend] = None
-_registry: Optional[_core.DeviceRegistry] = None
+_registry: Optional[DeviceRegistry] = None
 
 
 def _choose_backend() -> Backend:
     """Pinned memory from the first runtime that offers it."""
-    from ._runtime import devices as _devices
     for name in ("cuda", "xpu"):
         if _devices.is_available(name):
             pinned = getattr(_devices.get_type(name).backend, "pinned_host_backend", None)
@@ -39,18 +40,20 @@ def _choose_backend() -> Backend:
     return PageAlignedBackend("host")
 
 
-def _host_registry() -> _core.DeviceRegistry:
+def _host_registry() -> DeviceRegistry:
     global _backend, _registry
     if _registry is None:
         with _lock:
             if _registry is None:
                 backend = _backend = _choose_backend()
-                _registry = _core.DeviceRegistry(
-                    "host", 1, lambda index: new_allocator("host", backend, index))
+                _registry = DeviceRegistry(
+                    "host", 1, lambda index: new_allocator(POOL, backend, index))
     return _registry
 
 
-_history.register_pool("host", _host_registry)
+#: The pinned host pool: one allocator, device index 0 (counted as ``cpu:0``).
+POOL = register_named_pool(Pool(PoolKind.PINNED_HOST, "cpu", "host", "host",
+                                _host_registry, lambda: _registry))
 
 
 def backend_name() -> str:

@@ -31,10 +31,9 @@ except ImportError as exc:
                       "or pip install -e \".[prometheus]\" in unimem's checkout") from exc
 
 from . import host
-from ._runtime import devices as _devices
+from ._runtime.pools import PoolKind, named_pools
 
 LABELS = ["device", "pool", "metric"]
-POOLS = ("all", "large_pool", "small_pool")
 
 
 def _split(key: str) -> Tuple[str, str, str]:
@@ -48,25 +47,19 @@ def _split(key: str) -> Tuple[str, str, str]:
 
 
 def snapshot_statistics() -> List[Tuple[str, Dict[str, int]]]:
-    """``[(device label, statistics), ...]`` for every allocator in use."""
+    """``[(device label, statistics), ...]`` for every allocator in use: each
+    device type's, the shared USM pools', and the pinned host pool's (in
+    :func:`unimem.host_memory_stats`' names)."""
     out: List[Tuple[str, Dict[str, int]]] = []
-    for name in _devices.KNOWN_TYPES:
-        dtype = _devices._types.get(name)
-        if dtype is None:
+    for pool in named_pools():
+        if pool.kind is PoolKind.PINNED_HOST:       # zeros until first used, as in PyTorch
+            out.append((pool.label(0), dict(host.host_memory_stats())))
             continue
-        for index, allocator in sorted(dtype.registry.initialized().items()):
-            out.append((f"{name}:{index}", dict(allocator.memory_stats())))
-    try:
-        from . import xpu
-        shared = xpu._shared_registry
-    except Exception:
-        shared = None
-    if shared is not None:
-        for index, allocator in sorted(shared.initialized().items()):
-            out.append((f"xpu-shared:{index}", dict(allocator.memory_stats())))
-    host_stats = host.host_memory_stats()
-    if host_stats:
-        out.append(("host", dict(host_stats)))
+        registry = pool.existing_registry()
+        if registry is None:
+            continue
+        for index, allocator in sorted(registry.initialized().items()):
+            out.append((pool.label(index), dict(allocator.memory_stats())))
     return out
 
 

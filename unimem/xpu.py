@@ -25,8 +25,9 @@ from typing import Any, Dict, Optional, Sequence, Tuple, Union
 import numpy
 
 from . import _core, host
-from ._observe import history as _history
+from ._runtime.registry import DeviceRegistry
 from ._runtime.devices import device_index, get_type, new_allocator
+from ._runtime.pools import Pool, PoolKind, register_named_pool
 from ._memory_api import PUBLIC_FUNCTIONS, MemoryAPI, MemoryLike, record_stream_on_pools
 from .backends import xpu as _backend
 
@@ -45,7 +46,7 @@ DPNP_TYPES = frozenset(numpy.dtype(t) for t in (
     "?", "i1", "i2", "i4", "i8", "u1", "u2", "u4", "u8", "f2", "f4", "f8", "c8", "c16"))
 
 _shared_lock = threading.Lock()
-_shared_registry: Optional[_core.DeviceRegistry] = None
+_shared_registry: Optional[DeviceRegistry] = None
 
 
 # ---------------------------------------------------------------------------
@@ -160,20 +161,22 @@ def _device_to_index(device: Any) -> int:
     return device_index(device, ctx.dtype_xpu)
 
 
-def _shared_pools() -> _core.DeviceRegistry:
+def _shared_pools() -> DeviceRegistry:
     global _shared_registry
     if _shared_registry is None:
         with _shared_lock:
             if _shared_registry is None:
                 backend = _backend.XPUBackend("shared")
-                _shared_registry = _core.DeviceRegistry(
+                _shared_registry = DeviceRegistry(
                     "xpu-shared", backend.device_count(),
-                    lambda index: new_allocator("xpu-shared", backend, index),
+                    lambda index: new_allocator(SHARED_POOL, backend, index),
                     stream_handle_fn=_backend._SyclRuntime.get().stream_handle)
     return _shared_registry
 
 
-_history.register_pool("xpu-shared", _shared_pools)
+#: The shared USM pools, one per XPU device.
+SHARED_POOL = register_named_pool(Pool(PoolKind.SHARED_USM, "xpu", "xpu-shared", "XPU",
+                                       _shared_pools, lambda: _shared_registry))
 
 
 def allocator_for(usm_type: str = "device", device: Any = None) -> _core.CachingAllocator:

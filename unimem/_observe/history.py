@@ -24,6 +24,8 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Tuple, Union
 
 from .. import _core
 from .._runtime import devices as _devices
+from .._runtime import fork as _fork
+from .._runtime.pools import Pool
 
 ACTIONS = _core.TRACE_ACTIONS
 OOM_SNAPSHOT_ENV = "UNIMEM_OOM_SNAPSHOT"
@@ -51,7 +53,7 @@ def python_frames(limit: int = 64) -> List[Frame]:
 
 
 class History:
-    """The recorded history of one pool ("xpu", "cpu", "host", ...).
+    """The recorded history of one pool (``unimem.xpu``'s, the pinned host pool, ...).
 
     As in PyTorch's caching allocator, two things are kept: the trace (the
     last ``max_entries`` actions with ``enabled="all"``, the last one with
@@ -60,7 +62,7 @@ class History:
     which the snapshot attaches to its segments and blocks.
     """
 
-    def __init__(self, pool: str) -> None:
+    def __init__(self, pool: Pool) -> None:
         self.pool = pool
         self.enabled: Optional[str] = None
         self.context: Optional[str] = None
@@ -223,11 +225,11 @@ def _free_counters(allocator: _core.CachingAllocator) -> Tuple[int, int]:
     return stats.get("allocation.all.freed", 0), stats.get("segment.all.freed", 0)
 
 
-_histories: Dict[str, History] = {}
+_histories: Dict[Pool, History] = {}
 _histories_lock = threading.Lock()
 
 
-def history(pool: str) -> History:
+def history(pool: Pool) -> History:
     with _histories_lock:
         found = _histories.get(pool)
         if found is None:
@@ -235,8 +237,12 @@ def history(pool: str) -> History:
         return found
 
 
-def _attach(pool: str, allocator: _core.CachingAllocator) -> None:
-    """Every new allocator: the history hook (if recording) and the OOM dispatcher."""
+def _attach(pool: Pool, allocator: _core.CachingAllocator) -> None:
+    """Every new allocator: debug mode's stacks (``UNIMEM_DEBUG``, where the
+    host can read the memory), the history hook (if recording) and the OOM
+    dispatcher."""
+    if _devices.debug_mode_requested() and getattr(allocator.backend, "host_accessible", False):
+        allocator.enable_debug(python_frames)
     recorder = _histories.get(pool)
     if recorder is not None and recorder.enabled:
         allocator.set_trace_hook(recorder.hook_for(allocator))
@@ -246,12 +252,23 @@ def _attach(pool: str, allocator: _core.CachingAllocator) -> None:
 _devices.on_allocator_created(_attach)
 
 
-def record_memory_history(pool: str, registry: _core.DeviceRegistry, enabled: Optional[str] = "all",
+PoolLike = Union[Pool, str]
+
+
+def _pool(pool: PoolLike) -> Pool:
+    """``pool`` itself; a device type's name (``"xpu"``) for its pool, as
+    ``unimem._memory_api`` still names it."""
+    return _devices.DEVICE_POOLS[pool] if isinstance(pool, str) else pool
+
+
+def record_memory_history(pool: PoolLike, registry: _core.DeviceRegistry, enabled: Optional[str] = "all",
                           context: Optional[str] = "all", stacks: str = "python",
                           max_entries: int = sys.maxsize, clear_history: bool = False,
                           skip_actions: Optional[List[str]] = None) -> None:
+    """``_record_memory_history`` for every allocator of ``pool`` (whose
+    registry is ``registry``), present and future."""
     skip = History.check_arguments(enabled, context, stacks, max_entries, skip_actions)
-    recorder = history(pool)
+    recorder = history(_pool(pool))
     was_enabled = recorder.enabled
     allocators = registry.initialized()
     if was_enabled and not enabled:
@@ -267,14 +284,17 @@ def record_memory_history(pool: str, registry: _core.DeviceRegistry, enabled: Op
         allocator.set_trace_hook(recorder.hook_for(allocator) if enabled else None)
 
 
-def snapshot(pool: str, registry: _core.DeviceRegistry) -> Dict[str, Any]:
+def snapshot(pool: PoolLike, registry: _core.DeviceRegistry) -> Dict[str, Any]:
+    """``_snapshot`` of ``pool`` (whose registry is ``registry``): its
+    segments and the recorded traces, in PyTorch's layout."""
+    pool = _pool(pool)
     recorder = history(pool)
     allocators = registry.initialized()
     settings = next(iter(allocators.values())).settings if allocators else {}
     return {
         "segments": recorder.segments(allocators),
         "device_traces": recorder.device_traces(registry.device_count),
-        "allocator_settings": dict(settings, pool=pool),
+        "allocator_settings": dict(settings, pool=pool.name),
         "external_annotations": [],
     }
 
@@ -282,7 +302,8 @@ def snapshot(pool: str, registry: _core.DeviceRegistry) -> Dict[str, Any]:
 PathLike = Union[str, bytes, "os.PathLike[str]", "os.PathLike[bytes]"]
 
 
-def dump_snapshot(pool: str, registry: _core.DeviceRegistry, filename: PathLike) -> None:
+def dump_snapshot(pool: PoolLike, registry: _core.DeviceRegistry, filename: PathLike) -> None:
+    """Pickle :func:`snapshot` of ``pool`` into ``filename``."""
     # open() would also take an int as a file descriptor, and close it.
     if not isinstance(filename, (str, bytes, os.PathLike)):
         raise TypeError(f"filename must be a path (str or os.PathLike), got {type(filename).__name__}")
@@ -298,7 +319,6 @@ OOMObserver = Callable[[int, int, int, int], Any]
 OOMStatsObserver = Callable[[_devices.device, int, "collections.OrderedDict[str, int]"], Any]
 _oom_observers: List[OOMObserver] = []
 _oom_stats_observers: List[OOMStatsObserver] = []
-_registries_by_pool: Dict[str, Callable[[], _core.DeviceRegistry]] = {}
 
 
 def attach_out_of_memory_observer(observer: OOMObserver) -> None:
@@ -334,8 +354,9 @@ def detach_out_of_memory_observer(observer: OOMObserver) -> None:
 def attach_out_of_memory_stats_observer(observer: OOMStatsObserver) -> None:
     """Call ``observer(device, requested, memory_stats)`` on every
     out-of-memory error of any unimem pool, before it is raised: ``device``
-    is a :class:`unimem.device` naming the pool (``device("xpu", 0)``; the
-    pinned pool is ``device("cpu", 0)``), ``requested`` the bytes asked
+    is a :class:`unimem.device` naming the pool's device (``device("xpu", 0)``;
+    the pinned pool is ``device("cpu", 0)``, a ``unimem.cuda.MemoryPool``'s
+    are on ``cuda`` devices), ``requested`` the bytes asked
     for, ``memory_stats`` the pool's statistics at the failure."""
     if not callable(observer):
         raise TypeError("an out-of-memory observer must be callable")
@@ -347,16 +368,11 @@ def detach_out_of_memory_stats_observer(observer: OOMStatsObserver) -> None:
     _oom_stats_observers.remove(observer)
 
 
-def register_pool(pool: str, registry: Callable[[], _core.DeviceRegistry]) -> None:
-    """Tell the OOM snapshot writer where the allocators of ``pool`` live."""
-    _registries_by_pool[pool] = registry
-
-
 class _OOMDispatcher:
     """The core's observer on one allocator: runs the user's observers and
     writes ``UNIMEM_OOM_SNAPSHOT``."""
 
-    def __init__(self, pool: str, allocator: _core.CachingAllocator) -> None:
+    def __init__(self, pool: Pool, allocator: _core.CachingAllocator) -> None:
         self.pool = pool
         self.allocator = weakref.ref(allocator)      # the allocator holds this observer
 
@@ -369,13 +385,12 @@ class _OOMDispatcher:
             for observer in list(_oom_observers)]
         if _oom_stats_observers:
             stats = allocator.memory_stats()
-            kind = self.pool if self.pool in _devices.KNOWN_TYPES else "cpu" if self.pool == "host" else "xpu"
-            where = _devices.device(kind, device)
+            where = _devices.device(self.pool.device_type, device)
             calls += [functools.partial(observer, where, requested, stats)
                       for observer in list(_oom_stats_observers)]
         path = os.environ.get(OOM_SNAPSHOT_ENV)
         if path:
-            calls.append(functools.partial(dump_snapshot, self.pool, registry_of(self.pool), path))
+            calls.append(lambda: dump_snapshot(self.pool, self.pool.registry(), path))
         # One failing observer must not silence the others; only Exception is
         # held back (KeyboardInterrupt and SystemExit go through at once).
         errors: List[Exception] = []
@@ -390,13 +405,6 @@ class _OOMDispatcher:
             raise errors[-1]
 
 
-def registry_of(pool: str) -> _core.DeviceRegistry:
-    """The registry of a pool: a device type's, or one registered by its module."""
-    if pool in _registries_by_pool:
-        return _registries_by_pool[pool]()
-    return _devices.get_type(pool).registry
-
-
 # ---------------------------------------------------------------------------
 # fork(): a lock held by another thread at the fork stays held in the child
 # ---------------------------------------------------------------------------
@@ -409,5 +417,4 @@ def _new_locks_in_child() -> None:
         recorder.lock = threading.Lock()
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_new_locks_in_child)
+_fork.on_fork_in_child(_new_locks_in_child)

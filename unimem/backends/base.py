@@ -9,73 +9,172 @@ Contract for ``malloc``: return the address of at least ``size`` bytes as a
 positive ``int``; signal "the device is full" by returning 0 or raising
 ``MemoryError`` (the core then releases its cache and retries); any other
 exception is a real error and propagates to the caller unchanged.
+
+:class:`Backend` is a :class:`typing.Protocol`: only ``malloc`` and ``free``
+are required. Every other member is an optional capability: the core and the
+runtime look it up on the backend and, where it is absent, behave as the
+default written here says. Subclassing :class:`Backend` inherits those
+defaults. A backend that wraps another (``self.inner``) uses
+:func:`forward_to_inner`, so that it forwards every capability declared here,
+including those added later.
 """
 from __future__ import annotations
 
-from typing import Any, Tuple
+from typing import Any, Callable, FrozenSet, Iterable, Optional, Protocol, Tuple, TypeVar, runtime_checkable
 
 
-class Backend:
-    """Base class with the defaults of a backend without asynchronous work.
+@runtime_checkable
+class Backend(Protocol):
+    """A source of raw memory, with the defaults of a backend without
+    asynchronous work.
 
     Subclasses implement :meth:`malloc` and :meth:`free`, and usually
     :meth:`memory_info` and :meth:`device_count`.
     """
 
-    #: What the device is called in messages and summaries ("CPU", "XPU", "GPU").
+    #: What the device is called in messages and summaries ("CPU", "XPU",
+    #: "GPU"). Read by the core when an allocator is made; absent: the class name.
     name: str = "device"
-    #: Whether the host can read and write the memory directly (debug mode
-    #: fills and checks free memory only then).
+    #: What PyTorch calls the device's runtime in out-of-memory messages
+    #: ("CUDA", "XPU"). Read by the core; absent or None: :attr:`name` is used.
+    api_name: Optional[str] = None
+    #: Whether the host can read and write the memory directly. Read by the
+    #: observability layer when an allocator is made (debug mode fills and
+    #: checks free memory only then); absent: False.
     host_accessible: bool = False
-    #: Whether memory and handles stay valid in a child after ``os.fork()``
-    #: (GPU runtimes do not survive a fork).
+    #: Whether memory and handles stay valid in a child after ``os.fork()``.
+    #: Read by the fork handler in the child (allocators of a backend that
+    #: does not survive refuse to work there); absent: True. GPU runtimes do not.
     survives_fork: bool = True
+    #: A ``PyCapsule`` holding the C functions of the provider ABI
+    #: (``unimem/_native/provider.pxd``): read by the core when an allocator is
+    #: made, which then allocates and frees through C on a miss instead of
+    #: calling :meth:`malloc` and :meth:`free`. Absent or None: the Python methods.
+    _raw_api: Any = None
+    #: The object that keeps the capsule's C context alive; the core holds it
+    #: as long as the allocator. Absent: the backend itself (so no default here).
+    _raw_owner: Any
 
+    # -- raw memory (required) -------------------------------------------
     def malloc(self, size: int, device: int, stream: int) -> int:
+        """Return the address of at least ``size`` bytes on ``device``, or 0
+        when the device is full. Called by the core on a cache miss."""
         raise NotImplementedError
 
     def free(self, ptr: int, size: int, device: int, stream: int) -> None:
+        """Give back a segment :meth:`malloc` returned. Called by the core
+        when it releases cached memory (``empty_cache``, an out-of-memory retry)."""
         raise NotImplementedError
 
+    # -- capacity ---------------------------------------------------------
     def device_count(self) -> int:
+        """How many devices the backend serves. Called by the runtime when a
+        device type or pool is set up; absent: 1."""
         return 1
 
     def memory_info(self, device: int) -> Tuple[int, int]:
-        """``(free, total)`` bytes of the device."""
+        """``(free, total)`` bytes of the device. Called when an allocator is
+        made (its capacity), by ``mem_get_info`` and for out-of-memory
+        messages; absent or raising ``NotImplementedError``: not known."""
         raise NotImplementedError(f"the {self.name} backend does not report its memory")
 
     def max_allocation_size(self, device: int) -> int:
-        """The largest single allocation the device allows (0: no limit known)."""
+        """The largest single allocation the device allows. Called by the
+        runtime when an allocator is made; absent or 0: no limit known."""
         return 0
 
-    #: What PyTorch calls the device's runtime in messages ("CUDA", "XPU");
-    #: None: :attr:`name` is used.
-    api_name = None
-
-    # Streams and their events. Without asynchronous work, memory is reusable at once.
+    # -- streams and their events -----------------------------------------
+    # Without asynchronous work, memory is reusable at once: the defaults.
     def check_stream(self, stream: int, device: int) -> None:
-        """Raise ``ValueError`` if ``stream`` names no stream of ``device``
-        (called by ``record_stream``, so that a bad handle is refused there and
-        not at the free, which could then never happen)."""
+        """Raise ``ValueError`` if ``stream`` names no stream of ``device``.
+        Called by ``record_stream``, so that a bad handle is refused there and
+        not at the free, which could then never happen; absent: every handle is taken."""
 
     def release_stream(self, stream: int, device: int) -> None:
         """The allocator keeps nothing for ``stream`` any more (no segment, no
-        pending event): the backend may let go of what it holds for it."""
-
-    def release_event(self, event: Any) -> None:
-        """Give back an event the allocator recorded but will not wait for
-        (recording a later one failed)."""
+        pending event): the backend may let go of what it holds for it.
+        Called by the core; absent: nothing to do."""
 
     def record_event(self, stream: int, device: int) -> Any:
-        """Mark the current end of the work queued on ``stream``."""
+        """Mark the current end of the work queued on ``stream``. Called by
+        the core when a block used on other streams (``record_stream``) is
+        freed; absent: None (no asynchronous work)."""
         return None
 
     def event_done(self, event: Any) -> bool:
-        """Whether the work before ``event`` has completed (never blocks)."""
+        """Whether the work before ``event`` has completed (never blocks).
+        Called by the core before reusing a block; absent: True."""
         return True
 
     def event_synchronize(self, event: Any) -> None:
-        """Block until the work before ``event`` has completed."""
+        """Block until the work before ``event`` has completed. Called by the
+        core when it must have the memory (``empty_cache``, an out-of-memory
+        retry); absent: nothing to wait for."""
+
+    def release_event(self, event: Any) -> None:
+        """Give back an event the allocator recorded but will not wait for
+        (recording a later one failed). Called by the core; absent: nothing to do."""
 
     def synchronize(self, device: int) -> None:
-        """Wait for all work queued on ``device`` (``torch.accelerator.synchronize``)."""
+        """Wait for all work queued on ``device`` (``torch.accelerator.synchronize``).
+        Called by the front; absent: nothing to wait for."""
+
+    # -- what the runtime and the front ask of some backends ---------------
+    #: The device count the user gave (``PluggableAllocator(device_count=...)``),
+    #: kept by ``change_current_allocator`` over the replaced backend's; absent
+    #: or None: the replaced backend's count.
+    explicit_device_count: Optional[int] = None
+    #: Where pinned memory comes from, for ``unimem.host.backend_name()``
+    #: ("cuda", "sycl"); absent: "page-aligned".
+    pinning: str = "page-aligned"
+    #: ``pinned_host_backend()``: a backend of pinned host memory for
+    #: ``unimem.host``, from this device's runtime. Called by ``unimem.host``
+    #: when the pinned pool is first used; absent (no default here): plain
+    #: page-aligned memory.
+    pinned_host_backend: Callable[[], "Backend"]
+
+
+# Names typing.Protocol puts in the class body for itself.
+_PROTOCOL_MACHINERY = frozenset({"_is_protocol", "_is_runtime_protocol", "_abc_impl"})
+
+
+def backend_members() -> FrozenSet[str]:
+    """Every member :class:`Backend` declares: required and optional."""
+    names = set(Backend.__annotations__) | set(vars(Backend))
+    return frozenset(n for n in names if not n.startswith("__") and n not in _PROTOCOL_MACHINERY)
+
+
+#: What every backend has; everything else in :func:`backend_members` is optional.
+REQUIRED_MEMBERS = frozenset({"malloc", "free"})
+
+WrapperClass = TypeVar("WrapperClass", bound=type)
+
+
+def forward_to_inner(intercepted: Iterable[str]) -> Callable[[WrapperClass], WrapperClass]:
+    """A class decorator for a backend wrapping another, ``self.inner``.
+
+    Every member of :class:`Backend` that the wrapper does not name in
+    ``intercepted`` is read from ``self.inner`` at each access, so the
+    wrapper has a capability exactly when the inner backend has it (an absent
+    one stays absent, and the core then uses its default). A capability added
+    to :class:`Backend` is forwarded without touching the wrapper.
+    ``intercepted`` must list what the wrapper defines itself (or withholds:
+    a wrapper that intercepts ``malloc`` must withhold ``_raw_api``, through
+    which the core would bypass it)."""
+    intercepted = frozenset(intercepted)
+    unknown = intercepted - backend_members()
+    if unknown:
+        raise ValueError(f"not members of Backend: {sorted(unknown)}")
+
+    def forwarded(name: str) -> property:
+        def read(self: Any) -> Any:
+            return getattr(self.inner, name)
+        return property(read, doc=f"The inner backend's ``{name}``.")
+
+    def decorate(cls: WrapperClass) -> WrapperClass:
+        for name in backend_members() - intercepted:
+            setattr(cls, name, forwarded(name))
+        cls.__forwarded_members__ = backend_members() - intercepted
+        cls.__intercepted_members__ = intercepted
+        return cls
+    return decorate

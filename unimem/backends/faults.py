@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable, Iterable, Optional, Tuple, Union
+from typing import Callable, Iterable, Optional, Union
 
-from .base import Backend
+from .base import Backend, forward_to_inner
 
 CallRule = Union[None, Iterable[int], Callable[..., bool]]
 
@@ -33,6 +33,7 @@ def _rule(rule: CallRule) -> Callable[..., bool]:
     return lambda number, *args: number in calls
 
 
+@forward_to_inner(intercepted={"malloc", "free", "_raw_api", "_raw_owner"})
 class FaultInjectingBackend(Backend):
     """Wrap ``inner`` and fail some of its calls.
 
@@ -46,16 +47,16 @@ class FaultInjectingBackend(Backend):
 
     :meth:`refuse_next` and :meth:`fail_frees_of` change the plan on the way.
     ``malloc_calls``, ``free_calls``, ``refused`` and ``failed_frees`` count.
+
+    Every other capability of :class:`Backend` is ``inner``'s (an absent one
+    stays absent), but its C entry points (``_raw_api``): the core then calls
+    :meth:`malloc` and :meth:`free` here, where the faults are injected.
     """
 
     def __init__(self, inner: Backend, *, refuse_malloc: CallRule = None, fail_free: CallRule = None,
                  malloc_delay: float = 0.0, free_delay: float = 0.0,
                  free_error: Optional[BaseException] = None) -> None:
         self.inner = inner
-        self.name = getattr(inner, "name", "device")
-        self.host_accessible = getattr(inner, "host_accessible", False)
-        self.survives_fork = getattr(inner, "survives_fork", True)
-        self.api_name = getattr(inner, "api_name", None)
         self._refuse = _rule(refuse_malloc)
         self._fail = _rule(fail_free)
         self.malloc_delay = malloc_delay
@@ -108,36 +109,6 @@ class FaultInjectingBackend(Backend):
             raise self.free_error if self.free_error is not None else InjectedFault(
                 f"injected failure freeing {ptr:#x} ({size} bytes)")
         self.inner.free(ptr, size, device, stream)
-
-    def device_count(self) -> int:
-        return self.inner.device_count()
-
-    def memory_info(self, device: int) -> Tuple[int, int]:
-        return self.inner.memory_info(device)
-
-    def max_allocation_size(self, device: int) -> int:
-        return self.inner.max_allocation_size(device)
-
-    def check_stream(self, stream: int, device: int) -> None:
-        self.inner.check_stream(stream, device)
-
-    def release_stream(self, stream: int, device: int) -> None:
-        self.inner.release_stream(stream, device)
-
-    def release_event(self, event: Any) -> None:
-        self.inner.release_event(event)
-
-    def record_event(self, stream: int, device: int) -> Any:
-        return self.inner.record_event(stream, device)
-
-    def event_done(self, event: Any) -> bool:
-        return self.inner.event_done(event)
-
-    def event_synchronize(self, event: Any) -> None:
-        self.inner.event_synchronize(event)
-
-    def synchronize(self, device: int) -> None:
-        self.inner.synchronize(device)
 
     def __repr__(self) -> str:
         return f"<FaultInjectingBackend over {self.inner!r}>"

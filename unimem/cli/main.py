@@ -224,11 +224,12 @@ def _summary(args: argparse.Namespace) -> int:
 
 def _stats(args: argparse.Namespace) -> int:
     from .. import host
+    from .._runtime.devices import DEVICE_POOLS
     # JSON on stdout must be the only thing there.
     code = _run_script(args.script, install=True, quiet_stdout=args.json and args.output is None)
     pools = _pools_to_report(args.device)
     by_device: Dict[str, Dict[str, Any]] = {
-        f"{name}:{index}": dict(_memory_api(name).memory_stats(index)) for name, index in pools}
+        DEVICE_POOLS[name].label(index): dict(_memory_api(name).memory_stats(index)) for name, index in pools}
     first = next(iter(by_device))
     view = {"device": first, "memory_stats": by_device[first], "devices": by_device,
             "host_memory_stats": dict(host.host_memory_stats())}
