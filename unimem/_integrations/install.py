@@ -14,8 +14,12 @@
 from __future__ import annotations
 
 import functools
+import inspect
+import numbers
 import threading
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+
+import numpy
 
 from .._runtime import devices as _devices
 
@@ -30,18 +34,39 @@ _lock = threading.Lock()
 _undo: List[Tuple[str, Callable[[], None]]] = []
 
 
+# What the pool arrays can be laid out as; dpnp also takes "K" and "A".
+POOL_ORDERS = ("C", "F", "c", "f")
+
+
+def _for_the_pool(pooled: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> bool:
+    """Whether a dpnp creation call is one the pool serves: arguments its
+    function takes, a layout it makes, a scalar fill value. Anything else
+    (``order="K"``, an array as ``fill_value``, a keyword only dpnp knows) is
+    dpnp's to serve, or to refuse with its own error."""
+    try:
+        bound = inspect.signature(pooled).bind(*args, **kwargs)
+    except TypeError:
+        return False
+    arguments = dict(bound.arguments)
+    arguments.update(arguments.pop("kwargs", {}))
+    if arguments.get("order", "C") not in POOL_ORDERS:
+        return False
+    fill_value = arguments.get("fill_value", 0)
+    return isinstance(fill_value, (numbers.Number, numpy.generic)) and not isinstance(fill_value, numpy.void)
+
+
 def _route(original: Callable[..., Any], pooled: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def create(*args: Any, **kwargs: Any) -> Any:
         if kwargs.get("like") is not None:
             return original(*args, **kwargs)
         kwargs.pop("like", None)
-        try:
-            return pooled(*args, **kwargs)
-        except (TypeError, ValueError):
-            # What the pool cannot serve (order="K", ...): dpnp does it, and
-            # raises its own error if the arguments are wrong.
+        if not _for_the_pool(pooled, args, kwargs):
             return original(*args, **kwargs)
+        # A request for the pool: its errors (a device it lacks, a data type
+        # the device cannot hold, ...) are the caller's to see, not hidden
+        # behind a silent fallback to dpnp's own allocation.
+        return pooled(*args, **kwargs)
     create.__unimem_original__ = original  # type: ignore[attr-defined]
     return create
 

@@ -27,6 +27,8 @@ import os
 import pickle
 from typing import Any, Dict, List, Optional, Tuple, Union
 
+from .._core import format_size
+
 MiB = float(1 << 20)
 MAX_DRAWN = 20_000        # allocations drawn individually; the rest join the grey base
 MAX_SEGMENT_ROWS = 40
@@ -135,11 +137,6 @@ def check_snapshot(snapshot: Any) -> None:
                 isinstance(f, dict) and isinstance(f.get("filename"), str) and _is_int(f.get("line"))
                 and isinstance(f.get("name"), str) for f in frames[:1]),
                 where, "has frames without filename, line and name")
-
-
-def _format_size(size: float) -> str:
-    from .._core import format_size
-    return format_size(int(size))
 
 
 def _pick_device(snapshot: Dict[str, Any], device: Optional[int]) -> int:
@@ -321,14 +318,14 @@ def plot_snapshot(snapshot: Dict[str, Any], output: str, device: Optional[int] =
         top.set_ylim(0, ymax)
         for t, size in tl.ooms:
             top.axvline(t, color="red", linestyle="--", linewidth=1.5)
-            top.annotate(f"out of memory: {_format_size(size)} requested", (t, ymax * 0.97),
+            top.annotate(f"out of memory: {format_size(size)} requested", (t, ymax * 0.97),
                          color="red", ha="right", va="top", fontsize=9)
         if tl.ooms:
             handles.append(plt.Line2D([], [], color="red", linestyle="--", label="out of memory"))
         if tl.peak[1] >= 0:
             peak_t = tl.times[tl.peak[1]]
             top.axvline(peak_t, color="#444444", linestyle=":", linewidth=1)
-            top.annotate(f"peak {_format_size(tl.peak[0])}", (peak_t, tl.peak[0] / MiB),
+            top.annotate(f"peak {format_size(tl.peak[0])}", (peak_t, tl.peak[0] / MiB),
                          xytext=(4, 4), textcoords="offset points", fontsize=8, color="#444444")
         for site, _ in sites[:LEGEND_SITES]:
             handles.append(Patch(color=colour_of[site], label=site))
@@ -371,7 +368,7 @@ def plot_snapshot(snapshot: Dict[str, Any], output: str, device: Optional[int] =
             bottom.broken_barh([(x, w) for x, w, _ in spans], (row - 0.4, 0.8),
                                facecolors=[c for _, _, c in spans], edgecolors="white", linewidth=0.4)
     bottom.set_yticks(range(len(segments)))
-    bottom.set_yticklabels([f"{s['segment_type']} {_format_size(s['total_size'])}" for s in segments],
+    bottom.set_yticklabels([f"{s['segment_type']} {format_size(s['total_size'])}" for s in segments],
                            fontsize=7 if len(segments) > 16 else 8)
     bottom.invert_yaxis()
     hidden = len(tl.segments) - len(segments)
