@@ -1,0 +1,263 @@
+"""The package's layers, checked: imports only run down, and never in a cycle.
+
+Every module of ``unimem`` is read (``.py`` with :mod:`ast`; ``.pyx`` and
+``.pxd`` with a regular expression for ``import``, ``cimport``,
+``from ... import`` and ``from ... cimport``), function-level imports
+included, and mapped to its layer:
+
+====  ==============================================================
+0     the provider ABI both sides compile against, no code:
+      ``unimem._native.provider`` (and ``unimem.backends._capi`` until it moves)
+1     ``unimem.backends.*``: raw memory
+2     the core: ``unimem._core``, ``unimem._native.*``
+3     the runtime: ``unimem._runtime.*``
+4     the front and observability: ``unimem.accelerator.*``, ``unimem.cpu``,
+      ``unimem.cuda``, ``unimem.xpu``, ``unimem.host``, ``unimem._memory_api``,
+      ``unimem._observe.*``
+5     integrations and entry points: ``unimem._integrations.*``, ``unimem.dask``,
+      ``unimem.prometheus``, ``unimem.cli.*``, ``unimem`` (its ``__init__``),
+      ``unimem.__main__``
+====  ==============================================================
+
+A module may import its own layer and those below. ``from pkg import name``
+imports ``pkg.name`` when that is a module, else ``pkg`` itself (so a lower
+layer reading a name off ``unimem`` is importing the top layer). Importing a
+submodule also runs its packages' ``__init__``; those implicit imports are
+not edges. The cycle check uses module-level imports only (a function-level
+import runs after every module is loaded), outside ``if TYPE_CHECKING:``.
+"""
+import ast
+import os
+import re
+import subprocess
+import sys
+from typing import Dict, List, Set, Tuple
+
+import pytest
+
+import unimem
+
+PACKAGE_DIR = os.path.dirname(unimem.__file__)
+REPO_ROOT = os.path.dirname(PACKAGE_DIR)
+
+ABI_MODULES = ("unimem._native.provider", "unimem.backends._capi")
+LAYER_OF_PREFIX = (                 # first match wins: more specific first
+    ("unimem.backends", 1),
+    ("unimem._core", 2),
+    ("unimem._native", 2),
+    ("unimem._runtime", 3),
+    ("unimem.accelerator", 4),
+    ("unimem.cpu", 4),
+    ("unimem.cuda", 4),
+    ("unimem.xpu", 4),
+    ("unimem.host", 4),
+    ("unimem._memory_api", 4),
+    ("unimem._observe", 4),
+    ("unimem._integrations", 5),
+    ("unimem.dask", 5),
+    ("unimem.prometheus", 5),
+    ("unimem.cli", 5),
+    ("unimem.__main__", 5),
+    ("unimem", 5),
+)
+LAYER_NAMES = {0: "provider ABI", 1: "backends", 2: "core", 3: "runtime", 4: "front/observe",
+               5: "integrations/CLI"}
+
+
+def layer_of(module: str) -> int:
+    if module in ABI_MODULES:
+        return 0
+    for prefix, layer in LAYER_OF_PREFIX:
+        if module == prefix or module.startswith(prefix + "."):
+            return layer
+    raise AssertionError(f"{module} is in no layer: add it to LAYER_OF_PREFIX")
+
+
+def package_modules() -> Dict[str, str]:
+    """Module name -> source path, for every .py, .pyx and .pxd of the package
+    (a .pyx and its .pxd are one module: both are listed, under one name)."""
+    found: Dict[str, List[str]] = {}
+    for folder, _, files in os.walk(PACKAGE_DIR):
+        if "__pycache__" in folder:
+            continue
+        for name in sorted(files):
+            stem, ext = os.path.splitext(name)
+            if ext not in (".py", ".pyx", ".pxd"):
+                continue
+            relative = os.path.relpath(os.path.join(folder, stem), REPO_ROOT).split(os.sep)
+            if relative[-1] == "__init__":
+                relative.pop()
+            found.setdefault(".".join(relative), []).append(os.path.join(folder, name))
+    return {module: paths for module, paths in found.items()}
+
+
+MODULES = package_modules()
+
+
+def _absolute(module: str, is_package: bool, level: int, target: str) -> str:
+    if level == 0:
+        return target
+    base = module.split(".")
+    if not is_package:
+        base.pop()
+    if level > 1:
+        base = base[:len(base) - (level - 1)]
+    return ".".join(base + ([target] if target else []))
+
+
+def _resolve(imported: str, names: List[str]) -> List[str]:
+    """``from imported import names``: the modules that brings in."""
+    out = []
+    for name in names:
+        candidate = f"{imported}.{name}"
+        out.append(candidate if candidate in MODULES else imported)
+    return out
+
+
+Import = Tuple[str, int, bool]          # target module, line, module-level
+
+
+def _python_imports(module: str, path: str) -> List[Import]:
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), path)
+    is_package = path.endswith("__init__.py")
+    top_level: Set[int] = set()
+
+    def mark_top(statements: List[ast.stmt]) -> None:
+        for node in statements:
+            top_level.add(id(node))
+            if isinstance(node, ast.If) and not _is_type_checking(node.test):
+                mark_top(node.body)
+                mark_top(node.orelse)
+            elif isinstance(node, ast.Try):
+                mark_top(node.body)
+                for handler in node.handlers:
+                    mark_top(handler.body)
+                mark_top(node.orelse)
+                mark_top(node.finalbody)
+
+    mark_top(tree.body)
+    out: List[Import] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(alias.name, node.lineno, id(node) in top_level) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            imported = _absolute(module, is_package, node.level, node.module or "")
+            out += [(target, node.lineno, id(node) in top_level)
+                    for target in _resolve(imported, [alias.name for alias in node.names])]
+    return out
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+CYTHON_FROM = re.compile(r"^(\s*)from\s+(\.*[\w.]*)\s+c?import\s+\(?([^#]*)")
+CYTHON_IMPORT = re.compile(r"^(\s*)c?import\s+([\w., ]+)")
+
+
+def _cython_imports(module: str, path: str) -> List[Import]:
+    is_package = os.path.basename(path).startswith("__init__.")
+    out: List[Import] = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            match = CYTHON_FROM.match(line)
+            if match:
+                indent, source, names = match.groups()
+                level = len(source) - len(source.lstrip("."))
+                imported = _absolute(module, is_package, level, source.lstrip("."))
+                names_list = [n.split(" as ")[0].strip() for n in names.replace(")", "").split(",")]
+                out += [(target, number, not indent)
+                        for target in _resolve(imported, [n for n in names_list if n])]
+                continue
+            match = CYTHON_IMPORT.match(line)
+            if match:
+                indent, names = match.groups()
+                out += [(n.split(" as ")[0].strip(), number, not indent) for n in names.split(",") if n.strip()]
+    return out
+
+
+def imports_of(module: str) -> List[Tuple[str, str, int, bool]]:
+    """``(target, file, line, module-level)`` for each unimem module ``module`` imports."""
+    out = []
+    for path in MODULES[module]:
+        parse = _python_imports if path.endswith(".py") else _cython_imports
+        for target, line, top in parse(module, path):
+            if target == "unimem" or target.startswith("unimem."):
+                out.append((target, os.path.relpath(path, REPO_ROOT), line, top))
+    return out
+
+
+def test_every_module_is_in_a_layer():
+    for module in MODULES:
+        layer_of(module)
+
+
+def test_no_import_runs_up_a_layer():
+    upward = []
+    for module in sorted(MODULES):
+        for target, path, line, _ in imports_of(module):
+            if layer_of(target) > layer_of(module):
+                upward.append(f"{path}:{line}: {module} ({LAYER_NAMES[layer_of(module)]}) imports "
+                              f"{target} ({LAYER_NAMES[layer_of(target)]})")
+    assert not upward, "imports that run up a layer:\n" + "\n".join(upward)
+
+
+def test_no_import_cycle():
+    graph = {module: sorted({target for target, _, _, top in imports_of(module)
+                             if top and target != module and target in MODULES})
+             for module in MODULES}
+    cycles = []
+    state: Dict[str, int] = {}          # 1: on the stack, 2: done
+    stack: List[str] = []
+
+    def visit(module: str) -> None:
+        state[module] = 1
+        stack.append(module)
+        for target in graph[module]:
+            if state.get(target) == 1:
+                cycles.append(" -> ".join(stack[stack.index(target):] + [target]))
+            elif target not in state:
+                visit(target)
+        stack.pop()
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module)
+    assert not cycles, "import cycles (module-level imports):\n" + "\n".join(cycles)
+
+
+def test_the_checker_sees_an_upward_and_a_function_level_import(tmp_path):
+    """The parsers find what the layering test relies on."""
+    source = tmp_path / "probe.py"
+    source.write_text("from .. import _core\n\ndef f():\n    from ..cli import main\n")
+    found = _python_imports("unimem.backends.probe", str(source))
+    assert ("unimem._core", 1, True) in found and ("unimem.cli.main", 4, False) in found
+    cython = tmp_path / "probe.pyx"
+    cython.write_text("from unimem._native.provider cimport RawAllocatorAPI\n"
+                      "def f():\n    from .._runtime import devices\n")
+    found = _cython_imports("unimem.backends.probe", str(cython))
+    assert ("unimem._native.provider", 1, True) in found
+    assert ("unimem._runtime.devices", 3, False) in found
+
+
+def test_import_unimem_imports_neither_cupy_nor_dpctl():
+    code = ("import sys, unimem\n"
+            "print(sorted(m for m in ('cupy', 'dpctl', 'dpnp', 'unimem.backends.xpu') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the OpenCL runtime setup is for Linux")
+def test_import_unimem_still_sets_up_the_opencl_runtime_first():
+    code = ("import os, sys\nos.environ.pop('OCL_ICD_FILENAMES', None)\nimport unimem\n"
+            "from unimem.backends.opencl_env import _runtime_library_dirs\n"
+            "lib = [d for d in _runtime_library_dirs() if os.path.exists(os.path.join(d, 'libintelocl.so'))]\n"
+            "print(bool(lib) == ('libintelocl.so' in os.environ.get('OCL_ICD_FILENAMES', '')))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert done.stdout.strip() == "True", done.stderr
