@@ -176,10 +176,6 @@ def test_the_protocol_declares_what_the_core_asks():
     assert isinstance(SimulatedBackend(), Backend)
 
 
-@pytest.mark.xfail(strict=True, reason="PageAlignedBackend (unimem/backends/_host.pyx, owned by the core) "
-                   "lacks Backend's optional members: api_name, max_allocation_size, check_stream, "
-                   "release_stream, release_event, synchronize, explicit_device_count, pinning, "
-                   "pinned_host_backend, _raw_owner")
 def test_page_aligned_backend_is_a_backend():
     assert isinstance(PageAlignedBackend("CPU"), Backend)
 

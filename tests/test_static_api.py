@@ -177,9 +177,6 @@ def test_mypy_strict_rejects_a_misused_namespace(tmp_path, mypy_cache, line, err
     assert result.returncode == 1 and error in result.stdout, result.stdout + result.stderr
 
 
-@pytest.mark.xfail(strict=True, reason="unimem/__init__.py imports cuda and xpu lazily (a module "
-                   "__getattr__), so after a bare `import unimem` mypy types unimem.cuda as Any; "
-                   "it needs `if TYPE_CHECKING: from . import cuda, xpu, ...` there")
 def test_mypy_strict_sees_the_lazy_namespaces_after_a_bare_import(tmp_path, mypy_cache):
     result = run_mypy_strict(tmp_path, mypy_cache, "import unimem\nunimem.cuda.memory_stat(0)\n")
     assert result.returncode == 1 and "memory_stat" in result.stdout, result.stdout + result.stderr

@@ -18,7 +18,7 @@ Quick start::
 from __future__ import annotations
 
 import importlib
-from typing import Any, List
+from typing import TYPE_CHECKING, Any, List
 
 from .backends.opencl_env import ensure_opencl_cpu_runtime
 
@@ -73,6 +73,9 @@ def change_current_allocator(allocator: Backend) -> None:
 # CuPy, dpctl, prometheus_client nor dask: unimem.xpu / unimem.cuda need their
 # array library, unimem.prometheus / unimem.dask their extra.
 _LAZY_SUBMODULES = ("xpu", "cuda", "prometheus", "dask")
+
+if TYPE_CHECKING:          # what __getattr__ imports, seen by type checkers and IDEs
+    from . import cuda, dask, prometheus, xpu  # noqa: F401
 
 
 def __getattr__(name: str) -> Any:

@@ -20,7 +20,7 @@ from ._runtime.registry import namespace_alloc_functions
 from ._observe import history as _history
 from ._runtime import devices as _devices
 from ._runtime.config import settings_from_env
-from ._runtime.devices import DISPLAY_NAMES, DeviceLike, DeviceType, device_index, get_type
+from ._runtime.devices import DEVICE_POOLS, DeviceLike, DeviceType, device_index, get_type
 from ._observe.summary import memory_summary_table
 
 
@@ -176,6 +176,7 @@ class MemoryAPI:
 
     def __init__(self, type_name: str) -> None:
         self.type_name = type_name
+        self.pool = DEVICE_POOLS[type_name]
 
     # -- plumbing ---------------------------------------------------------
     def _type(self) -> DeviceType:
@@ -509,7 +510,7 @@ class MemoryAPI:
             registry = self._type().registry
         except RuntimeError:
             return []
-        return _history.snapshot(self.type_name, registry)["segments"]
+        return _history.snapshot(self.pool, registry)["segments"]
 
     def _record_memory_history(self, enabled: Optional[Literal["state", "all"]] = "all",
                                context: Optional[Literal["state", "alloc", "all"]] = "all",
@@ -551,7 +552,7 @@ class MemoryAPI:
                 (``"alloc"``, ``"free_requested"``, ``"free_completed"``,
                 ``"segment_alloc"``, ``"segment_free"``, ``"oom"``).
         """
-        _history.record_memory_history(self.type_name, self._type().registry, enabled, context,
+        _history.record_memory_history(self.pool, self._type().registry, enabled, context,
                                        stacks, max_entries, clear_history, skip_actions)
 
     def _snapshot(self, device: DeviceLike = None) -> Dict[str, Any]:
@@ -559,7 +560,7 @@ class MemoryAPI:
         with ``segments`` and ``device_traces`` in PyTorch's layout (see
         ``torch.cuda.memory._snapshot``), readable by ``torch.cuda._memory_viz``
         and pytorch.org/memory_viz."""
-        return _history.snapshot(self.type_name, self._type().registry)
+        return _history.snapshot(self.pool, self._type().registry)
 
     def _dump_snapshot(self, filename: "_history.PathLike" = "dump_snapshot.pickle") -> None:
         r"""Save a pickled version of the :func:`_snapshot` dictionary to a file.
@@ -571,7 +572,7 @@ class MemoryAPI:
                 Defaults to "dump_snapshot.pickle". Anything but a path (a file
                 descriptor, say) is a ``TypeError``.
         """
-        _history.dump_snapshot(self.type_name, self._type().registry, filename)
+        _history.dump_snapshot(self.pool, self._type().registry, filename)
 
     def memory_summary(self, device: DeviceLike = None, abbreviated: bool = False) -> str:
         r"""Return a human-readable printout of the current memory allocator statistics for a given device.
@@ -586,7 +587,7 @@ class MemoryAPI:
                 (default: False).
         """
         index = self._index(device)
-        return memory_summary_table(self.memory_stats(index), DISPLAY_NAMES[self.type_name],
+        return memory_summary_table(self.memory_stats(index), self.pool.display_name,
                                     index, abbreviated)
 
     def functions(self) -> Dict[str, Any]:

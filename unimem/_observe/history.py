@@ -24,6 +24,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Tuple, Union
 
 from .. import _core
 from .._runtime import devices as _devices
+from .._runtime.registry import DeviceRegistry
 from .._runtime import fork as _fork
 from .._runtime.pools import Pool
 
@@ -252,23 +253,14 @@ def _attach(pool: Pool, allocator: _core.CachingAllocator) -> None:
 _devices.on_allocator_created(_attach)
 
 
-PoolLike = Union[Pool, str]
-
-
-def _pool(pool: PoolLike) -> Pool:
-    """``pool`` itself; a device type's name (``"xpu"``) for its pool, as
-    ``unimem._memory_api`` still names it."""
-    return _devices.DEVICE_POOLS[pool] if isinstance(pool, str) else pool
-
-
-def record_memory_history(pool: PoolLike, registry: _core.DeviceRegistry, enabled: Optional[str] = "all",
+def record_memory_history(pool: Pool, registry: DeviceRegistry, enabled: Optional[str] = "all",
                           context: Optional[str] = "all", stacks: str = "python",
                           max_entries: int = sys.maxsize, clear_history: bool = False,
                           skip_actions: Optional[List[str]] = None) -> None:
     """``_record_memory_history`` for every allocator of ``pool`` (whose
     registry is ``registry``), present and future."""
     skip = History.check_arguments(enabled, context, stacks, max_entries, skip_actions)
-    recorder = history(_pool(pool))
+    recorder = history(pool)
     was_enabled = recorder.enabled
     allocators = registry.initialized()
     if was_enabled and not enabled:
@@ -284,10 +276,9 @@ def record_memory_history(pool: PoolLike, registry: _core.DeviceRegistry, enable
         allocator.set_trace_hook(recorder.hook_for(allocator) if enabled else None)
 
 
-def snapshot(pool: PoolLike, registry: _core.DeviceRegistry) -> Dict[str, Any]:
+def snapshot(pool: Pool, registry: DeviceRegistry) -> Dict[str, Any]:
     """``_snapshot`` of ``pool`` (whose registry is ``registry``): its
     segments and the recorded traces, in PyTorch's layout."""
-    pool = _pool(pool)
     recorder = history(pool)
     allocators = registry.initialized()
     settings = next(iter(allocators.values())).settings if allocators else {}
@@ -302,7 +293,7 @@ def snapshot(pool: PoolLike, registry: _core.DeviceRegistry) -> Dict[str, Any]:
 PathLike = Union[str, bytes, "os.PathLike[str]", "os.PathLike[bytes]"]
 
 
-def dump_snapshot(pool: PoolLike, registry: _core.DeviceRegistry, filename: PathLike) -> None:
+def dump_snapshot(pool: Pool, registry: DeviceRegistry, filename: PathLike) -> None:
     """Pickle :func:`snapshot` of ``pool`` into ``filename``."""
     # open() would also take an int as a file descriptor, and close it.
     if not isinstance(filename, (str, bytes, os.PathLike)):

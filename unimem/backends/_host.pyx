@@ -104,6 +104,43 @@ cdef class PageAlignedBackend:
     def event_synchronize(self, event):
         pass
 
+    # The rest of the Backend protocol (unimem.backends.base), with its
+    # defaults: plain memory has no queues, events or allocation limit.
+    def max_allocation_size(self, int device=0):
+        return 0
+
+    def check_stream(self, stream, device):
+        pass
+
+    def release_stream(self, stream, device):
+        pass
+
+    def release_event(self, event):
+        pass
+
+    def synchronize(self, device):
+        pass
+
+    def pinned_host_backend(self):
+        """The pinned pool of a host-only machine: page-aligned memory too."""
+        return PageAlignedBackend("host")
+
+    @property
+    def api_name(self):
+        return None
+
+    @property
+    def explicit_device_count(self):
+        return None
+
+    @property
+    def pinning(self):
+        return "page-aligned"
+
+    @property
+    def _raw_owner(self):
+        return self         # the capsule's functions need no context
+
     def __repr__(self):
         return f"<unimem PageAlignedBackend {self.name}>"
 
