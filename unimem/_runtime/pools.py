@@ -17,7 +17,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, List, Optional
 
-if TYPE_CHECKING:       # annotations only: the registry class is the core's
+if TYPE_CHECKING:       # annotations only: the registry imports the core, a compiled module
     from .registry import DeviceRegistry
 
 DEVICE_TYPES = ("cuda", "xpu", "cpu")
