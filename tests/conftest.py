@@ -1,13 +1,11 @@
-import os
-import sys
-
+"""Fixtures shared by every layer's tests. Tests are arranged by layer
+(core/, backends/, runtime/, front/, integrations/, repository/); what they
+share lives in tests/helpers, imported as ``tests.helpers`` (pytest puts the
+repository's root on sys.path: ``pythonpath`` in pyproject.toml)."""
 import pytest
 
-# Tests import the model beside them.
-sys.path.insert(0, os.path.dirname(__file__))
-
-from unimem import _core  # noqa: E402
-from unimem.backends.simulated import SimulatedBackend  # noqa: E402
+from unimem import _core
+from unimem.backends.simulated import SimulatedBackend
 
 GiB = 1 << 30
 MiB = 1 << 20

@@ -24,6 +24,20 @@ from ._runtime.devices import DEVICE_POOLS, DeviceLike, DeviceType, device_index
 from ._observe.summary import memory_summary_table
 
 
+
+def numpy_dtype(dtype: Any) -> "numpy.dtype[Any]":
+    """``numpy.dtype(dtype)``, failing only as the array functions document:
+    NumPy parses some strings with ``ast.literal_eval`` and lets its
+    SyntaxError (or others) out, for ``b","`` say; those become a TypeError."""
+    import numpy
+    try:
+        return numpy.dtype(dtype)
+    except (TypeError, ValueError):
+        raise
+    except Exception as exc:
+        raise TypeError(f"data type {dtype!r} not understood") from exc
+
+
 def nest_stats(flat: Dict[str, Any]) -> Dict[str, Any]:
     """``{"a.b.c": v}`` -> ``{"a": {"b": {"c": v}}}``."""
     nested: Dict[str, Any] = {}

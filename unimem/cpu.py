@@ -14,7 +14,7 @@ from typing import Any, Literal, Sequence, Tuple, Union
 import numpy
 from numpy.typing import DTypeLike, NDArray
 
-from ._memory_api import PUBLIC_FUNCTIONS, MemoryAPI
+from ._memory_api import PUBLIC_FUNCTIONS, MemoryAPI, numpy_dtype
 from ._runtime.devices import DeviceLike
 
 _api = MemoryAPI("cpu")
@@ -53,7 +53,7 @@ def empty(shape: Union[int, Sequence[int]], dtype: DTypeLike = float, order: Lit
         dims = tuple(operator.index(d) for d in shape)     # type: ignore[union-attr]
     if any(d < 0 for d in dims):
         raise ValueError(f"negative dimensions are not allowed: {dims}")
-    dt = numpy.dtype(dtype)
+    dt = numpy_dtype(dtype)
     if dt.hasobject:
         raise TypeError("arrays of Python objects cannot live in the pool")
     nbytes = dt.itemsize

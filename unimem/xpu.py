@@ -28,7 +28,7 @@ from . import _core, host
 from ._runtime.registry import DeviceRegistry
 from ._runtime.devices import device_index, get_type, new_allocator
 from ._runtime.pools import Pool, PoolKind, register_named_pool
-from ._memory_api import PUBLIC_FUNCTIONS, MemoryAPI, MemoryLike, record_stream_on_pools
+from ._memory_api import PUBLIC_FUNCTIONS, MemoryAPI, MemoryLike, record_stream_on_pools, numpy_dtype
 from .backends import xpu as _backend
 
 _api = MemoryAPI("xpu")
@@ -231,7 +231,7 @@ def _normalize_dtype(dtype: Any, queue, index: int) -> numpy.dtype:
         dt = numpy.dtype(ctx.dpnp.default_float_type(sycl_queue=queue))
     else:
         try:
-            dt = numpy.dtype(dtype)
+            dt = numpy_dtype(dtype)
         except TypeError as exc:
             raise TypeError(f"data type {dtype!r} not understood") from exc
         if dt not in DPNP_TYPES:

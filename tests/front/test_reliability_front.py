@@ -9,7 +9,9 @@ import pytest
 
 from unimem._runtime import devices as _devices
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import REPO_ROOT as _REPO_ROOT
+
+REPO_ROOT = str(_REPO_ROOT)
 
 
 # ---------------------------------------------------------------------------

@@ -7,8 +7,9 @@ import sys
 import textwrap
 
 import pytest
+from tests.helpers import REPO_ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(REPO_ROOT)
 
 
 def unimem_cli(*args, cwd=None, env=None, timeout=600):
@@ -392,11 +393,7 @@ def test_an_extra_not_installed_is_named(module, missing, extra):
 
 
 def test_soak_reports_progress(monkeypatch, capsys):
-    sys.path.insert(0, ROOT)
-    try:
-        from benchmarks import soak
-    finally:
-        sys.path.remove(ROOT)
+    from benchmarks import soak
     monkeypatch.setattr(soak, "PROGRESS_EVERY", 0.0)
     soak.soak(200_000, samples=2)
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  soak: ")]

@@ -1,7 +1,7 @@
 """PyTorch's own expectations on memory history, snapshots, OOM observers and
 the memory fraction, ported (in our own code) from ``test/test_cuda.py`` (and
 ``test/test_xpu.py`` where it is the same test) to run without a GPU:
-``unimem.cuda`` over the simulated CUDA runtime (tests/fake_cuda.py).
+``unimem.cuda`` over the simulated CUDA runtime (tests/helpers/fake_cuda.py).
 Each test names the upstream test it comes from.
 """
 import gc
@@ -12,7 +12,7 @@ import pytest
 
 import unimem
 
-from fake_cuda import FakeCudaRuntime, serving_cuda
+from tests.helpers.fake_cuda import FakeCudaRuntime, serving_cuda
 
 pytest.importorskip("cupy", reason="CuPy (cupy-cuda12x) is in the test extra")
 

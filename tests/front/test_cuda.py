@@ -14,7 +14,7 @@ from unimem import _core
 from unimem.backends.cuda import CUDABackend, CUDAPinnedBackend
 from unimem.backends.simulated import SimulatedBackend
 
-from fake_cuda import CUDA_ERROR_INVALID_DEVICE, CUDARuntimeError, FakeCudaRuntime, serving_cuda
+from tests.helpers.fake_cuda import CUDA_ERROR_INVALID_DEVICE, CUDARuntimeError, FakeCudaRuntime, serving_cuda
 
 cupy = pytest.importorskip("cupy", reason="CuPy (cupy-cuda12x) is in the test extra")
 

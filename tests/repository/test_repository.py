@@ -1,8 +1,9 @@
 """The repository's contract: CI runs exactly what the README tells users to run."""
 import os
 import re
+from tests.helpers import REPO_ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(REPO_ROOT)
 
 
 def readme_commands():

@@ -13,8 +13,9 @@ from benchmarks import bench_facade, bench_memory, torch_traces
 from unimem import _core
 from unimem._memory_api import nest_stats
 from unimem.backends.simulated import SimulatedBackend
+from tests.helpers import REPO_ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(REPO_ROOT)
 MiB = 1 << 20
 
 

@@ -15,8 +15,9 @@ import textwrap
 
 import pytest
 import pytest_codeblocks
+from tests.helpers import REPO_ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(REPO_ROOT)
 README = os.path.join(ROOT, "README.md")
 BLOCK_TIMEOUT = 240
 

@@ -185,3 +185,13 @@ def test_double_free_and_foreign_pointers_change_nothing():
         with pytest.raises(ValueError):
             SIMULATED.free(bad)
     assert unchanged(before, state())
+
+
+@pytest.mark.parametrize("namespace", [cpu, xpu])
+def test_a_dtype_numpy_cannot_parse_is_a_type_error(namespace):
+    """NumPy parses b"," with ast.literal_eval and raised its SyntaxError out
+    of unimem.cpu/xpu.zeros (found by the hypothesis test above)."""
+    before = state()
+    with pytest.raises(TypeError, match="not understood"):
+        namespace.zeros(3, b",")
+    assert unchanged(before, state())

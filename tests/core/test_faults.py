@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
-from model import ModelAllocator, ModelFreeFailure, ModelOOM
+from tests.helpers.model import ModelAllocator, ModelFreeFailure, ModelOOM
 from unimem import OutOfMemoryError, _core
 from unimem.backends.faults import FaultInjectingBackend, InjectedFault
 from unimem.backends.simulated import SimulatedBackend

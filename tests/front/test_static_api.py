@@ -23,11 +23,12 @@ import unimem.host
 from unimem import _memory_api
 from unimem._runtime import devices as _devices
 
-from fake_cuda import FakeCudaRuntime, serving_cuda
+from tests.helpers.fake_cuda import FakeCudaRuntime, serving_cuda
+from tests.helpers import REPO_ROOT
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+REPO = REPO_ROOT
 PACKAGE = REPO / "unimem"
-ALLOWLIST = pathlib.Path(__file__).with_name("stubtest_allowlist.txt")
+ALLOWLIST = REPO_ROOT / "tests" / "helpers" / "stubtest_allowlist.txt"
 # Array libraries without type information; the stubs never import them.
 UNTYPED_LIBRARIES = ("cupy", "cupy_backends", "cupyx", "dpctl", "dpnp", "distributed", "dask",
                      "pandas", "prometheus_client", "matplotlib", "psutil")

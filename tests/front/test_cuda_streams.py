@@ -16,7 +16,7 @@ from unimem.backends.cuda import (CUDA_STREAM_LEGACY, CUDA_STREAM_PER_THREAD, CU
                                   cuda_stream_of, per_thread_stream_key, stream_key)
 from unimem.backends.simulated import SimulatedBackend
 
-from fake_cuda import CUDARuntimeError, FakeCudaRuntime, serving_cuda
+from tests.helpers.fake_cuda import CUDARuntimeError, FakeCudaRuntime, serving_cuda
 
 cupy = pytest.importorskip("cupy", reason="CuPy (cupy-cuda12x) is in the test extra")
 

@@ -7,7 +7,7 @@ freeing everything and emptying the cache gives all memory back.
 from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, Bundle, consumes
 
-from model import ModelAllocator, ModelOOM
+from tests.helpers.model import ModelAllocator, ModelOOM
 from unimem import OutOfMemoryError, _core
 from unimem.backends.simulated import SimulatedBackend
 

@@ -14,12 +14,13 @@ import sys
 
 import pytest
 
-PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "unimem"
-REPO_ROOT = PACKAGE.parent
+from tests.helpers import REPO_ROOT
+
+PACKAGE = REPO_ROOT / "unimem"
 
 # The slice of the suite that runs again under -O: the core's rules and the
 # XPU backend (the one that had behaviour inside an assert).
-OPTIMIZED_SLICE = ("tests/test_core_rules.py", "tests/test_xpu.py")
+OPTIMIZED_SLICE = ("tests/core/test_core_rules.py", "tests/front/test_xpu.py")
 OPTIMIZED_TIMEOUT_S = 240
 
 

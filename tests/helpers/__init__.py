@@ -1,0 +1,6 @@
+"""What the tests share: the policy model (model), the simulated CUDA runtime
+(fake_cuda), and where the repository is."""
+import pathlib
+
+#: The repository's root (README, pyproject.toml, benchmarks/).
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
