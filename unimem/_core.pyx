@@ -54,7 +54,6 @@ from unimem._native.stats cimport *
 
 import atexit
 import collections
-from operator import index as _operator_index
 import os
 import sys
 import threading

@@ -22,9 +22,7 @@ cdef int _backend_malloc(CachingAllocator self, size_t size, uintptr_t stream, u
     if ptr is None or ptr == 0:
         return 1
     try:
-        if isinstance(ptr, (bool, float)):       # 4096.5 is no address, True no pointer
-            raise TypeError
-        out[0] = _operator_index(ptr)
+        out[0] = as_integer(ptr, "an address")   # 4096.5 is no address, True no pointer
     except (TypeError, OverflowError):
         # The memory (if any) cannot be described, so it cannot be given back.
         raise TypeError(f"backend malloc must return an address as a positive int, got {ptr!r}") from None

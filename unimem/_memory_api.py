@@ -15,6 +15,8 @@ import warnings
 from typing import (Any, Callable, Dict, Iterable, List, Literal, Optional, Protocol, SupportsIndex, Tuple,
                     Union)
 
+import numpy
+
 from . import _core
 from ._runtime.registry import namespace_alloc_functions
 from ._observe import history as _history
@@ -29,7 +31,6 @@ def numpy_dtype(dtype: Any) -> "numpy.dtype[Any]":
     """``numpy.dtype(dtype)``, failing only as the array functions document:
     NumPy parses some strings with ``ast.literal_eval`` and lets its
     SyntaxError (or others) out, for ``b","`` say; those become a TypeError."""
-    import numpy
     try:
         return numpy.dtype(dtype)
     except (TypeError, ValueError):

@@ -29,7 +29,7 @@ from typing import Any, Callable, Dict, List, Optional, TextIO, Tuple
 import numpy
 
 from .. import _core
-from .._runtime.devices import DISPLAY_NAMES, current_type
+from .._runtime.devices import current_type
 
 Empty = Callable[..., Any]
 
@@ -298,7 +298,7 @@ def run(steps: int = 300, out_dir: str = "unimem-demo", out: Optional[TextIO] = 
           file=out)
     print(f"allocation alone ({requests} requests of this run, replayed): "
           f"{pool_alloc_seconds * 1e3:.1f} ms through the pool vs {raw_alloc_seconds * 1e3:.1f} ms "
-          f"of raw {DISPLAY_NAMES[dtype.name]} malloc/free: "
+          f"of raw {dtype.pool.display_name} malloc/free: "
           f"{_difference(raw_alloc_seconds, pool_alloc_seconds)}", file=out)
     # Where the training times differ beyond the allocator's own work: the
     # arrays' creation and release as the loop saw them, and what the
