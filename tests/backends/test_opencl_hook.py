@@ -82,6 +82,17 @@ def test_the_install_put_the_hook_at_the_root_of_site_packages():
 
 
 @needs_install
+def test_the_hook_line_is_silent_when_its_module_is_gone(monkeypatch):
+    """An editable install whose checkout has no _unimem_opencl (an older
+    commit checked out) must not print a traceback at every Python start."""
+    files = installed_files()
+    assert files is not None
+    line = next(f for f in files if f.name == HOOK_FILE).read_text(encoding="utf-8")
+    monkeypatch.setitem(sys.modules, "_unimem_opencl", None)      # import raises ImportError
+    exec(line, {})                                                 # as site runs the line
+
+
+@needs_install
 def test_the_hook_imports_no_more_than_its_own_module_at_start(tmp_path):
     """It runs in every Python process: no unimem (Cython extensions), and no
     module of its own (typing, __future__) beyond what site has loaded."""
