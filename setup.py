@@ -32,6 +32,9 @@ def extension(name: str) -> Extension:
 # that dpctl and dpnp find Intel's OpenCL CPU runtime whatever is imported
 # first. The try keeps an editable install whose checkout lost the module (an
 # older commit checked out) from printing a traceback at every Python start.
+# site runs .pth files in name order, and this name sorts after setuptools'
+# __editable__.unimem-*.pth: in an editable install _unimem_opencl is found
+# through the import finder that file installs.
 HOOK_PTH = "unimem-opencl.pth"
 HOOK_LINE = 'import sys; exec("try: import _unimem_opencl\\nexcept ImportError: pass")\n'
 
