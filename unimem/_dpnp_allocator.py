@@ -13,8 +13,8 @@ which, and changes nothing):
   ``dpctl/memory/_memory.h`` says, holding the memory with a
   ``std::shared_ptr<void>``. Checked against objects dpctl makes itself
   (:func:`unimem._usm_memory.check_layout`).
-* ``dpnp.memory`` binds dpctl's classes when it is imported: it is imported
-  before the names are replaced, so that it keeps dpctl's own.
+* ``dpnp.memory`` subclasses dpctl's classes when it is imported: it is
+  imported before the names are replaced, so that its classes stay dpctl's.
 
 The stand-ins replacing the three names are subclasses of dpctl's classes
 whose metaclass makes ``isinstance(m, dpctl.memory.MemoryUSMDevice)`` true for
@@ -151,7 +151,8 @@ class _SpyType(_StandInType):
     """A stand-in that only counts its calls and lets dpctl allocate."""
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
-        cls.calls += 1
+        if threading.get_ident() == cls.prober:     # other threads may allocate meanwhile
+            cls.calls += 1
         return cls.__dpctl_class__(*args, **kwargs)
 
 
@@ -160,7 +161,7 @@ def _probe_dpnp(dpnp: Any, dpctl_memory: Any, queue: Any) -> None:
     ``dpctl.memory.MemoryUSMDevice``, with a stand-in that lets dpctl allocate
     (so no pool's statistics see the probe)."""
     cls = dpctl_memory.MemoryUSMDevice
-    spy = _SpyType(cls.__name__, (cls,), {"__dpctl_class__": cls, "calls": 0})
+    spy = _SpyType(cls.__name__, (cls,), {"__dpctl_class__": cls, "calls": 0, "prober": threading.get_ident()})
     dpctl_memory.MemoryUSMDevice = spy
     try:
         dpnp.empty(1, dtype="u1", sycl_queue=queue)
@@ -192,7 +193,7 @@ def set_allocator(pool_for: PoolFor) -> None:
         import dpctl
         import dpctl.memory as dpctl_memory
         import dpnp
-        import dpnp.memory  # noqa: F401  (binds dpctl's own classes: it must not see the stand-ins)
+        import dpnp.memory  # noqa: F401  (subclasses dpctl's classes: it must not see the stand-ins)
         _check_versions(dpctl, dpnp)
         get_type("xpu")       # raises, saying why, when there is no SYCL device
         if not _allocators:

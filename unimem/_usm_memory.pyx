@@ -62,6 +62,19 @@ cdef extern from *:
     static void um_delete_block_owner(void* owner) {
         delete static_cast<std::shared_ptr<void>*>(owner);
     }
+    /* What a SYCL host task does with a copy of the smart pointer: hold it,
+       then let it go on the runtime's thread (a pthread start routine, so a
+       test can run it on a thread Python has never seen). */
+    static void* um_copy_block_owner(void* owner) {
+        return new std::shared_ptr<void>(*static_cast<std::shared_ptr<void>*>(owner));
+    }
+    static void* um_release_block_owner_copy(void* copy) {
+        delete static_cast<std::shared_ptr<void>*>(copy);
+        return NULL;
+    }
+    static std::uintptr_t um_release_block_owner_copy_address() {
+        return reinterpret_cast<std::uintptr_t>(&um_release_block_owner_copy);
+    }
     static long um_block_owner_use_count(void* owner) {
         return static_cast<std::shared_ptr<void>*>(owner)->use_count();
     }
@@ -84,6 +97,8 @@ cdef extern from *:
     void* um_new_block_owner(uintptr_t p, void* allocator, um_detached_free_fn fn) nogil
     void um_delete_block_owner(void* owner) nogil
     long um_block_owner_use_count(void* owner) nogil
+    void* um_copy_block_owner(void* owner) nogil
+    uintptr_t um_release_block_owner_copy_address() nogil
     ctypedef struct um_dpctl_memory:
         void* vtab
         void* memory_ptr
@@ -307,3 +322,16 @@ def call_stand_in(stand_in, *args, **kwargs):
     """The ``__call__`` of the stand-ins' metaclass: ``MemoryUSMDevice(...)``
     with the hook installed."""
     return (<UsmAllocator>stand_in.__unimem_allocator__).allocate(args, kwargs)
+
+
+def _hold_block(memory):
+    """A new copy of ``memory``'s smart pointer, as a SYCL host task takes
+    one: returns its address, to be let go by calling the C function at
+    :data:`_RELEASE_HELD_BLOCK` (``void* (void* copy)``) on any thread. For
+    the tests of frees on threads Python has never seen."""
+    if block_owner_use_count(memory) == 0:
+        raise ValueError("the memory is not held by a smart pointer")
+    return <uintptr_t>um_copy_block_owner((<um_dpctl_memory*><PyObject*>memory).opaque_ptr)
+
+
+_RELEASE_HELD_BLOCK = um_release_block_owner_copy_address()
