@@ -138,3 +138,26 @@ def test_the_runner_refuses_an_unknown_benchmark():
     done = run_benchmarks("nonsense")
     assert done.returncode == 2
     assert "unknown benchmark nonsense" in done.stderr
+
+
+def test_the_dpnp_benchmark_runs_and_reports_every_target(tmp_path):
+    """``python -m benchmarks dpnp --quick`` runs its three workloads plain and
+    with the allocator and reports its targets; not its timings (speed lives
+    in benchmarks/), but what must hold however fast the machine is: the hooked
+    runs were served by the pools and computed the same results as the plain ones."""
+    pytest.importorskip("dpnp")
+    from unimem._runtime import devices
+    if not devices.is_available("xpu"):
+        pytest.skip(f"no SYCL device: {devices.unavailable_reason('xpu')}")
+    done = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "dpnp"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env=dict(os.environ, UNIMEM_BENCHMARK_RESULTS=str(tmp_path)))
+    assert done.returncode == 0, done.stdout + done.stderr
+    with open(tmp_path / "dpnp.json") as f:
+        result = json.load(f)
+    assert [r["workload"] for r in result["workloads"]] == ["mlp", "kmeans", "linalg_fft_sort"]
+    assert [r["size"] for r in result["empty"]] == [512, 4096, 65536, MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB]
+    assert len(result["targets"]) == 6 and all(isinstance(t["met"], bool) for t in result["targets"])
+    for row in result["workloads"]:
+        assert row["identical"], row
+        assert row["allocations_per_iteration"] > 0
+        assert row["pooled_calls_share"] == 1.0 and row["pooled_bytes_share"] == 1.0, row
