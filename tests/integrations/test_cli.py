@@ -2,6 +2,7 @@
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 import textwrap
@@ -48,15 +49,64 @@ def demo_output(tmp_path_factory):
 
 def test_demo_trains_reports_and_writes_files(demo_output):
     out, text = demo_output
-    for needed in ("unimem demo: a 512-1024-256-10 MLP, 12 training steps", "memory summary",
-                   "cache hit rate:", "training:", "allocation alone", "out of memory",
-                   "where the training times differ", "making arrays", "page faults",
+    for needed in ("unimem demo: a 512-1024-256-10 MLP, 12 training steps", "the same training code twice",
+                   "memory summary", "served from the pool:", "cache hit rate:", "training:",
+                   "allocation alone", "out of memory", "where the training times differ", "page faults",
                    "snapshot.pickle", "timeline.png", "12/12 steps"):
         assert needed in text, needed
+    losses = re.search(r"\(losses (\S+) / (\S+)\)", text)
+    assert losses and losses[1] == losses[2], "the same code and seed with either allocator: the same loss"
     with open(out / "snapshot.pickle", "rb") as f:
         snapshot = pickle.load(f)
     assert any(e["action"] == "oom" for trace in snapshot["device_traces"] for e in trace)
     check_png(out / "timeline.png")
+
+
+def test_demo_pooled_run_takes_every_array_from_the_pool(demo_output):
+    """With dpnp, the hook's counters: every array of the pooled run (results
+    of operations included) came from the pool, and those are the requests
+    the pool's statistics and its recorded history saw."""
+    out, text = demo_output
+    if "dpnp on XPU" not in text:
+        pytest.skip("the demo ran on no SYCL device: no allocator hook to count")
+    served = re.search(r"served from the pool: 100\.0% of dpnp's array allocations \((\d+) of (\d+), "
+                       r"results of operations included\) and 100\.0% of their bytes", text)
+    assert served, text
+    pooled = int(served[1])
+    assert pooled == int(served[2]) > 12 * 10          # some ten arrays a step, not just the inputs
+    assert re.search(rf"of {pooled} requests served from the cache", text), "the pool's statistics differ"
+    with open(out / "snapshot.pickle", "rb") as f:
+        snapshot = pickle.load(f)
+    allocs = [e for trace in snapshot["device_traces"] for e in trace if e["action"] == "alloc"]
+    assert len(allocs) == pooled
+    step_lines = {frame["line"] for e in allocs for frame in e["frames"] if frame["name"] == "training_step"}
+    assert len(step_lines) > 5, "the operations' results are recorded at the training step's lines"
+
+
+def test_demo_training_step_is_ordinary_array_code():
+    """No out= anywhere in the demo: its training is the code users write."""
+    import ast
+    import unimem.cli.demo as demo
+    tree = ast.parse(open(demo.__file__).read())
+    functions = {node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)}
+    assert {"training_step", "train"} <= functions
+    with_out = [node.lineno for node in ast.walk(tree)
+                if isinstance(node, ast.keyword) and node.arg == "out"]
+    assert not with_out, f"out= on lines {with_out} of {demo.__file__}"
+
+
+def test_demo_on_numpy_says_what_the_pool_serves(tmp_path):
+    """The fallback without a SYCL device or a GPU (UNIMEM_DEVICE=cpu): NumPy,
+    whose own arrays cannot go through the pool; the demo says so, and pools
+    the arrays it copies data into (3 parameters, 2 per step)."""
+    done = unimem_cli("demo", "--steps", "3", "--no-oom", "--out", str(tmp_path),
+                      env={"UNIMEM_DEVICE": "cpu"})
+    assert done.returncode == 0, done.stderr
+    if "NumPy on host memory" not in done.stdout:
+        pytest.skip("UNIMEM_DEVICE=cpu still ran on a device here")
+    assert "NumPy has no allocator hook" in done.stdout
+    assert re.search(r"served from the pool: the 9 arrays the demo copied its data into", done.stdout)
+    assert (tmp_path / "snapshot.pickle").exists() and (tmp_path / "timeline.png").exists()
 
 
 def test_plot_draws_a_snapshot(demo_output, tmp_path):

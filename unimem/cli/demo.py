@@ -1,37 +1,44 @@
 """``python -m unimem demo``: the main job.
 
-Trains a small multilayer perceptron for a few hundred steps on the default
-device of this machine (dpnp on a SYCL device, CuPy on a GPU, NumPy on host
-memory otherwise), every array through unimem's pool, with the memory history
-recorded. Then it shows what the pool did:
+Trains a small multilayer perceptron on the default device of this machine
+(dpnp on a SYCL device, CuPy on a GPU, NumPy on host memory otherwise) with
+ordinary array code - ``h = xp.maximum(x @ w, 0)``, no ``out=`` - twice: with
+the array library's own allocation, then with unimem installed as its
+allocator (``unimem.xpu.using_allocator()``, ``cupy.cuda.using_allocator(
+unimem.cuda.allocator)``), the memory history recorded. Then it shows what
+the pool did:
 
 * the statistics table (``memory_summary``);
+* the share of the array allocations and bytes of the pooled run that the
+  pool served, results of operations included (dpnp: the hook's counters);
 * the cache hit rate: requests served without asking the device for memory;
-* the time saved, measured in the same run: the same training with the array
-  library's own allocation, and the same sequence of allocations replayed
-  through the raw backend and through the pool;
-* where the training times differ beyond that: the time the loop spent making
-  and dropping arrays, and the page faults and operating-system time of each
-  run (memory the device maps afresh is faulted in on first touch; the pool's
-  is already mapped);
+* the time saved, measured in the same run: the two trainings, and the same
+  sequence of allocations replayed through the raw backend and the pool;
+* the page faults and operating-system time of each training (memory the
+  device maps afresh is faulted in on first touch; the pool's is already mapped);
 * the snapshot (``snapshot.pickle``, readable by pytorch.org/memory_viz) and
   the timeline picture (``timeline.png``) in the output folder.
+
+NumPy has no allocator hook: on that fallback only the arrays the demo copies
+its data into (parameters and batches) come from the cpu pool, and the output
+says so; the results of NumPy's operations are NumPy's own memory.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, TextIO, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, TextIO, Tuple
 
 import numpy
 
 from .. import _core
 from .._runtime.devices import current_type
 
-Empty = Callable[..., Any]
+Allocation = Callable[[], ContextManager[Any]]
 
 
 # ---------------------------------------------------------------------------
@@ -39,16 +46,26 @@ Empty = Callable[..., Any]
 # ---------------------------------------------------------------------------
 @dataclass
 class Workload:
-    """An array library on one device, with pooled and native allocation."""
+    """An array library on one device, and how to run code with its own
+    allocation or with unimem's."""
 
     description: str
     xp: Any                                   # the array module
-    pool_empty: Empty                         # arrays from unimem's pool
-    native_empty: Empty                       # arrays from the library's own allocation
-    upload: Callable[[numpy.ndarray, Empty], Any]
-    synchronize: Callable[[], None]
+    asarray: Callable[[numpy.ndarray], Any]   # host data onto the device, as its users write it
+    pooled: Allocation                        # inside: unimem allocates the library's arrays
+    own: Allocation                           # inside: the library's own allocation
+    pooled_how: str                           # what ``pooled`` installs, for the output
+    own_how: str
+    synchronize: Callable[[], None]           # wait for the device (and for freed memory to be back)
     allocator: _core.CachingAllocator
     memory_api: Any                           # unimem.xpu / unimem.cuda / unimem.cpu
+    counters: Optional[Callable[[], Dict[str, int]]] = None   # the allocator hook's, where it has them
+
+    @property
+    def pool_empty(self) -> Allocation:
+        """The earlier name of :attr:`pooled` (``train(work, work.pool_empty, steps)``),
+        kept for callers written against it (tests/front/test_xpu.py)."""
+        return self.pooled
 
 
 def default_workload() -> Workload:
@@ -60,52 +77,69 @@ def default_workload() -> Workload:
 
         import unimem.xpu as api
         queue = api.default_queue(index)
-
-        def upload(host: numpy.ndarray, empty: Empty) -> Any:
-            out = empty(host.shape, host.dtype)
-            out.get_array()[...] = host
-            return out
-
         return Workload(f"dpnp on XPU {index} ({queue.sycl_device.name}, SYCL {queue.sycl_device.backend.name})",
-                        dpnp, functools.partial(api.empty, sycl_queue=queue),
-                        functools.partial(_dpnp_empty, dpnp.empty, sycl_queue=queue),
-                        upload, queue.wait, allocator, api)
+                        dpnp, functools.partial(dpnp.asarray, sycl_queue=queue),
+                        api.using_allocator, functools.partial(_dpnp_own_allocation, api),
+                        "unimem.xpu.using_allocator()", "dpnp's own allocation (dpctl's sycl::malloc/free)",
+                        functools.partial(api.synchronize, index), allocator, api, api.allocator_counters)
     if dtype.name == "cuda":
         import cupy
 
         import unimem.cuda as api
-
-        def upload_cuda(host: numpy.ndarray, empty: Empty) -> Any:
-            out = empty(host.shape, host.dtype)
-            out.set(host)
-            return out
-
         name = cupy.cuda.runtime.getDeviceProperties(index)["name"]
         name = name.decode() if isinstance(name, bytes) else name
-        return Workload(f"CuPy on GPU {index} ({name})", cupy,
-                        functools.partial(_cupy_empty, cupy, api.allocator),
-                        functools.partial(_cupy_empty, cupy, None),        # plain cudaMalloc / cudaFree
-                        upload_cuda, cupy.cuda.get_current_stream().synchronize, allocator, api)
+        # The baseline is CuPy without a pool (using_allocator(None): plain
+        # cudaMalloc/cudaFree), as the raw backend of the replay below.
+        return Workload(f"CuPy on GPU {index} ({name})", cupy, cupy.asarray,
+                        functools.partial(cupy.cuda.using_allocator, api.allocator),
+                        functools.partial(cupy.cuda.using_allocator, None),
+                        "cupy.cuda.using_allocator(unimem.cuda.allocator)",
+                        "CuPy's raw cudaMalloc/cudaFree (its memory pool off)",
+                        cupy.cuda.get_current_stream().synchronize, allocator, api)
     import unimem.cpu as api
+    host = _NumpyArrays(api.empty)
+    return Workload("NumPy on host memory (the cpu pool)", numpy, host.asarray, host.pooled,
+                    contextlib.nullcontext,
+                    "unimem.cpu.empty for the arrays the demo copies its data into", "NumPy's own allocation",
+                    lambda: None, allocator, api)
 
-    def upload_host(host: numpy.ndarray, empty: Empty) -> Any:
-        out = empty(host.shape, host.dtype)
+
+@contextlib.contextmanager
+def _dpnp_own_allocation(api: Any) -> Iterator[None]:
+    """dpnp's own allocation inside, even where unimem was installed before
+    (a start-up hook): then it is installed again after."""
+    was_installed = api.allocator_installed()
+    api.reset_allocator()
+    try:
+        yield
+    finally:
+        if was_installed:
+            api.set_allocator()
+
+
+class _NumpyArrays:
+    """NumPy has no allocator hook: inside :meth:`pooled`, the arrays the demo
+    makes from host data are copied into the cpu pool (``unimem.cpu.empty``);
+    the results of NumPy's operations are NumPy's own memory either way."""
+
+    def __init__(self, pool_empty: Callable[..., numpy.ndarray]) -> None:
+        self.pool_empty = pool_empty
+        self.pooling = False
+
+    def asarray(self, host: numpy.ndarray) -> numpy.ndarray:
+        if not self.pooling:
+            return numpy.array(host)        # a copy, as the pooled branch makes
+        out = self.pool_empty(host.shape, host.dtype)
         out[...] = host
         return out
 
-    return Workload("NumPy on host memory (the cpu pool)", numpy, api.empty, numpy.empty,
-                    upload_host, lambda: None, allocator, api)
-
-
-# Allocation helpers passed through functools.partial, so that the recorded
-# stacks start at the training loop's own lines.
-def _dpnp_empty(empty: Empty, shape: Any, dtype: Any, **kwargs: Any) -> Any:
-    return empty(shape, dtype=dtype, **kwargs)
-
-
-def _cupy_empty(cupy: Any, allocator: Any, shape: Any, dtype: Any) -> Any:
-    with cupy.cuda.using_allocator(allocator):
-        return cupy.empty(shape, dtype)
+    @contextlib.contextmanager
+    def pooled(self) -> Iterator[None]:
+        self.pooling = True
+        try:
+            yield
+        finally:
+            self.pooling = False
 
 
 # ---------------------------------------------------------------------------
@@ -113,6 +147,7 @@ def _cupy_empty(cupy: Any, allocator: Any, shape: Any, dtype: Any) -> Any:
 # ---------------------------------------------------------------------------
 LAYERS = (512, 1024, 256, 10)
 BATCHES = (256, 256, 224, 192, 160, 128)      # batch sizes vary, as the last batch of an epoch does
+LOSS_EVERY = 20
 
 
 class Progress:
@@ -141,86 +176,57 @@ class Progress:
         self.out.flush()
 
 
-def train(work: Workload, empty: Empty, steps: int, progress: Optional[Progress] = None,
-          seed: int = 0, timing: Optional[Dict[str, float]] = None) -> Tuple[float, float]:
-    """Train the MLP (mean squared error, plain SGD) for ``steps`` steps with
-    every array from ``empty``; returns (seconds, last loss).
+def training_step(xp: Any, weights: List[Any], x: Any, t: Any, lr: float) -> Any:
+    """One step of plain SGD on the mean squared error, written as any user of
+    the array library writes it; updates ``weights`` in place and returns the
+    output's error ``y - t``."""
+    w1, w2, w3 = weights
+    # forward (ReLU)
+    h1 = xp.maximum(x @ w1, 0)
+    h2 = xp.maximum(h1 @ w2, 0)
+    error = h2 @ w3 - t
+    # backward
+    grad_h2 = (error @ w3.T) * (h2 > 0)
+    grad_h1 = (grad_h2 @ w2.T) * (h1 > 0)
+    scale = lr / x.shape[0]
+    w3 -= scale * (h2.T @ error)
+    w2 -= scale * (h1.T @ grad_h2)
+    w1 -= scale * (x.T @ grad_h1)
+    return error
 
-    With ``timing``, adds to ``timing["create"]`` the seconds spent making
-    arrays and to ``timing["free"]`` those spent dropping them (where the
-    array library gives their memory back), measured inside the loop."""
-    xp = work.xp
-    if timing is not None:
-        timing.setdefault("create", 0.0)
-        timing.setdefault("free", 0.0)
-        make = empty
 
-        def empty(*args: Any, **kwargs: Any) -> Any:       # noqa: F811 - the same, timed
-            started = time.perf_counter()
-            made = make(*args, **kwargs)
-            timing["create"] += time.perf_counter() - started
-            return made
+def train(work: Workload, allocation: Allocation, steps: int, progress: Optional[Progress] = None,
+          seed: int = 0) -> Tuple[float, float]:
+    """Train the MLP for ``steps`` steps with the arrays allocated as
+    ``allocation`` (``work.pooled`` or ``work.own``) has it; returns
+    (seconds, last loss). The same seed gives the same loss either way."""
     rng = numpy.random.default_rng(seed)
-    d_in, d_h1, d_h2, d_out = LAYERS
+    d_in, d_out = LAYERS[0], LAYERS[-1]
     inputs = rng.standard_normal((2048, d_in)).astype("f4")
     teacher = rng.standard_normal((d_in, d_out)).astype("f4") / numpy.sqrt(d_in)
     targets = numpy.tanh(inputs @ teacher).astype("f4")
-    weights = [work.upload((rng.standard_normal((a, b)) * numpy.sqrt(2.0 / a)).astype("f4"), empty)
-               for a, b in zip(LAYERS, LAYERS[1:])]
-    w1, w2, w3 = weights
-    lr = 0.05
+    initial = [(rng.standard_normal((a, b)) * numpy.sqrt(2.0 / a)).astype("f4") for a, b in zip(LAYERS, LAYERS[1:])]
+    xp = work.xp
     loss = float("nan")
-    work.synchronize()
-    start = time.perf_counter()
-    for step in range(steps):
-        batch = BATCHES[step % len(BATCHES)]
-        rows = rng.integers(0, len(inputs), batch)
-        x = work.upload(inputs[rows], empty)
-        t = work.upload(targets[rows], empty)
-        # forward (ReLU as a mask, which the backward pass reuses)
-        h1 = empty((batch, d_h1), "f4")
-        xp.matmul(x, w1, out=h1)
-        mask1 = empty((batch, d_h1), "?")
-        xp.greater(h1, 0, out=mask1)
-        xp.multiply(h1, mask1, out=h1)
-        h2 = empty((batch, d_h2), "f4")
-        xp.matmul(h1, w2, out=h2)
-        mask2 = empty((batch, d_h2), "?")
-        xp.greater(h2, 0, out=mask2)
-        xp.multiply(h2, mask2, out=h2)
-        y = empty((batch, d_out), "f4")
-        xp.matmul(h2, w3, out=y)
-        grad_y = empty((batch, d_out), "f4")
-        xp.subtract(y, t, out=grad_y)
-        if step % 20 == 0 or step == steps - 1:
-            squared = empty((batch, d_out), "f4")
-            xp.multiply(grad_y, grad_y, out=squared)
-            loss = float(squared.mean())
-        # backward
-        grad_w3 = empty((d_h2, d_out), "f4")
-        xp.matmul(h2.T, grad_y, out=grad_w3)
-        grad_h2 = empty((batch, d_h2), "f4")
-        xp.matmul(grad_y, w3.T, out=grad_h2)
-        xp.multiply(grad_h2, mask2, out=grad_h2)
-        grad_w2 = empty((d_h1, d_h2), "f4")
-        xp.matmul(h1.T, grad_h2, out=grad_w2)
-        grad_h1 = empty((batch, d_h1), "f4")
-        xp.matmul(grad_h2, w2.T, out=grad_h1)
-        xp.multiply(grad_h1, mask1, out=grad_h1)
-        grad_w1 = empty((d_in, d_h1), "f4")
-        xp.matmul(x.T, grad_h1, out=grad_w1)
-        # update
-        for w, g in ((w1, grad_w1), (w2, grad_w2), (w3, grad_w3)):
-            xp.multiply(g, lr / batch, out=g)
-            xp.subtract(w, g, out=w)
-        freeing = time.perf_counter()
-        del x, t, h1, h2, y, grad_y, grad_w1, grad_w2, grad_w3, grad_h1, grad_h2, mask1, mask2
-        if timing is not None:
-            timing["free"] += time.perf_counter() - freeing
-        if progress is not None:
-            progress.update(step + 1, loss if step % 20 == 0 or step == steps - 1 else None)
-    work.synchronize()
-    return time.perf_counter() - start, loss
+    error: Any = None
+    with allocation():
+        weights = [work.asarray(w) for w in initial]
+        work.synchronize()
+        start = time.perf_counter()
+        for step in range(steps):
+            rows = rng.integers(0, len(inputs), BATCHES[step % len(BATCHES)])
+            error = training_step(xp, weights, work.asarray(inputs[rows]), work.asarray(targets[rows]), 0.05)
+            reported = step % LOSS_EVERY == 0 or step == steps - 1
+            if reported:
+                loss = float((error * error).mean())
+            if progress is not None:
+                progress.update(step + 1, loss if reported else None)
+        # Dropped and waited for inside the block, so that their memory is
+        # back where it came from before the caller reads the pool's figures.
+        del weights, error
+        work.synchronize()
+        seconds = time.perf_counter() - start
+    return seconds, loss
 
 
 def replay(trace: List[Dict[str, Any]], malloc: Callable[[int], int],
@@ -248,29 +254,31 @@ def run(steps: int = 300, out_dir: str = "unimem-demo", out: Optional[TextIO] = 
     dtype = current_type()
     allocator = work.allocator
     index = allocator.device
+    library = work.xp.__name__
     print(f"unimem demo: a {'-'.join(map(str, LAYERS))} MLP, {steps} training steps, "
           f"{work.description}", file=out, flush=True)
+    print(f"the same training code twice: with {work.own_how}, then with {work.pooled_how}",
+          file=out, flush=True)
 
     # Warm up (kernel compilation and library start-up costs nobody's allocator).
-    train(work, work.native_empty, 3)
-    train(work, work.pool_empty, 3)
+    train(work, work.own, 3)
+    train(work, work.pooled, 3)
 
     # 1. The array library's own allocation.
-    native_timing: Dict[str, float] = {}
     before = _process_costs()
-    native_seconds, native_loss = train(work, work.native_empty, steps,
-                                        Progress(steps, "native", out), timing=native_timing)
-    native_costs = _process_costs(since=before)
-    # 2. The same training through the pool, history recorded.
+    own_seconds, own_loss = train(work, work.own, steps, Progress(steps, f"{library}'s own", out))
+    own_costs = _process_costs(since=before)
+    # 2. The same training with unimem as the allocator, history recorded.
     allocator.empty_cache()
     allocator.reset_accumulated_stats()
     allocator.reset_peak_stats()
     work.memory_api._record_memory_history(max_entries=200_000, clear_history=True)
-    pool_timing: Dict[str, float] = {}
+    counters = work.counters
+    counted_before = counters() if counters else None
     before = _process_costs()
-    pool_seconds, pool_loss = train(work, work.pool_empty, steps, Progress(steps, "unimem pool", out),
-                                    timing=pool_timing)
+    pool_seconds, pool_loss = train(work, work.pooled, steps, Progress(steps, "unimem", out))
     pool_costs = _process_costs(since=before)
+    counted = _since(counters(), counted_before) if counters and counted_before is not None else None
     stats = allocator.memory_stats()
     if show_oom:
         _provoke_out_of_memory(allocator, out)
@@ -290,27 +298,25 @@ def run(steps: int = 300, out_dir: str = "unimem-demo", out: Optional[TextIO] = 
     misses = stats["num_device_alloc"]
     hit_rate = 1.0 - misses / handed_out if handed_out else 0.0
     requests = sum(1 for e in trace if e["action"] == "alloc")
+    print(_served_from_the_pool(work, counted, stats), file=out)
     print(f"cache hit rate: {hit_rate:.2%} ({handed_out - misses} of {handed_out} requests served "
           f"from the cache; {misses} device allocations)", file=out)
-    print(f"training: {pool_seconds:.2f} s through the pool (recording its memory history) vs "
-          f"{native_seconds:.2f} s with {work.xp.__name__}'s own allocation: "
-          f"{_difference(native_seconds, pool_seconds)} (losses {pool_loss:.4f} / {native_loss:.4f})",
+    print(f"training: {pool_seconds:.2f} s with unimem (recording its memory history) vs "
+          f"{own_seconds:.2f} s with {library}'s own allocation: "
+          f"{_difference(own_seconds, pool_seconds)} (losses {pool_loss:.4f} / {own_loss:.4f})",
           file=out)
     print(f"allocation alone ({requests} requests of this run, replayed): "
           f"{pool_alloc_seconds * 1e3:.1f} ms through the pool vs {raw_alloc_seconds * 1e3:.1f} ms "
           f"of raw {dtype.pool.display_name} malloc/free: "
           f"{_difference(raw_alloc_seconds, pool_alloc_seconds)}", file=out)
-    # Where the training times differ beyond the allocator's own work: the
-    # arrays' creation and release as the loop saw them, and what the
-    # operating system did for the process (a page fault is a first touch of
-    # newly mapped memory), all measured in the two runs above.
-    print(f"where the training times differ (pool vs {work.xp.__name__}, measured in the runs above): "
-          f"making arrays {pool_timing['create']:.2f} s vs {native_timing['create']:.2f} s, "
-          f"dropping them {pool_timing['free']:.2f} s vs {native_timing['free']:.2f} s"
-          + ("" if pool_costs is None or native_costs is None else
-             f", {pool_costs[0]:,} vs {native_costs[0]:,} page faults (first touches of newly mapped "
-             f"memory) and {pool_costs[1]:.2f} s vs {native_costs[1]:.2f} s of operating-system time"),
-          file=out)
+    # Where the training times differ beyond the allocator's own work: what
+    # the operating system did for the process (a page fault is a first touch
+    # of newly mapped memory), measured in the two trainings above.
+    if pool_costs is not None and own_costs is not None:
+        print(f"where the training times differ (unimem vs {library}'s own, measured in the runs above): "
+              f"{pool_costs[0]:,} vs {own_costs[0]:,} page faults (first touches of newly mapped "
+              f"memory) and {pool_costs[1]:.2f} s vs {own_costs[1]:.2f} s of operating-system time",
+              file=out)
     print(f"peak reserved {_core.format_size(stats['reserved_bytes.all.peak'])} for a peak of "
           f"{_core.format_size(stats['requested_bytes.all.peak'])} requested", file=out)
 
@@ -325,11 +331,43 @@ def run(steps: int = 300, out_dir: str = "unimem-demo", out: Optional[TextIO] = 
     print(f"wrote {snapshot_path} (open it at https://pytorch.org/memory_viz) and {picture_path}",
           file=out, flush=True)
     return {"device": f"{dtype.name}:{index}", "steps": steps, "hit_rate": hit_rate,
-            "pool_seconds": pool_seconds, "native_seconds": native_seconds,
+            "pool_seconds": pool_seconds, "own_seconds": own_seconds,
             "pool_alloc_seconds": pool_alloc_seconds, "raw_alloc_seconds": raw_alloc_seconds,
-            "snapshot": snapshot_path, "picture": picture_path, "loss": pool_loss,
-            "pool_timing": pool_timing, "native_timing": native_timing,
-            "pool_faults_and_system_seconds": pool_costs, "native_faults_and_system_seconds": native_costs}
+            "snapshot": snapshot_path, "picture": picture_path, "loss": pool_loss, "own_loss": own_loss,
+            "allocator_counters": counted,
+            "pool_faults_and_system_seconds": pool_costs, "own_faults_and_system_seconds": own_costs}
+
+
+def _since(now: Dict[str, int], before: Dict[str, int]) -> Dict[str, int]:
+    return {key: value - before.get(key, 0) for key, value in now.items()}
+
+
+def _served_from_the_pool(work: Workload, counted: Optional[Dict[str, int]], stats: Dict[str, Any]) -> str:
+    """What share of the pooled training's arrays the pool served."""
+    library = work.xp.__name__
+    if counted is None:
+        if work.xp is numpy:
+            return (f"served from the pool: the {stats['allocation.all.allocated']} arrays the demo copied "
+                    f"its data into (parameters and batches); NumPy has no allocator hook, so the results "
+                    f"of its operations are NumPy's own memory, outside the pool and these figures")
+        return (f"served from the pool: every {library} allocation inside {work.pooled_how}: "
+                f"{stats['allocation.all.allocated']} allocations, "
+                f"{_core.format_size(stats['requested_bytes.all.allocated'])}")
+    pooled, bypassed = counted["pooled.allocations"], counted["bypassed.allocations"]
+    pooled_bytes, bypassed_bytes = counted["pooled.bytes"], counted["bypassed.bytes"]
+    line = (f"served from the pool: {_share(pooled, pooled + bypassed)} of {library}'s array allocations "
+            f"({pooled} of {pooled + bypassed}, results of operations included) and "
+            f"{_share(pooled_bytes, pooled_bytes + bypassed_bytes)} of their bytes "
+            f"({_core.format_size(pooled_bytes)} of {_core.format_size(pooled_bytes + bypassed_bytes)})")
+    reasons = [f"{key.split('.')[1]} {value}" for key, value in counted.items()
+               if key.count(".") == 2 and key.endswith(".allocations") and value]
+    if reasons:
+        line += f"; passed to the library's own allocator: {', '.join(reasons)}"
+    return line
+
+
+def _share(part: int, whole: int) -> str:
+    return f"{part / whole:.1%}" if whole else "n/a"
 
 
 def _process_costs(since: Optional[Tuple[int, float]] = None) -> Optional[Tuple[int, float]]:
