@@ -323,7 +323,7 @@ def test_training_with_history_recorded_does_not_hang(tmp_path):
         "from unimem.cli import demo\n"
         "work = demo.default_workload()\n"
         "work.memory_api._record_memory_history(max_entries=100000)\n"
-        "seconds, loss = demo.train(work, work.pool_empty, 60)\n"
+        "seconds, loss = demo.train(work, work.pooled, 60)\n"
         "print('trained', loss)\n")
     import subprocess
     import sys

@@ -61,12 +61,6 @@ class Workload:
     memory_api: Any                           # unimem.xpu / unimem.cuda / unimem.cpu
     counters: Optional[Callable[[], Dict[str, int]]] = None   # the allocator hook's, where it has them
 
-    @property
-    def pool_empty(self) -> Allocation:
-        """The earlier name of :attr:`pooled` (``train(work, work.pool_empty, steps)``),
-        kept for callers written against it (tests/front/test_xpu.py)."""
-        return self.pooled
-
 
 def default_workload() -> Workload:
     dtype = current_type()
