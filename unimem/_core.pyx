@@ -110,6 +110,15 @@ def _mark_exiting():
 atexit.register(_mark_exiting)
 
 
+cdef void _free_from_deleter(void* allocator, uintptr_t ptr) noexcept with gil:
+    """c_free_detached's free through Python (a finalizer's), with the GIL
+    taken here: only for a block that needs it, after the lock is let go."""
+    try:
+        (<CachingAllocator>allocator)._try_free(ptr, False, True)
+    except BaseException as exc:
+        _report_unraisable(exc, "unimem: freeing a block from its deleter")
+
+
 cdef bint _interpreter_exiting():
     if _exiting:
         return True
@@ -865,7 +874,9 @@ cdef class CachingAllocator:
         The rare block that needs Python (events of other streams, host
         memory for the bookkeeping) takes the GIL after the lock is let go.
         With the GIL it is a finalizer's free. At interpreter exit nothing
-        waits: a block whose lock is taken is left to the ending process."""
+        waits: a block whose lock is taken is left to the ending process.
+        No Python object lives in this function: Cython would take the GIL
+        at its exit to let go of it."""
         cdef int rc
         if _exiting:
             if not self.lock.try_lock():
@@ -875,22 +886,14 @@ cdef class CachingAllocator:
             self._unlock()
             return
         if PyGILState_Check():
-            with gil:
-                try:
-                    self._try_free(ptr, False, True)
-                except BaseException as exc:
-                    _report_unraisable(exc, "unimem: freeing a block from its deleter")
+            _free_from_deleter(<void*>self, ptr)
             return
         self.lock.lock()
         self.lock_depth += 1
         rc = self._free_fast(ptr, False)
         self._unlock()
         if rc == 2 or rc == 3:
-            with gil:
-                try:
-                    self._try_free(ptr, False, True)
-                except BaseException as exc:
-                    _report_unraisable(exc, "unimem: freeing a block from its deleter")
+            _free_from_deleter(<void*>self, ptr)
 
     cdef bint c_owns(self, uintptr_t ptr) noexcept:
         self._lock()

@@ -37,6 +37,9 @@ from .backends import xpu as _xpu_backend
 #: ``pool_for(usm_type, device_index, queue)``: the pool serving that memory,
 #: or None when none does (``unimem.xpu`` provides it).
 PoolFor = Callable[[str, int, Any], Optional[CachingAllocator]]
+#: ``guard_for(device_index)``: what to run before each allocation on the
+#: device, or None (``unimem.xpu`` provides it: see its _bound_keep_alive_tasks).
+GuardFor = Callable[[int], Optional[Callable[[Any], None]]]
 
 #: The oldest versions whose allocation path and memory layout the hook relies on.
 MINIMUM_VERSIONS = {"dpctl": (0, 21), "dpnp": (0, 20)}
@@ -83,14 +86,15 @@ class _Routes:
     """Where each queue's requests go: ``(allocator, stream, queue, cacheable)``
     or the index of a bypass reason."""
 
-    def __init__(self, dpctl: Any, pool_for: PoolFor) -> None:
+    def __init__(self, dpctl: Any, pool_for: PoolFor, guard_for: GuardFor) -> None:
         from dpctl._sycl_queue_manager import get_device_cached_queue
         self.dpctl = dpctl
         self.runtime = _xpu_backend._SyclRuntime.get()
         self.pool = pool_for
+        self.guard = guard_for
         self.dpctl_default_queue = lambda: get_device_cached_queue(dpctl.SyclDevice())
 
-    def __call__(self, usm_type: str, queue: Any) -> Union[int, Tuple[CachingAllocator, int, Any, bool]]:
+    def __call__(self, usm_type: str, queue: Any) -> Union[int, Tuple[CachingAllocator, int, Any, bool, Any]]:
         reasons = _usm_memory.BYPASS_REASONS
         if queue is None:           # what dpctl would use
             queue = self.dpctl_default_queue()
@@ -108,7 +112,8 @@ class _Routes:
         if pool is None:
             return reasons.index("no_pool")
         _usm_memory.pin_allocator(pool)
-        return pool, 0 if is_default else self.runtime.stream_handle(queue), queue, is_default
+        return (pool, 0 if is_default else self.runtime.stream_handle(queue), queue, is_default,
+                self.guard(index))
 
 
 class USMOutOfMemoryError(OutOfMemoryError):
@@ -121,10 +126,11 @@ def _out_of_memory_error(dpctl_memory: Any) -> type:
                 {"__module__": __name__, "__doc__": USMOutOfMemoryError.__doc__})
 
 
-def _make_allocators(dpctl: Any, dpctl_memory: Any, pool_for: PoolFor) -> Dict[str, _usm_memory.UsmAllocator]:
+def _make_allocators(dpctl: Any, dpctl_memory: Any, pool_for: PoolFor,
+                     guard_for: GuardFor) -> Dict[str, _usm_memory.UsmAllocator]:
     """Check dpctl's memory classes against objects it makes itself, and make
     one allocator per USM kind."""
-    routes = _Routes(dpctl, pool_for)
+    routes = _Routes(dpctl, pool_for, guard_for)
     queue = routes.runtime.default_queues[0]
     error = _out_of_memory_error(dpctl_memory)
     made = {}
@@ -172,9 +178,10 @@ def _probe_dpnp(dpnp: Any, dpctl_memory: Any, queue: Any) -> None:
                            f"dpctl.memory.MemoryUSMDevice: unimem cannot serve them")
 
 
-def set_allocator(pool_for: PoolFor) -> None:
+def set_allocator(pool_for: PoolFor, guard_for: GuardFor) -> None:
     """Make the pools ``pool_for`` names the allocator of every dpnp array
-    (``unimem.xpu.set_allocator``: unimem's XPU pools).
+    (``unimem.xpu.set_allocator``: unimem's XPU pools), running
+    ``guard_for(device)``'s guard before each allocation on a device.
 
     From then on, every ``dpnp`` and ``dpnp.tensor`` array allocated through
     Python, on any queue of a device unimem serves, takes its memory from
@@ -197,7 +204,7 @@ def set_allocator(pool_for: PoolFor) -> None:
         _check_versions(dpctl, dpnp)
         get_type("xpu")       # raises, saying why, when there is no SYCL device
         if not _allocators:
-            _allocators.update(_make_allocators(dpctl, dpctl_memory, pool_for))
+            _allocators.update(_make_allocators(dpctl, dpctl_memory, pool_for, guard_for))
         current = {usm_type: getattr(dpctl_memory, CLASS_OF_USM_TYPE[usm_type]) for usm_type in USM_TYPES}
         for usm_type, cls in current.items():
             if cls is not _allocators[usm_type].kind.memory_class:
@@ -232,12 +239,12 @@ def allocator_installed() -> bool:
 
 
 @contextlib.contextmanager
-def using_allocator(pool_for: PoolFor) -> Iterator[None]:
+def using_allocator(pool_for: PoolFor, guard_for: GuardFor) -> Iterator[None]:
     """A context manager: ``pool_for``'s pools allocate dpnp's arrays inside
     the block; afterwards the allocator that was in effect before is back."""
     with _lock:
         was_installed = allocator_installed()
-        set_allocator(pool_for)
+        set_allocator(pool_for, guard_for)
     try:
         yield
     finally:

@@ -31,6 +31,8 @@ from libc.stdint cimport uintptr_t
 
 from unimem._core cimport CachingAllocator
 
+import numbers
+
 
 cdef extern from *:
     """
@@ -195,8 +197,10 @@ cdef class UsmAllocator:
     """Serves dpctl memory requests of one USM kind from unimem's pools.
 
     ``route(queue)`` (Python, called once per queue object and cached for
-    the default queues) returns ``(allocator, stream)`` for a queue the pool
-    serves or a bypass reason (an index into :data:`BYPASS_REASONS`).
+    the default queues) returns ``(allocator, stream, queue, cacheable,
+    guard)`` for a queue the pool serves - ``guard(queue)``, when not None,
+    runs before each allocation on it - or a bypass reason (an index into
+    :data:`BYPASS_REASONS`).
     Counters: requests served and their bytes, requests passed to dpctl and
     their bytes, by reason.
     """
@@ -206,6 +210,7 @@ cdef class UsmAllocator:
     # The last default queue seen and where its requests go.
     cdef object cached_queue
     cdef CachingAllocator cached_allocator
+    cdef object cached_guard
     cdef public long long pooled_allocations
     cdef public long long pooled_bytes
     cdef long long bypassed_allocations[N_REASONS]
@@ -228,6 +233,7 @@ cdef class UsmAllocator:
         """Drop the cached route (the pools were replaced, e.g. after a fork)."""
         self.cached_queue = None
         self.cached_allocator = None
+        self.cached_guard = None
 
     cdef inline object _bypass(self, int reason, Py_ssize_t nbytes, tuple args, dict kwargs):
         self.bypassed_allocations[reason] += 1
@@ -243,9 +249,15 @@ cdef class UsmAllocator:
         cdef CachingAllocator allocator
         cdef uintptr_t stream = 0
         cdef uintptr_t ptr
-        if len(args) != 1 or type(args[0]) is not int:
+        if len(args) != 1:
             return self._bypass(BY_OTHER_ARGUMENTS, 0, args, kwargs)
-        nbytes = args[0]
+        size = args[0]
+        if type(size) is not int:
+            # dpctl takes any numbers.Integral (a NumPy integer) as a size
+            if isinstance(size, bool) or not isinstance(size, numbers.Integral):
+                return self._bypass(BY_OTHER_ARGUMENTS, 0, args, kwargs)
+            size = int(size)
+        nbytes = size
         queue = None
         if kwargs:
             for key, value in kwargs.items():
@@ -263,14 +275,18 @@ cdef class UsmAllocator:
             return self._bypass(BY_ALIGNMENT, nbytes, args, kwargs)
         if queue is not None and queue is self.cached_queue:
             allocator = self.cached_allocator
+            guard = self.cached_guard
         else:
             routed = self.route(queue)
             if type(routed) is int:
                 return self._bypass(routed, nbytes, args, kwargs)
-            allocator, stream, queue, is_default = routed
+            allocator, stream, queue, is_default, guard = routed
             if is_default:
                 self.cached_queue = queue
                 self.cached_allocator = allocator
+                self.cached_guard = guard
+        if guard is not None:
+            guard(queue)
         try:
             ptr = allocator.c_malloc(<size_t>nbytes, stream)
         except MemoryError as exc:

@@ -207,6 +207,20 @@ def _pool_for(usm_type: str, index: int, queue: Any) -> Optional[_core.CachingAl
         return None
 
 
+def _keep_alive_guard(index: int) -> Optional[Any]:
+    """What the dpnp allocator runs before each allocation on device
+    ``index``: on a CPU device, _bound_keep_alive_tasks. Some of dpnp's
+    extensions (oneMKL's vector functions) still keep their arguments alive
+    with host tasks that need the GIL, and wait for oneMKL's host tasks with
+    the GIL held; dpctl's allocator lets the former through by releasing the
+    GIL at every allocation, the pool's does not, so without this a CPU
+    device's host-task threads fill up and dpnp hangs."""
+    ctx = _ctx()
+    if ctx.keep_alive_limit[index] is None:
+        return None
+    return lambda queue: _bound_keep_alive_tasks(ctx, queue, index)
+
+
 def _host_pool_for(queue) -> _core.CachingAllocator:
     pool = host.caching_allocator()
     if host.backend_name() != "sycl":
@@ -461,7 +475,7 @@ def set_allocator() -> None:
     Thread-safe; installing twice is a no-op. Raises ``RuntimeError``,
     changing nothing, when the installed dpctl or dpnp does not allocate the
     way unimem relies on (:mod:`unimem._dpnp_allocator` says what that is)."""
-    _dpnp_allocator.set_allocator(_pool_for)
+    _dpnp_allocator.set_allocator(_pool_for, _keep_alive_guard)
 
 
 def reset_allocator() -> None:
@@ -474,7 +488,7 @@ def reset_allocator() -> None:
 def using_allocator() -> Iterator[None]:
     """A context manager in which unimem allocates every dpnp array (as
     ``cupy.cuda.using_allocator``); the allocator in effect before is back after it."""
-    with _dpnp_allocator.using_allocator(_pool_for):
+    with _dpnp_allocator.using_allocator(_pool_for, _keep_alive_guard):
         yield
 
 

@@ -190,8 +190,6 @@ def test_threads_allocate_while_the_allocator_is_installed_and_removed():
     assert type(dpm.MemoryUSMDevice(8)) is dpm.MemoryUSMDevice     # dpctl's own class is back
 
 
-@pytest.mark.xfail(strict=True, reason="a NumPy integer size is passed to dpctl as 'other_arguments' "
-                                       "instead of being served (expected: pooled, as a Python int is)")
 def test_a_numpy_integer_size_is_pooled(hooked):
     before = xpu.allocator_counters()
     memory = dpm.MemoryUSMDevice(numpy.int64(64))
@@ -226,10 +224,6 @@ print("finished")
 """
 
 
-@pytest.mark.xfail(strict=False, reason="deadlock: SYCL host-task threads dropping the last smart pointer of a "
-                                        "pool block wait for the GIL in CachingAllocator.c_free_detached (Cython's "
-                                        "exit code takes it to release `exc`), while the main thread holds the GIL "
-                                        "waiting in oneMKL VM (dpnp.exp) for an event behind those host tasks")
 def test_a_softmax_loop_does_not_deadlock():
     done = subprocess.run([sys.executable, "-c", DEADLOCK], cwd=str(REPO_ROOT), capture_output=True, text=True,
                           timeout=120)
