@@ -61,3 +61,20 @@ def test_without_the_option_empty_virt_addr_cache_changes_nothing():
         print(cpu.memory_reserved(), cpu.memory_snapshot()[0]["is_expandable"])
     """, UNIMEM_DEVICE="cpu")
     assert out == [str(2 << 20), "False"]
+
+
+def test_the_memory_history_shows_maps_and_unmaps_as_reserved_memory():
+    out = run_fresh("""
+        import unimem.cpu as cpu
+        from unimem._observe.plot import Timeline
+        cpu._record_memory_history("all")
+        p = cpu.caching_allocator_alloc(3 << 20)
+        cpu.caching_allocator_delete(p)
+        cpu.empty_cache()
+        snapshot = cpu._snapshot()
+        print(*[e["action"] for e in snapshot["device_traces"][0]])
+        timeline = Timeline(snapshot, 0)
+        print(max(timeline.reserved), timeline.reserved[-1])
+    """, UNIMEM_ALLOC_CONF="expandable_segments:True", UNIMEM_DEVICE="cpu")
+    assert out == ["segment_map", "alloc", "free_requested", "free_completed", "segment_unmap",
+                   str(4 << 20), "0"]
