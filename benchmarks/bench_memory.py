@@ -112,7 +112,7 @@ def measure_host_rss(quick: bool = False) -> Dict[str, Any]:
     backend = PageAlignedBackend("CPU")
     total = 64 * MiB if quick else 512 * MiB
     rng = random.Random(7)
-    sizes = []
+    sizes: List[int] = []
     while sum(sizes) < total:
         sizes.append(rng.choice([4096, 64 << 10, 300 << 10, 1 * MiB, 3 * MiB, 8 * MiB]))
     allocator = CachingAllocator(backend, 0, expandable_segments=True)

@@ -338,12 +338,15 @@ class MemoryAPI:
 
         .. note:: This function is a no-op if the memory allocator has not been initialized.
         """
-        try:
-            allocators = self._type().registry.initialized()
-        except RuntimeError:
-            return
-        for allocator in allocators.values():
+        for allocator in self._initialized():
             allocator.empty_cache()
+
+    def _initialized(self) -> List[_core.CachingAllocator]:
+        """The allocators made so far (none when the device type has none)."""
+        try:
+            return list(self._type().registry.initialized().values())
+        except RuntimeError:
+            return []
 
     def empty_virt_addr_cache(self, device: DeviceLike = None) -> None:
         r"""Release the virtual address ranges reserved by expandable segments
@@ -369,11 +372,7 @@ class MemoryAPI:
             if allocator is not None:
                 allocator.empty_virt_addr_cache()
             return
-        try:
-            allocators = self._type().registry.initialized()
-        except RuntimeError:
-            return
-        for allocator in allocators.values():
+        for allocator in self._initialized():
             allocator.empty_virt_addr_cache()
 
     # -- statistics -------------------------------------------------------

@@ -90,32 +90,31 @@ class FaultInjectingBackend(Backend):
     def malloc(self, size: int, device: int, stream: int) -> int:
         if self.malloc_delay:
             time.sleep(self.malloc_delay)
+        if self._refuses("malloc_calls", self._refuse, size):
+            return 0
+        return self.inner.malloc(size, device, stream)
+
+    def _refuses(self, counter: str, rule: Callable[..., bool], *args: int) -> bool:
+        """Count a device allocation in ``counter`` and say whether it is
+        refused: by :meth:`refuse_next` first, then by ``rule``."""
         with self._lock:
-            self.malloc_calls += 1
-            number = self.malloc_calls
+            number = getattr(self, counter) + 1
+            setattr(self, counter, number)
             refuse = self._refuse_next > 0
             if refuse:
                 self._refuse_next -= 1
-        if refuse or self._refuse(number, size):
+        if refuse or rule(number, *args):
             with self._lock:
                 self.refused += 1
-            return 0
-        return self.inner.malloc(size, device, stream)
+            return True
+        return False
 
     def map_pages(self, address: int, size: int, device: int) -> None:
         """The inner backend's map_pages, or a MemoryError (the device is
         full, nothing mapped) where the plan says so."""
         if self.malloc_delay:
             time.sleep(self.malloc_delay)
-        with self._lock:
-            self.map_calls += 1
-            number = self.map_calls
-            refuse = self._refuse_next > 0
-            if refuse:
-                self._refuse_next -= 1
-        if refuse or self._refuse_map(number, address, size):
-            with self._lock:
-                self.refused += 1
+        if self._refuses("map_calls", self._refuse_map, address, size):
             raise MemoryError(f"injected: no memory to map {size} bytes at {address:#x}")
         self.inner.map_pages(address, size, device)
 
