@@ -72,6 +72,14 @@ def _meminfo():
     return available, total
 
 
+cdef void* reserve_pages(void* at, size_t n) noexcept nogil:
+    """``n`` bytes of address space with no memory and no commit charge
+    behind them (any access faults): anywhere when ``at`` is NULL, else
+    replacing whatever is mapped at ``at`` (``MAP_FIXED``)."""
+    cdef int fixed = MAP_FIXED if at != NULL else 0
+    return mmap(at, n, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | fixed, -1, 0)
+
+
 def _check_host_device(device):
     """The host is one device, 0."""
     if as_int(device, "device") != 0:
@@ -168,7 +176,7 @@ cdef class PageAlignedBackend:
         n = checked
         with ranges.lock:
             with nogil:
-                p = mmap(NULL, n, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0)
+                p = reserve_pages(NULL, n)
                 if p == MAP_FAILED:
                     err = errno
             if p == MAP_FAILED:
@@ -206,7 +214,7 @@ cdef class PageAlignedBackend:
                     # Linux before 6.12 could remove the old mapping before
                     # failing the charge: put the reservation back, so the
                     # span stays reserved and no other mmap lands in it.
-                    mmap(<void*>a, n, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0)
+                    reserve_pages(<void*>a, n)
             if p == MAP_FAILED:
                 if err == ENOMEM:
                     raise MemoryError(f"the system cannot commit {n} more bytes of host memory "
@@ -223,15 +231,13 @@ cdef class PageAlignedBackend:
         ``mprotect(PROT_NONE)`` free the pages all the same."""
         cdef uintptr_t a
         cdef size_t n
-        cdef void* p
         cdef int err = 0
         _check_host_device(device)
         ranges = self.address_ranges
         with ranges.lock:
             a, n = ranges.check_unmap(address, size)
             with nogil:
-                p = mmap(<void*>a, n, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0)
-                if p == MAP_FAILED:
+                if reserve_pages(<void*>a, n) == MAP_FAILED:
                     if madvise(<void*>a, n, MADV_DONTNEED) != 0 or mprotect(<void*>a, n, PROT_NONE) != 0:
                         err = errno
             if err:

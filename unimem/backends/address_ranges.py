@@ -56,11 +56,11 @@ class AddressRanges:
     # -- validation -------------------------------------------------------
     def check_size(self, size: Any) -> int:
         """A size to reserve: a positive multiple of the granularity."""
-        size = as_int(size, "size")
-        if size <= 0 or size % self.granularity:
-            raise ValueError(f"size {size} is not a positive multiple of the granularity "
+        checked = as_int(size, "size")
+        if checked <= 0 or checked % self.granularity:
+            raise ValueError(f"size {checked} is not a positive multiple of the granularity "
                              f"({self.granularity} bytes)")
-        return size
+        return checked
 
     def _span(self, address: Any, size: Any) -> Tuple[int, int, int]:
         """``(address, size, start of its reserved range)`` of a span that is
