@@ -278,7 +278,9 @@ cdef class CachingAllocator:
 
     cdef inline bint _should_split(self, Block* b, size_t size) noexcept nogil:
         cdef size_t remaining = b.size - size
-        if b.is_small or self.expandable:     # PyTorch: expandable blocks always split
+        if b.is_small:
+            return remaining >= K_MIN_BLOCK
+        if self.expandable:                   # PyTorch: expandable blocks always split
             return remaining >= K_MIN_BLOCK
         return size < self.max_split_size and remaining > K_SMALL_SIZE
 
@@ -372,8 +374,8 @@ cdef class CachingAllocator:
         cdef DeviceStats* st = &self.stats
         cdef bint is_small = block.is_small
         # PyTorch leaves expandable blocks out of inactive_split (their free
-        # pages can always be given back).
-        cdef bint already_split = (block.prev != NULL or block.next != NULL) and not self.expandable
+        # pages can always be given back): asked below only where it counts.
+        cdef bint already_split = block.prev != NULL or block.next != NULL
         cdef Block* remaining
         if self._should_split(block, size):
             # The front part is handed out; the rest stays free. The Block
@@ -407,7 +409,7 @@ cdef class CachingAllocator:
                 pool_increase(st, S_INACTIVE_SPLIT_BYTES, is_small, remaining.size)
                 pool_increase(st, S_INACTIVE_SPLIT, is_small, 1)
         else:
-            if already_split:
+            if already_split and not self.expandable:
                 pool_decrease(st, S_INACTIVE_SPLIT_BYTES, is_small, block.size)
                 pool_decrease(st, S_INACTIVE_SPLIT, is_small, 1)
         block.allocated = True
