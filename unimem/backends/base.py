@@ -128,7 +128,9 @@ class Backend(Protocol):
         """Bytes by which memory is mapped and unmapped in a reserved range
         (a power of two); 0 when the backend cannot reserve address space and
         map memory into it (default). Called when an allocator is made with
-        ``expandable_segments:True``, which a backend answering 0 refuses."""
+        ``expandable_segments:True``, which a backend answering 0 refuses. A
+        backend that knows why it cannot (no such aspect on this device) may
+        raise ``NotImplementedError`` saying so instead: the refusal quotes it."""
         return 0
 
     def reserve_address_range(self, size: int, device: int) -> int:
