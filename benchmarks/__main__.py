@@ -27,6 +27,7 @@ BENCHMARKS = {
     "facade": "bench_facade",
     "threads": "bench_threads",
     "xpu": "bench_xpu",
+    "dpnp": "bench_dpnp",
     "cuda": "bench_cuda",
     "soak": "soak",
 }

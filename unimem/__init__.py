@@ -23,7 +23,9 @@ from typing import TYPE_CHECKING, Any, List
 from .backends.opencl_env import ensure_opencl_cpu_runtime
 
 # Before anything asks dpctl for devices: let it find the pip-installed SYCL
-# CPU runtime (a no-op where intel-opencl-rt is not installed).
+# CPU runtime (a no-op where intel-opencl-rt is not installed). unimem's .pth
+# hook has done it at interpreter start; this is for setups without the hook
+# (python -S, a checkout on PYTHONPATH), and notes when dpctl came first.
 ensure_opencl_cpu_runtime()
 
 from . import accelerator, cpu, host  # noqa: E402

@@ -135,6 +135,7 @@ cdef class CachingAllocator:
     cdef int _try_free(self, uintptr_t ptr, bint by_handle, bint from_finalizer) except -1
     cdef int _after_free(self) except -1
     cdef int c_free(self, uintptr_t ptr) except -1
+    cdef void c_free_detached(self, uintptr_t ptr) noexcept nogil
     cdef bint c_owns(self, uintptr_t ptr) noexcept
     cdef int _refuse_huge(self, object n) except -1
     cdef bint _lock_for_fork(self)

@@ -35,6 +35,10 @@ Other Cython modules cimport the interface in ``_core.pxd``.
 """
 
 cimport cython
+
+cdef extern from "Python.h":
+    # Callable without the GIL: it says whether this thread holds it.
+    int PyGILState_Check() nogil
 from cpython.pycapsule cimport PyCapsule_IsValid, PyCapsule_GetPointer
 from libc.stdint cimport uint64_t, int64_t, uintptr_t, INT64_MAX
 from libc.stdlib cimport malloc as sys_malloc, free as sys_free, calloc
@@ -891,6 +895,45 @@ cdef class CachingAllocator:
         if rc == 4:
             raise ValueError(HANDLE_OWNED_MESSAGE.format(ptr))
         return 0
+
+    cdef void c_free_detached(self, uintptr_t ptr) noexcept nogil:
+        """Free a pointer from c_malloc on any thread, holding the GIL or not:
+        the entry of deleters that run where Python code may not (a SYCL host
+        task dropping the last smart pointer to a pool block when the kernels
+        using it are done). Nothing is raised: there is no caller to tell.
+
+        Without the GIL it waits for the lock (no thread holding the lock
+        waits for the GIL: rule 2 above) and frees a block without stream
+        uses at once, so the frees of array memory never wait for Python.
+        The rare block that needs Python (events of other streams, host
+        memory for the bookkeeping) takes the GIL after the lock is let go.
+        With the GIL it is a finalizer's free. At interpreter exit nothing
+        waits: a block whose lock is taken is left to the ending process."""
+        cdef int rc
+        if _exiting:
+            if not self.lock.try_lock():
+                return
+            self.lock_depth += 1
+            self._free_fast(ptr, False)
+            self._unlock()
+            return
+        if PyGILState_Check():
+            with gil:
+                try:
+                    self._try_free(ptr, False, True)
+                except BaseException as exc:
+                    _report_unraisable(exc, "unimem: freeing a block from its deleter")
+            return
+        self.lock.lock()
+        self.lock_depth += 1
+        rc = self._free_fast(ptr, False)
+        self._unlock()
+        if rc == 2 or rc == 3:
+            with gil:
+                try:
+                    self._try_free(ptr, False, True)
+                except BaseException as exc:
+                    _report_unraisable(exc, "unimem: freeing a block from its deleter")
 
     cdef bint c_owns(self, uintptr_t ptr) noexcept:
         self._lock()

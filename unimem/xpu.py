@@ -17,18 +17,21 @@ shared pools.
 """
 from __future__ import annotations
 
+import collections
+import contextlib
 import numbers
 import operator
 import threading
-from typing import Any, Dict, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterator, Optional, Sequence, Tuple, Union
 
 import numpy
 
-from . import _core, host
+from . import _core, _dpnp_allocator, host
 from ._runtime.registry import DeviceRegistry
 from ._runtime.devices import device_index, get_type, new_allocator
 from ._runtime.pools import Pool, PoolKind, register_named_pool
-from ._memory_api import PUBLIC_FUNCTIONS, MemoryAPI, MemoryLike, record_stream_on_pools, numpy_dtype
+from ._memory_api import PUBLIC_FUNCTIONS, DeviceLike, MemoryAPI, MemoryLike, record_stream_on_pools, numpy_dtype
+from ._observe.summary import memory_summary_table
 from .backends import xpu as _backend
 
 _api = MemoryAPI("xpu")
@@ -36,7 +39,8 @@ globals().update(_api.functions())
 
 __all__ = list(PUBLIC_FUNCTIONS) + [
     "empty", "zeros", "ones", "full", "empty_like", "zeros_like", "ones_like", "full_like",
-    "asarray", "default_queue", "stream_handle", "allocator_for",
+    "asarray", "default_queue", "stream_handle", "allocator_for", "synchronize",
+    "set_allocator", "reset_allocator", "using_allocator", "allocator_installed", "allocator_counters",
 ]
 
 ShapeLike = Union[int, Sequence[int]]
@@ -188,6 +192,19 @@ def allocator_for(usm_type: str = "device", device: Any = None) -> _core.Caching
     if usm_type == "host":
         return _host_pool_for(default_queue(device))
     raise ValueError(f"usm_type must be 'device', 'shared' or 'host', got {usm_type!r}")
+
+
+def _pool_for(usm_type: str, index: int, queue: Any) -> Optional[_core.CachingAllocator]:
+    """The pool serving ``usm_type`` memory on device ``index`` for ``queue``;
+    None for host USM when the pinned pool is not SYCL host USM of that context."""
+    if usm_type == "device":
+        return get_type("xpu").allocator(index)
+    if usm_type == "shared":
+        return _shared_pools().get(index)
+    try:
+        return _host_pool_for(queue)
+    except ValueError:
+        return None
 
 
 def _host_pool_for(queue) -> _core.CachingAllocator:
@@ -423,3 +440,108 @@ def record_stream(memory: MemoryLike, stream: Any) -> None:
     record_stream_on_pools(memory, stream, pools,
                            lambda owner: 0 if stream is None else stream_handle(stream),
                            "unimem's XPU pools")
+
+
+# ---------------------------------------------------------------------------
+# the allocator of every dpnp array
+# ---------------------------------------------------------------------------
+def set_allocator() -> None:
+    """Make unimem's pools the allocator of every dpnp array.
+
+    From then on, every ``dpnp`` and ``dpnp.tensor`` array allocated through
+    Python (the results of dpnp's operations included), on any queue of a
+    device unimem serves, takes its memory from unimem's pools - device USM
+    from the device pools, shared USM from the shared pools, host USM from
+    the pinned host pool - and gives it back when its last view is gone and
+    the kernels using it have finished. The dpnp counterpart of
+    ``cupy.cuda.set_allocator(unimem.cuda.allocator)``.
+
+    Requests on a queue of another SYCL context, with an alignment above 512
+    bytes, or of zero bytes go to dpctl, counted in :func:`allocator_counters`.
+    Thread-safe; installing twice is a no-op. Raises ``RuntimeError``,
+    changing nothing, when the installed dpctl or dpnp does not allocate the
+    way unimem relies on (:mod:`unimem._dpnp_allocator` says what that is)."""
+    _dpnp_allocator.set_allocator(_pool_for)
+
+
+def reset_allocator() -> None:
+    """Give dpnp back dpctl's own allocator. Arrays from the pools stay valid
+    and give their memory back to the pools when they are gone."""
+    _dpnp_allocator.reset_allocator()
+
+
+@contextlib.contextmanager
+def using_allocator() -> Iterator[None]:
+    """A context manager in which unimem allocates every dpnp array (as
+    ``cupy.cuda.using_allocator``); the allocator in effect before is back after it."""
+    with _dpnp_allocator.using_allocator(_pool_for):
+        yield
+
+
+allocator_installed = _dpnp_allocator.allocator_installed
+allocator_counters = _dpnp_allocator.allocator_counters
+
+
+def synchronize(device: Any = None) -> None:
+    r"""Wait for all kernels in all queues on a XPU device to complete.
+
+    Args:
+        device (torch.device or int, optional): device for which to synchronize.
+            It uses the current device, given by :func:`~unimem.xpu.current_device`,
+            if :attr:`device` is ``None`` (default).
+
+    Afterwards the memory of every array deleted before the call is back in
+    the pools (dpnp keeps an array's memory until the kernels using it are done).
+    """
+    index = _ctx().registry.current_index() if device is None else _device_to_index(device)
+    get_type("xpu").backend.synchronize(index)
+
+
+# ---------------------------------------------------------------------------
+# statistics of the shared and host USM pools, beside the device's
+# ---------------------------------------------------------------------------
+#: The prefix of the shared USM pool's statistics in :func:`memory_stats`.
+SHARED_STATS_PREFIX = "usm_shared."
+
+
+def _used_shared_pool(index: int) -> Optional[_core.CachingAllocator]:
+    """Device ``index``'s shared USM pool, if it has served an allocation."""
+    if _shared_registry is None:
+        return None
+    pool = _shared_registry.initialized().get(index)
+    return pool if pool is not None and pool.memory_stats() else None
+
+
+def memory_stats(device: DeviceLike = None) -> "collections.OrderedDict[str, Any]":
+    stats = _api.memory_stats(device)
+    shared = _used_shared_pool(_api._index(device))
+    if shared is None:
+        return stats
+    stats.update((SHARED_STATS_PREFIX + key, value) for key, value in shared.memory_stats().items())
+    return collections.OrderedDict(sorted(stats.items()))
+
+
+memory_stats.__doc__ = (_api.memory_stats.__doc__ or "") + """
+    On an XPU device the statistics of the device's shared USM pool (arrays
+    with ``usm_type="shared"``) follow, once it has been used, under the same
+    keys prefixed with ``"usm_shared."``; host USM arrays come from the pinned
+    host pool, whose statistics are :func:`unimem.host_memory_stats`.
+    """
+
+
+def memory_summary(device: DeviceLike = None, abbreviated: bool = False) -> str:
+    index = _api._index(device)
+    parts = [_api.memory_summary(index, abbreviated)]
+    shared = _used_shared_pool(index)
+    if shared is not None:
+        parts.append(memory_summary_table(shared.memory_stats(), "XPU shared USM", index, abbreviated))
+    pinned = host._existing()
+    if host.backend_name() == "sycl" and pinned is not None and pinned.memory_stats():
+        parts.append(memory_summary_table(pinned.memory_stats(), "XPU host USM", 0, abbreviated))
+    return "\n".join(parts)
+
+
+memory_summary.__doc__ = (_api.memory_summary.__doc__ or "") + """
+    On an XPU device the tables of the shared USM pool of the device and of
+    the host USM (pinned) pool follow the device's, once they have been used.
+    """

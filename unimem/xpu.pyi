@@ -1,10 +1,13 @@
 """Type stubs for unimem/xpu.py: the memory functions it builds at import
 (their signatures are :class:`unimem._memory_api.MemoryAPI`'s) and its dpnp
 arrays (``Any`` here: dpnp and dpctl ship no type information)."""
-from typing import Any, Literal, Sequence, Union
+import collections
+from contextlib import AbstractContextManager
+from typing import Any, Dict, Literal, Optional, Sequence, Union
 
 from unimem import _core
 from unimem._memory_api import MemoryAPI, MemoryLike
+from unimem._runtime.devices import DeviceLike
 
 __all__ = [
     "is_available", "device_count", "current_device", "set_device", "caching_allocator_alloc",
@@ -16,7 +19,8 @@ __all__ = [
     "memory_snapshot", "memory_summary", "caching_allocator", "_record_memory_history", "_snapshot",
     "_dump_snapshot",
     "empty", "zeros", "ones", "full", "empty_like", "zeros_like", "ones_like", "full_like",
-    "asarray", "default_queue", "stream_handle", "allocator_for",
+    "asarray", "default_queue", "stream_handle", "allocator_for", "synchronize",
+    "set_allocator", "reset_allocator", "using_allocator", "allocator_installed", "allocator_counters",
 ]
 
 _api: MemoryAPI
@@ -30,7 +34,6 @@ caching_allocator_delete = _api.caching_allocator_delete
 set_per_process_memory_fraction = _api.set_per_process_memory_fraction
 get_per_process_memory_fraction = _api.get_per_process_memory_fraction
 empty_cache = _api.empty_cache
-memory_stats = _api.memory_stats
 memory_stats_as_nested_dict = _api.memory_stats_as_nested_dict
 reset_accumulated_memory_stats = _api.reset_accumulated_memory_stats
 reset_peak_memory_stats = _api.reset_peak_memory_stats
@@ -45,7 +48,6 @@ max_memory_cached = _api.max_memory_cached
 get_memory_info = _api.get_memory_info
 mem_get_info = _api.mem_get_info
 memory_snapshot = _api.memory_snapshot
-memory_summary = _api.memory_summary
 caching_allocator = _api.caching_allocator
 _record_memory_history = _api._record_memory_history
 _snapshot = _api._snapshot
@@ -70,3 +72,12 @@ def ones_like(x: Any, dtype: Any = ..., **kwargs: Any) -> Any: ...
 def full_like(x: Any, fill_value: Any, dtype: Any = ..., **kwargs: Any) -> Any: ...
 def asarray(obj: Any, dtype: Any = ..., *, order: _Order = ..., device: Any = ...,
             usm_type: _UsmType = ..., sycl_queue: Any = ...) -> Any: ...
+def synchronize(device: Any = ...) -> None: ...
+def set_allocator() -> None: ...
+def reset_allocator() -> None: ...
+def using_allocator() -> AbstractContextManager[None]: ...
+def allocator_installed() -> bool: ...
+def allocator_counters() -> Dict[str, int]: ...
+SHARED_STATS_PREFIX: str
+def memory_stats(device: DeviceLike = ...) -> collections.OrderedDict[str, Any]: ...
+def memory_summary(device: DeviceLike = ..., abbreviated: bool = ...) -> str: ...

@@ -52,6 +52,8 @@ LAYER_OF_PREFIX = (                 # first match wins: more specific first
     ("unimem.xpu", 4),
     ("unimem.host", 4),
     ("unimem._memory_api", 4),
+    ("unimem._usm_memory", 4),
+    ("unimem._dpnp_allocator", 4),
     ("unimem._observe", 4),
     ("unimem._integrations", 5),
     ("unimem.dask", 5),

@@ -10,7 +10,6 @@ import pytest
 import unimem
 import unimem.cuda as ucuda
 from unimem import host
-from unimem._integrations import install
 from unimem._runtime import devices as _devices
 from unimem._runtime.pools import Pool, PoolKind, named_pools
 from unimem.backends._host import PageAlignedBackend
@@ -178,41 +177,6 @@ def test_the_protocol_declares_what_the_core_asks():
 
 def test_page_aligned_backend_is_a_backend():
     assert isinstance(PageAlignedBackend("CPU"), Backend)
-
-
-# ---------------------------------------------------------------------------
-# dpnp routing: unimem's own errors are not swallowed
-# ---------------------------------------------------------------------------
-def _pooled_empty(shape, dtype=None, *, order="C", device=None, usm_type="device", sycl_queue=None):
-    raise ValueError("unimem: no xpu device is available")
-
-
-def _dpnp_empty(*args, **kwargs):
-    return "from dpnp"
-
-
-def test_routed_creation_lets_unimems_own_errors_through():
-    """_route caught every TypeError and ValueError of the pool and silently
-    allocated with dpnp instead."""
-    create = install._route(_dpnp_empty, _pooled_empty)
-    with pytest.raises(ValueError, match="no xpu device"):
-        create((4,), "f4")
-
-
-@pytest.mark.parametrize("kwargs", [{"order": "K"}, {"like": object()}, {"copy": True}])
-def test_routed_creation_leaves_to_dpnp_what_the_pool_does_not_serve(kwargs):
-    create = install._route(_dpnp_empty, _pooled_empty)
-    assert create((4,), **kwargs) == "from dpnp"
-
-
-def test_routed_full_with_an_array_fill_value_is_dpnps():
-    def pooled_full(shape, fill_value, dtype=None, **kwargs):
-        raise AssertionError("not for the pool")
-
-    create = install._route(_dpnp_empty, pooled_full)
-    assert create((4,), [1, 2, 3, 4]) == "from dpnp"
-    with pytest.raises(AssertionError):
-        create((4,), 1.0)
 
 
 def test_no_fork_handler_outside_the_runtime():

@@ -4,22 +4,16 @@
   ``cupy.cuda.set_pinned_memory_allocator(unimem.host.pinned_allocator)`` -
   every CuPy array, including the results of CuPy's operations, comes from
   unimem.
-* dpnp (with a SYCL device): dpnp has no allocator hook, so its creation
-  functions (``empty``, ``zeros``, ``ones``, ``full`` and their ``*_like``)
-  are routed to :mod:`unimem.xpu`. The results of dpnp's own operations are
-  still allocated by dpnp; pass pool arrays as ``out=`` to keep them in the pool.
+* dpnp (with a SYCL device): ``unimem.xpu.set_allocator()`` - every dpnp
+  array allocated through Python, including the results of dpnp's
+  operations, comes from unimem.
 
 :func:`uninstall_allocators` puts everything back as it was.
 """
 from __future__ import annotations
 
-import functools
-import inspect
-import numbers
 import threading
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
-
-import numpy
+from typing import Callable, Iterable, List, Optional, Tuple
 
 from .._runtime import devices as _devices
 
@@ -28,63 +22,17 @@ from .._runtime import devices as _devices
 # accelerator (UNIMEM_DEVICE=cpu still routes dpnp to the XPU pool).
 ARRAY_LIBRARIES = ("cupy", "dpnp")
 POOL_OF_LIBRARY = {"cupy": "cuda", "dpnp": "xpu"}
-DPNP_CREATORS = ("empty", "zeros", "ones", "full", "empty_like", "zeros_like", "ones_like", "full_like")
 
 _lock = threading.Lock()
 _undo: List[Tuple[str, Callable[[], None]]] = []
 
 
-# What the pool arrays can be laid out as; dpnp also takes "K" and "A".
-POOL_ORDERS = ("C", "F", "c", "f")
-
-
-def _for_the_pool(pooled: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> bool:
-    """Whether a dpnp creation call is one the pool serves: arguments its
-    function takes, a layout it makes, a scalar fill value. Anything else
-    (``order="K"``, an array as ``fill_value``, a keyword only dpnp knows) is
-    dpnp's to serve, or to refuse with its own error."""
-    try:
-        bound = inspect.signature(pooled).bind(*args, **kwargs)
-    except TypeError:
-        return False
-    arguments = dict(bound.arguments)
-    arguments.update(arguments.pop("kwargs", {}))
-    if arguments.get("order", "C") not in POOL_ORDERS:
-        return False
-    fill_value = arguments.get("fill_value", 0)
-    return isinstance(fill_value, (numbers.Number, numpy.generic)) and not isinstance(fill_value, numpy.void)
-
-
-def _route(original: Callable[..., Any], pooled: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def create(*args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("like") is not None:
-            return original(*args, **kwargs)
-        kwargs.pop("like", None)
-        if not _for_the_pool(pooled, args, kwargs):
-            return original(*args, **kwargs)
-        # A request for the pool: its errors (a device it lacks, a data type
-        # the device cannot hold, ...) are the caller's to see, not hidden
-        # behind a silent fallback to dpnp's own allocation.
-        return pooled(*args, **kwargs)
-    create.__unimem_original__ = original  # type: ignore[attr-defined]
-    return create
-
-
 def _install_dpnp() -> bool:
-    import dpnp
-
     import unimem.xpu as pooled
-    if getattr(dpnp.empty, "__unimem_original__", None) is not None:
+    if pooled.allocator_installed():
         return False
-    originals: Dict[str, Any] = {name: getattr(dpnp, name) for name in DPNP_CREATORS}
-    for name, original in originals.items():
-        setattr(dpnp, name, _route(original, getattr(pooled, name)))
-
-    def undo() -> None:
-        for name, original in originals.items():
-            setattr(dpnp, name, original)
-    _undo.append(("dpnp", undo))
+    pooled.set_allocator()
+    _undo.append(("dpnp", pooled.reset_allocator))
     return True
 
 

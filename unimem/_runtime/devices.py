@@ -16,6 +16,7 @@ import functools
 import operator
 import os
 import threading
+import warnings
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Union
 
@@ -23,6 +24,7 @@ from .. import _core
 from .registry import DeviceRegistry, set_current_registry_resolver
 from .config import settings_from_env
 from .pools import DEVICE_TYPES, Pool, PoolKind, register_named_pool
+from ..backends import opencl_env
 from ..backends.base import Backend
 
 KNOWN_TYPES = DEVICE_TYPES
@@ -267,6 +269,12 @@ def make_xpu_type() -> Union[DeviceType, str]:
         return f'dpctl is not installed ({exc}); from unimem\'s checkout: pip install -e ".[xpu]"'
     runtime = backend_module._SyclRuntime.get()
     if not runtime.devices:
+        late = opencl_env.late_import_reason()
+        if late is not None:
+            # Said out loud (once: a device type is probed once per process),
+            # or the cpu fallback would hide an environment that has the runtime.
+            warnings.warn(f"unimem: {late}", RuntimeWarning)
+            return late
         hint = "" if os.environ.get(backend_module.OCL_ENV) else \
             " (no OpenCL CPU runtime found either: pip install intel-opencl-rt)"
         return f"dpctl finds no SYCL device{hint}"

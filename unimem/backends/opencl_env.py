@@ -1,38 +1,36 @@
 """Let the OpenCL loader find the pip-installed Intel CPU runtime.
 
-The pip wheels of the Intel OpenCL CPU runtime (``intel-opencl-rt``) install
-``libintelocl.so`` but register it under a path that does not exist, so the
-OpenCL loader would not find the SYCL CPU device. This module imports nothing
-but the standard library: ``import unimem`` runs :func:`ensure_opencl_cpu_runtime`
-before anything can import dpctl, without importing a backend.
+The one implementation is the top-level module ``_unimem_opencl`` (standard
+library only), which unimem's ``unimem-opencl.pth`` imports at interpreter
+start so that dpctl and dpnp find the SYCL CPU device whatever is imported
+first. ``import unimem`` runs :func:`ensure_opencl_cpu_runtime` again, for
+setups without the hook; :func:`late_import_reason` says what to do when that
+came after dpctl had already looked for devices.
 """
 from __future__ import annotations
 
-import os
-import sys
-from typing import List, Optional
+from typing import Optional
 
-OCL_ENV = "OCL_ICD_FILENAMES"
+from _unimem_opencl import (OCL_ENV, added_after_dpctl, ensure_opencl_cpu_runtime, find_runtime,
+                            runtime_library_dirs)
 
+__all__ = ["OCL_ENV", "ensure_opencl_cpu_runtime", "find_runtime", "late_import_reason"]
 
-def _runtime_library_dirs() -> List[str]:
-    dirs = [os.path.join(sys.prefix, "lib")]
-    if sys.base_prefix != sys.prefix:
-        dirs.append(os.path.join(sys.base_prefix, "lib"))
-    return dirs
+_runtime_library_dirs = runtime_library_dirs      # the name tests/repository/test_layers.py reads
+
+HOOK_FILE = "unimem-opencl.pth"
 
 
-def ensure_opencl_cpu_runtime() -> Optional[str]:
-    """Let the OpenCL loader find the pip-installed Intel CPU runtime.
-
-    Adds ``libintelocl.so`` from this environment to ``OCL_ICD_FILENAMES``
-    (keeping what the user set there). Must run before dpctl's first device
-    query; returns the library path, or None when there is none to add."""
-    for directory in _runtime_library_dirs():
-        path = os.path.join(directory, "libintelocl.so")
-        if os.path.exists(path):
-            current = [p for p in os.environ.get(OCL_ENV, "").split(os.pathsep) if p]
-            if path not in current:
-                os.environ[OCL_ENV] = os.pathsep.join(current + [path])
-            return path
-    return None
+def late_import_reason() -> Optional[str]:
+    """Why dpctl sees no device when the runtime exists but was put on
+    ``OCL_ICD_FILENAMES`` only after dpctl was imported (so, when dpctl sees
+    none, after its first device query), saying what to do; else None."""
+    path = added_after_dpctl()
+    if path is None:
+        return None
+    return (f"dpctl was imported before {OCL_ENV} named Intel's OpenCL CPU runtime ({path}), "
+            f"and the OpenCL loader reads {OCL_ENV} once, at dpctl's first device query, so no SYCL "
+            f"device is seen and unimem falls back to the cpu accelerator. Start Python with "
+            f"`export {OCL_ENV}={path}`, or reinstall unimem (pip install -e \".[xpu]\") so that its "
+            f"start-up hook {HOOK_FILE} is in site-packages (and do not run Python with -S), "
+            f"or import unimem before dpctl and dpnp")

@@ -210,15 +210,41 @@ def _print_summaries(device: Optional[int], abbreviated: bool) -> None:
         print(_memory_api(type_name).memory_summary(index, abbreviated=abbreviated))
 
 
+def _dpnp_counters() -> Optional[Dict[str, int]]:
+    """What the dpnp allocator served and passed by, if it was installed."""
+    from .._integrations.install import installed_allocators
+    if "dpnp" not in installed_allocators():
+        return None
+    import unimem.xpu
+    return unimem.xpu.allocator_counters()
+
+
+def _print_dpnp_counters() -> None:
+    from .._observe.summary import format_size
+    counters = _dpnp_counters()
+    if counters is None:
+        return
+    pooled, bypassed = counters["pooled.bytes"], counters["bypassed.bytes"]
+    reasons = ", ".join(f"{reason.replace('_', ' ')}: {counters[f'bypassed.{reason}.allocations']}"
+                        for reason in ("foreign_context", "alignment", "zero_size", "other_arguments", "no_pool")
+                        if counters[f"bypassed.{reason}.allocations"])
+    print(f"dpnp arrays: {counters['pooled.allocations']} allocations, "
+          f"{format_size(pooled, pooled).strip()} from unimem's pools; "
+          f"{counters['bypassed.allocations']} allocations, {format_size(bypassed, bypassed).strip()} "
+          f"around them{f' ({reasons})' if reasons else ''}")
+
+
 def _run(args: argparse.Namespace) -> int:
     code = _run_script([args.script] + args.args, install=True)
     _print_summaries(None, args.abbreviated)
+    _print_dpnp_counters()
     return code
 
 
 def _summary(args: argparse.Namespace) -> int:
     code = _run_script(args.script, install=True)
     _print_summaries(args.device, args.abbreviated)
+    _print_dpnp_counters()
     return code
 
 
@@ -233,6 +259,9 @@ def _stats(args: argparse.Namespace) -> int:
     first = next(iter(by_device))
     view = {"device": first, "memory_stats": by_device[first], "devices": by_device,
             "host_memory_stats": dict(host.host_memory_stats())}
+    counters = _dpnp_counters()
+    if counters is not None:
+        view["dpnp_allocator"] = counters
     if args.json:
         text = json.dumps(view, indent=2, sort_keys=True) + "\n"
     else:
