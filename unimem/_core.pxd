@@ -60,6 +60,12 @@ cdef class CachingAllocator:
     cdef Segment* segments                # doubly linked list of all segments
     cdef cmap[uintptr_t, Segment*] segments_by_base   # to refuse overlapping memory
     cdef bint exact_segments              # CuPy's policy: a segment is the rounded request
+    cdef bint expandable                  # expandable_segments:True (_core_expandable.pxi)
+    cdef size_t vm_granularity            # the backend's mapping granularity then
+    cdef object _vm_reserve               # the backend's virtual-memory calls then
+    cdef object _vm_map
+    cdef object _vm_unmap
+    cdef object _vm_release
     cdef bint limit_in_bytes              # set_memory_limit (CuPy's set_limit), not a fraction
     cdef int64_t lost_segment_count       # segments whose backend free failed (forgotten)
     cdef int64_t lost_segment_bytes

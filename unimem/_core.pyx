@@ -91,6 +91,7 @@ include "_core_checks.pxi"
 include "_core_provider.pxi"
 include "_core_reclaim.pxi"
 include "_core_streams.pxi"
+include "_core_expandable.pxi"
 
 
 # Every allocator alive, so that fork handlers can repair their locks.
@@ -152,7 +153,7 @@ cdef class CachingAllocator:
                  max_non_split_rounding=K_LARGE_BUFFER,
                  roundup_power2_divisions=None,
                  double garbage_collection_threshold=0.0, double max_reserved_ratio=0.0,
-                 bint exact_segments=False):
+                 bint exact_segments=False, bint expandable_segments=False):
         # C fields start zeroed and object fields None (Cython's tp_new); a
         # second __init__ would drop the tables of a working allocator.
         if self.backend is not None:
@@ -161,11 +162,17 @@ cdef class CachingAllocator:
             raise TypeError("a backend is required")
         _set_policy(self, max_split_size, max_non_split_rounding, roundup_power2_divisions,
                     garbage_collection_threshold, max_reserved_ratio)
+        name = str(getattr(backend, "name", type(backend).__name__))
+        if expandable_segments:
+            if exact_segments:
+                raise ValueError("exact_segments and expandable_segments exclude each other "
+                                 "(a segment is either the request or a growing range)")
+            _setup_expandable(self, backend, device, name)
         if um_init(&self.active, 10) != 0:
             raise MemoryError("cannot allocate the allocator's tables")
         self.backend = backend
         self.device = device
-        self.device_name = str(getattr(backend, "name", type(backend).__name__))
+        self.device_name = name
         self._py_malloc = backend.malloc
         self._py_free = backend.free
         raw = getattr(backend, "_raw_api", None)
@@ -197,9 +204,20 @@ cdef class CachingAllocator:
             return
         cdef Segment* seg = self.segments
         cdef Segment* nxt
+        cdef Block* b
+        cdef Block* bn
         while seg != NULL:
             nxt = seg.next_seg
-            if _segment_is_free(self, seg):
+            if seg.expandable:
+                if _expandable_teardown(self, seg):
+                    self._unlink_segment(seg)
+                    b = seg.head
+                    while b != NULL:
+                        bn = b.next
+                        block_delete(&self.slab, b)
+                        b = bn
+                    sys_free(seg)
+            elif _segment_is_free(self, seg):
                 _detach_segment(self, seg)
                 try:
                     _backend_free(self, seg.base, seg.size, seg.stream, False)
@@ -275,6 +293,8 @@ cdef class CachingAllocator:
         cdef size_t remaining = b.size - size
         if b.is_small:
             return remaining >= K_MIN_BLOCK
+        if self.expandable:                   # PyTorch: expandable blocks always split
+            return remaining >= K_MIN_BLOCK
         return size < self.max_split_size and remaining > K_SMALL_SIZE
 
     cdef inline bint _gc_enabled(self) noexcept nogil:
@@ -348,6 +368,8 @@ cdef class CachingAllocator:
         cdef Block* b = fi_best_fit(fi, size, &sc)
         if b == NULL:
             return NULL
+        if self.expandable and b.next != NULL and b.next.unmapped:
+            b = _prefer_unexpandable(fi, b, &sc)
         # An oversize block is never handed to a normal request, and an
         # oversize request takes a cached block only if it wastes little.
         if size < self.max_split_size and b.size >= self.max_split_size:
@@ -364,6 +386,8 @@ cdef class CachingAllocator:
         _reserve_for_alloc kept in the slab."""
         cdef DeviceStats* st = &self.stats
         cdef bint is_small = block.is_small
+        # PyTorch leaves expandable blocks out of inactive_split (their free
+        # pages can always be given back): asked below only where it counts.
         cdef bint already_split = block.prev != NULL or block.next != NULL
         cdef Block* remaining
         if self._should_split(block, size):
@@ -381,6 +405,8 @@ cdef class CachingAllocator:
             remaining.index = block.index
             remaining.is_small = is_small
             remaining.allocated = False
+            remaining.unmapped = False
+            remaining.lost = False
             remaining.prev = block
             remaining.next = block.next
             if block.next != NULL:
@@ -388,13 +414,15 @@ cdef class CachingAllocator:
             block.next = remaining
             block.size = size
             fi_insert(fi, remaining)   # cannot fail: the class map was reserved
-            if already_split:
+            if self.expandable:
+                pass
+            elif already_split:
                 pool_decrease(st, S_INACTIVE_SPLIT_BYTES, is_small, size)
             else:
                 pool_increase(st, S_INACTIVE_SPLIT_BYTES, is_small, remaining.size)
                 pool_increase(st, S_INACTIVE_SPLIT, is_small, 1)
         else:
-            if already_split:
+            if already_split and not self.expandable:
                 pool_decrease(st, S_INACTIVE_SPLIT_BYTES, is_small, block.size)
                 pool_decrease(st, S_INACTIVE_SPLIT, is_small, 1)
         block.allocated = True
@@ -507,6 +535,7 @@ cdef class CachingAllocator:
         seg.stream = stream
         seg.is_small = is_small
         seg.head = b
+        seg.expandable = False
         self._link_segment(seg)
         sp.n_segments += 1
         b.ptr = ptr
@@ -570,7 +599,8 @@ cdef class CachingAllocator:
         ``tried`` receives the segment size asked for (the OOM message names it)."""
         cdef size_t size = self._round_size(orig_size)
         cdef bint is_small = size <= K_SMALL_SIZE
-        cdef size_t alloc_size = self._segment_size(size)
+        cdef size_t alloc_size = (_round_up(size, _page_of(self, is_small)) if self.expandable
+                                  else self._segment_size(size))
         cdef size_t smallest = size if self.limit_in_bytes else alloc_size
         cdef FreeIndex* fi = self._pool(stream, is_small)
         cdef Block* b
@@ -590,13 +620,24 @@ cdef class CachingAllocator:
             _garbage_collect(self)
         if self.max_reserved_ratio:
             _release_to_reserved_ratio(self, size, alloc_size)
-        b = self._alloc_block(alloc_size, size, stream, is_small, False)
-        if b == NULL and _release_available_cached_blocks(self, size, stream):
+        if self.expandable:
+            # PyTorch's order: grow; free everything cached (unmapping free
+            # pages and, as its release_cached_blocks does, releasing ranges
+            # left with no page) and grow again, counted as a retry.
+            b = _expandable_alloc(self, size, stream, is_small, False)
+            if b == NULL:
+                _synchronize_and_free_events(self)
+                _unmap_free_pages(self, False, 0)
+                _release_empty_ranges(self, False, 0)
+                b = _expandable_alloc(self, size, stream, is_small, True)
+        else:
             b = self._alloc_block(alloc_size, size, stream, is_small, False)
-        if b == NULL:
-            _synchronize_and_free_events(self)
-            _release_segments(self, False, False, 0, 0)
-            b = self._alloc_block(alloc_size, size, stream, is_small, True)
+            if b == NULL and _release_available_cached_blocks(self, size, stream):
+                b = self._alloc_block(alloc_size, size, stream, is_small, False)
+            if b == NULL:
+                _synchronize_and_free_events(self)
+                _release_segments(self, False, False, 0, 0)
+                b = self._alloc_block(alloc_size, size, stream, is_small, True)
         if b == NULL:
             oom[0] = True
             return NULL
@@ -613,7 +654,7 @@ cdef class CachingAllocator:
     # freeing
     # ------------------------------------------------------------------
     cdef size_t _try_merge(self, Block* dst, Block* src, FreeIndex* fi) noexcept nogil:
-        if src == NULL or src.allocated or src.event_count > 0 or src.stream_uses != NULL:
+        if src == NULL or src.allocated or src.event_count > 0 or src.stream_uses != NULL or src.unmapped:
             return 0
         fi_remove(fi, src)
         if dst.prev == src:
@@ -660,6 +701,8 @@ cdef class CachingAllocator:
         if b.prev != NULL or b.next != NULL:
             net_blocks += 1
             net_bytes += <int64_t>b.size
+        if self.expandable:          # PyTorch leaves expandable blocks out of inactive_split
+            net_blocks = net_bytes = 0
         if net_blocks > 0:
             pool_increase(st, S_INACTIVE_SPLIT, is_small, net_blocks)
         elif net_blocks < 0:
@@ -984,19 +1027,54 @@ cdef class CachingAllocator:
     def empty_cache(self, stream=None):
         """Release all unoccupied cached memory (whole free segments) back to
         the backend, or only ``stream``'s when one is given. Waits for pending
-        stream events first."""
+        stream events first. With expandable segments, every whole free page
+        is unmapped, in the middle of a segment too; the address ranges stay
+        reserved (:meth:`empty_virt_addr_cache` releases them)."""
         self._check_usable()
         cdef bint one_stream = stream is not None
         cdef uintptr_t handle = check_stream(stream) if one_stream else 0
         self._lock()
         try:
             _synchronize_and_free_events(self)
+            if self.expandable:
+                _unmap_free_pages(self, one_stream, handle)
             _release_segments(self, False, one_stream, handle, 0)
             self._drop_unused_streams()
         finally:
             self._unlock()
         _tell_backend_dropped_streams(self)
         self._flush_trace()
+
+    def empty_virt_addr_cache(self):
+        """Release the reserved address ranges of expandable segments that
+        hold no mapped page (torch_npu's ``empty_virt_addr_cache``). Call
+        :meth:`empty_cache` first to unmap the free pages. Nothing to do
+        without expandable segments."""
+        self._check_usable()
+        self._lock()
+        try:
+            if self.expandable:
+                _release_empty_ranges(self, False, 0)
+                self._drop_unused_streams()
+        finally:
+            self._unlock()
+        _tell_backend_dropped_streams(self)
+        self._flush_trace()
+
+    def reserved_address_space(self):
+        """``{"ranges": n, "bytes": n}``: the address ranges expandable
+        segments hold reserved, mapped or not."""
+        cdef Segment* seg
+        ranges = size = 0
+        self._lock()
+        seg = self.segments
+        while seg != NULL:
+            if seg.expandable:
+                ranges += 1
+                size += seg.size
+            seg = seg.next_seg
+        self._unlock()
+        return {"ranges": ranges, "bytes": size}
 
     def process_events(self):
         """Move blocks whose stream events completed back to the pool."""
@@ -1110,6 +1188,7 @@ cdef class CachingAllocator:
             "max_reserved_ratio": self.max_reserved_ratio or None,
             "memory_fraction": self.fraction if self.set_fraction else None,
             "exact_segments": bool(self.exact_segments),
+            "expandable_segments": bool(self.expandable),
         }
 
     def round_size(self, size):

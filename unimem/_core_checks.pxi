@@ -51,10 +51,12 @@ def _check_invariants(CachingAllocator self):
             segment_streams.append(seg.stream)
             assert self.segments_by_base[seg.base] == seg, "segment indexed by its base"
             p = POOL_SMALL if seg.is_small else POOL_LARGE
-            for pool in (POOL_ALL, p):
-                expect["segment"][pool] += 1
-                expect["reserved_bytes"][pool] += seg.size
-            reserved += seg.size
+            if not seg.expandable:      # a range is no segment; its mapped pages are reserved
+                for pool in (POOL_ALL, p):
+                    expect["segment"][pool] += 1
+                    expect["reserved_bytes"][pool] += seg.size
+                reserved += seg.size
+            mapped = 0
             b = seg.head
             cursor = seg.base
             while b != NULL:
@@ -64,7 +66,24 @@ def _check_invariants(CachingAllocator self):
                 if b.next != NULL:
                     assert b.next.prev == b
                 cursor += b.size
-                split = seg.head.next != NULL
+                if b.unmapped or b.lost:
+                    assert seg.expandable and b.unmapped and not b.allocated and b.event_count == 0, \
+                        "only expandable segments have unmapped spans, never in use"
+                    assert (b.ptr - seg.base) % seg.page == 0 and b.size % seg.page == 0, \
+                        "unmapped spans are whole pages"
+                    if not b.lost:
+                        assert b.prev == NULL or not b.prev.unmapped or b.prev.lost, "unmapped spans merge"
+                    b = b.next
+                    continue
+                if seg.expandable:
+                    mapped += b.size
+                    if b.prev == NULL or b.prev.unmapped:
+                        assert (b.ptr - seg.base) % seg.page == 0, "mapped memory starts at a page"
+                    if b.next == NULL or b.next.unmapped:
+                        assert (b.ptr + b.size - seg.base) % seg.page == 0, "mapped memory ends at a page"
+                    for pool in (POOL_ALL, p):
+                        expect["reserved_bytes"][pool] += b.size
+                split = seg.head.next != NULL and not seg.expandable
                 for pool in (POOL_ALL, p):
                     if b.allocated:
                         expect["allocation"][pool] += 1
@@ -88,9 +107,13 @@ def _check_invariants(CachingAllocator self):
                     sc = <SizeClass*>um_find(&fi.by_size, b.size)
                     assert sc != NULL and b.heap_pos < sc.heap.size() and sc.heap[b.heap_pos] == b, \
                         "free block is in its size class"
-                    assert b.prev == NULL or b.prev.allocated or b.prev.event_count > 0, "free neighbours merge"
+                    assert b.prev == NULL or b.prev.allocated or b.prev.event_count > 0 or b.prev.unmapped, \
+                        "free neighbours merge"
                 b = b.next
             assert cursor == seg.base + seg.size, "blocks cover their segment"
+            if seg.expandable:
+                assert mapped == seg.mapped, "a range counts its mapped bytes"
+                reserved += mapped
             seg = seg.next_seg
         assert reserved == self.total_allocated_memory
         indexed = 0

@@ -31,7 +31,7 @@ cdef void _fill_free_blocks(CachingAllocator self) noexcept nogil:
     while seg != NULL:
         b = seg.head
         while b != NULL:
-            if not b.allocated and b.event_count == 0:
+            if not b.allocated and b.event_count == 0 and not b.unmapped:
                 memset(<void*>b.ptr, DEBUG_FILL, b.size)
             b = b.next
         seg = seg.next_seg

@@ -72,8 +72,10 @@ cdef void _detach_segment(CachingAllocator self, Segment* seg) noexcept nogil:
 
 
 cdef inline bint _segment_is_free(CachingAllocator self, Segment* seg) noexcept nogil:
+    """Wholly free, to be given back whole (an expandable segment never is:
+    its pages are unmapped and its range released on their own)."""
     cdef Block* b = seg.head
-    return (b.next == NULL and not b.allocated and b.event_count == 0
+    return (not seg.expandable and b.next == NULL and not b.allocated and b.event_count == 0
             and b.stream_uses == NULL)
 
 

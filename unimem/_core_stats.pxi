@@ -4,7 +4,7 @@
 
 # The names of the trace's actions (TraceAction), as PyTorch's snapshots spell them.
 TRACE_ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc",
-                 "segment_free", "oom")
+                 "segment_free", "oom", "segment_map", "segment_unmap")
 
 # The flat key names of memory_stats(), in PyTorch's spelling. The order of
 # _STAT_KEYS is the order in which _stat_values() produces the numbers;
@@ -81,6 +81,14 @@ cdef object _duration_dict(DurationStat d):
             "avg": d.total // d.count if d.count else 0}
 
 
+cdef str _block_state(Block* b):
+    if b.allocated:
+        return "active_allocated"
+    if b.event_count > 0 or b.stream_uses != NULL:
+        return "active_pending_free"
+    return "inactive"
+
+
 def _snapshot_segments(CachingAllocator self):
     """The segments and their blocks, in PyTorch's snapshot layout (sorted by address)."""
     cdef Segment* seg
@@ -90,16 +98,15 @@ def _snapshot_segments(CachingAllocator self):
     try:
         seg = self.segments
         while seg != NULL:
+            if seg.expandable:
+                segments.extend(_expandable_snapshot(self, seg))
+                seg = seg.next_seg
+                continue
             blocks = []
             allocated_size = active_size = requested_size = 0
             b = seg.head
             while b != NULL:
-                if b.allocated:
-                    state = "active_allocated"
-                elif b.event_count > 0 or b.stream_uses != NULL:
-                    state = "active_pending_free"
-                else:
-                    state = "inactive"
+                state = _block_state(b)
                 blocks.append({"address": b.ptr, "size": b.size,
                                "requested_size": b.requested_size,
                                "state": state, "frames": []})

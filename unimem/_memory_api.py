@@ -338,12 +338,42 @@ class MemoryAPI:
 
         .. note:: This function is a no-op if the memory allocator has not been initialized.
         """
-        try:
-            allocators = self._type().registry.initialized()
-        except RuntimeError:
-            return
-        for allocator in allocators.values():
+        for allocator in self._initialized():
             allocator.empty_cache()
+
+    def _initialized(self) -> List[_core.CachingAllocator]:
+        """The allocators made so far (none when the device type has none)."""
+        try:
+            return list(self._type().registry.initialized().values())
+        except RuntimeError:
+            return []
+
+    def empty_virt_addr_cache(self, device: DeviceLike = None) -> None:
+        r"""Release the virtual address ranges reserved by expandable segments
+        that no longer have any physical memory mapped into them.
+
+        With ``expandable_segments:True`` in ``UNIMEM_ALLOC_CONF``, each
+        stream and pool reserves a large range of virtual addresses once and
+        maps memory at its end as needed; :func:`empty_cache` unmaps the free
+        pages but keeps the addresses reserved, so that the segment can grow
+        again in place. This function gives the fully unmapped ranges back
+        (torch_npu's ``torch_npu.npu.empty_virt_addr_cache``). Call
+        :func:`empty_cache` first to unmap what is cached.
+
+        Args:
+            device (torch.device or int, optional): selected device. Every
+                initialized device if ``None`` (default).
+
+        .. note:: This function is a no-op if the memory allocator has not
+            been initialized, or does not use expandable segments.
+        """
+        if device is not None:
+            allocator = self._existing(device)
+            if allocator is not None:
+                allocator.empty_virt_addr_cache()
+            return
+        for allocator in self._initialized():
+            allocator.empty_virt_addr_cache()
 
     # -- statistics -------------------------------------------------------
     def memory_stats(self, device: DeviceLike = None) -> "collections.OrderedDict[str, Any]":
@@ -627,6 +657,7 @@ PUBLIC_FUNCTIONS = (
     "is_available", "device_count", "current_device", "set_device",
     "caching_allocator_alloc", "caching_allocator_delete", "record_stream",
     "set_per_process_memory_fraction", "get_per_process_memory_fraction", "empty_cache",
+    "empty_virt_addr_cache",
     "memory_stats", "memory_stats_as_nested_dict", "reset_accumulated_memory_stats",
     "reset_peak_memory_stats", "reset_max_memory_allocated", "reset_max_memory_cached",
     "memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved",

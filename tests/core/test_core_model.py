@@ -9,6 +9,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, Bundle, 
 
 from tests.helpers.model import ModelAllocator, ModelOOM
 from unimem import OutOfMemoryError, _core
+from unimem.backends.faults import FaultInjectingBackend
 from unimem.backends.simulated import SimulatedBackend
 
 MiB = 1 << 20
@@ -120,3 +121,78 @@ class CoreMatchesModelWithReservedRatio(CoreMatchesModel):
 
 CoreMatchesModelWithReservedRatio.TestCase.settings = CoreMatchesModel.TestCase.settings
 TestCoreMatchesModelWithReservedRatio = CoreMatchesModelWithReservedRatio.TestCase
+
+
+class CoreMatchesModelWithExpandableSegments(CoreMatchesModel):
+    """expandable_segments:True: ranges reserved per stream and pool, pages
+    mapped and unmapped (in the middle of a range too), ranges released,
+    out-of-memory while mapping (the capacity, or a refusal injected by the
+    fault injector), every statistic and every address compared with the
+    model. Small-pool pages are ``GRANULARITY`` bytes."""
+
+    GRANULARITY = 2 * MiB
+
+    def __init__(self):
+        RuleBasedStateMachine.__init__(self)
+        self.backend = SimulatedBackend(capacity=CAPACITY, granularity=self.GRANULARITY)
+        self.faults = FaultInjectingBackend(self.backend)
+        self.core = _core.CachingAllocator(self.faults, 0, expandable_segments=True)
+        self.core.set_capacity(CAPACITY)
+        self.model = ModelAllocator(CAPACITY, expandable_segments=True, granularity=self.GRANULARITY)
+        self.live = {}
+
+    @rule(target=CoreMatchesModel.blocks, size=sizes, stream=st.sampled_from([0, 0, 7]))
+    def malloc_on_stream(self, size, stream):
+        try:
+            expected = self.model.malloc(size, stream)
+        except ModelOOM:
+            try:
+                self.core.malloc(size, stream)
+            except OutOfMemoryError:
+                return None
+            raise AssertionError(f"the core served {size} bytes the model could not")
+        got = self.core.malloc(size, stream)
+        assert got == expected, f"malloc({size}, stream {stream}): core {got:#x}, model {expected:#x}"
+        if got:
+            self.live[got] = self.core.round_size(size)
+        return got or None
+
+    @rule(count=st.integers(1, 2))
+    def refuse_next_maps(self, count):
+        self.faults.refuse_next(count)
+        self.model.refuse_next += count
+
+    @rule()
+    def empty_virt_addr_cache(self):
+        self.core.empty_virt_addr_cache()
+        self.model.empty_virt_addr_cache()
+
+    @invariant()
+    def memory_and_ranges_match(self):
+        assert self.backend.held() == self.core.memory_reserved() == self.model.used
+        assert self.core.reserved_address_space()["ranges"] == self.model.reserved_ranges()
+        assert len(self.backend.ranges[0]) == self.model.reserved_ranges()
+        assert all(s["is_expandable"] for s in self.core.snapshot())
+
+    def teardown(self):
+        self.faults.refuse_next(-self.faults._refuse_next)     # no refusal left over
+        super().teardown()
+        self.core.empty_virt_addr_cache()
+        assert self.backend.reserved() == 0 and not self.backend.mapped_pages[0]
+
+
+CoreMatchesModelWithExpandableSegments.TestCase.settings = CoreMatchesModel.TestCase.settings
+TestCoreMatchesModelWithExpandableSegments = CoreMatchesModelWithExpandableSegments.TestCase
+
+
+class CoreMatchesModelWithSmallPages(CoreMatchesModelWithExpandableSegments):
+    """The same with 64 KiB pages, so that small-pool pages are smaller than
+    the large pool's 2 MiB and free pages inside blocks are unmapped."""
+
+    GRANULARITY = 64 << 10
+
+
+CoreMatchesModelWithSmallPages.TestCase.settings = settings(
+    max_examples=60, stateful_step_count=50, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow])
+TestCoreMatchesModelWithSmallPages = CoreMatchesModelWithSmallPages.TestCase

@@ -58,6 +58,7 @@ class Block:
     allocated: bool = False
     requested: int = 0
     pending_events: int = 0
+    mapped: bool = True          # expandable segments: False for an unmapped span
 
 
 @dataclass
@@ -67,14 +68,19 @@ class Segment:
     stream: int
     small: bool
     blocks: List[Block] = field(default_factory=list)
+    expandable: bool = False     # a reserved range, mapped by ``page``
+    page: int = 0
 
 
 class ModelAllocator:
     """PyTorch's policy on a simulated device of ``capacity`` bytes."""
 
     def __init__(self, capacity: int, device: int = 0, max_split_size: Optional[int] = None,
-                 know_capacity: bool = True, max_reserved_ratio: float = 0.0) -> None:
+                 know_capacity: bool = True, max_reserved_ratio: float = 0.0,
+                 expandable_segments: bool = False, granularity: int = 2 << 20) -> None:
         self.capacity = capacity
+        self.expandable = expandable_segments
+        self.granularity = granularity
         self.max_reserved_ratio = max_reserved_ratio
         self.know_capacity = know_capacity
         self.max_split = max_split_size if max_split_size is not None else (1 << 64) - 1
@@ -129,7 +135,7 @@ class ModelAllocator:
     def _free_blocks(self):
         for seg in self.segments:
             for b in seg.blocks:
-                if not b.allocated and b.pending_events == 0:
+                if not b.allocated and b.pending_events == 0 and b.mapped:
                     yield b
 
     def _best_fit(self, size: int, stream: int, small: bool) -> Optional[Block]:
@@ -145,7 +151,8 @@ class ModelAllocator:
         return best
 
     def _is_split(self, b: Block) -> bool:
-        return len(b.segment.blocks) > 1
+        # PyTorch leaves expandable blocks out of inactive_split.
+        return len(b.segment.blocks) > 1 and not b.segment.expandable
 
     def _new_segment(self, size: int, stream: int, small: bool, retry: bool) -> Optional[Block]:
         if retry:
@@ -175,7 +182,7 @@ class ModelAllocator:
             self.oversize_segments.decrease(1)
 
     def _whole_free(self, seg: Segment) -> bool:
-        return len(seg.blocks) == 1 and not seg.blocks[0].allocated and seg.blocks[0].pending_events == 0
+        return not seg.expandable and len(seg.blocks) == 1 and not seg.blocks[0].allocated and seg.blocks[0].pending_events == 0
 
     def _release_segments(self, segments: List[Segment]) -> None:
         """Release each of ``segments``. One whose device free fails is
@@ -213,6 +220,8 @@ class ModelAllocator:
     def malloc(self, request: int, stream: int = 0) -> int:
         if request == 0:
             return 0
+        if self.expandable:
+            return self._malloc_expandable(request, stream)
         size = self.round_size(request)
         small = size <= SMALL_SIZE
         block = self._best_fit(size, stream, small)
@@ -239,7 +248,7 @@ class ModelAllocator:
         seg = block.segment
         already_split = self._is_split(block)
         remaining = block.size - size
-        if block.small:
+        if block.small or seg.expandable:
             split = remaining >= MIN_BLOCK
         else:
             split = size < self.max_split and remaining > SMALL_SIZE
@@ -247,7 +256,9 @@ class ModelAllocator:
             rest = Block(block.ptr + size, remaining, block.stream, block.small, seg)
             seg.blocks.insert(seg.blocks.index(block) + 1, rest)
             block.size = size
-            if already_split:
+            if seg.expandable:
+                pass
+            elif already_split:
                 self._dec("inactive_split_bytes", block.small, size)
             else:
                 self._inc("inactive_split_bytes", block.small, remaining)
@@ -282,7 +293,7 @@ class ModelAllocator:
         for j in (i + 1, i - 1):            # merge the next one first: indices stay valid
             if 0 <= j < len(seg.blocks):
                 other = seg.blocks[j]
-                if not other.allocated and other.pending_events == 0:
+                if not other.allocated and other.pending_events == 0 and other.mapped:
                     if j < i:
                         block.ptr = other.ptr
                     block.size += other.size
@@ -293,6 +304,8 @@ class ModelAllocator:
         if self._is_split(block):
             net_blocks += 1
             net_bytes += block.size
+        if seg.expandable:        # PyTorch leaves expandable blocks out of inactive_split
+            net_blocks = net_bytes = 0
         if net_blocks > 0:
             self._inc("inactive_split", block.small, net_blocks)
         elif net_blocks < 0:
@@ -307,7 +320,168 @@ class ModelAllocator:
 
     def empty_cache(self) -> None:
         self.counters["num_sync_all_streams"] += 1
+        self._unmap_all_free()
         self._release_all_free()
+
+    # -- expandable segments (PyTorch's ExpandableSegment) ---------------------
+    # The same policy, written from PyTorch's find_expandable_block,
+    # try_allocate_expandable_block, map_block, unmap_block and
+    # get_free_block, over plain lists.
+    def page(self, small: bool) -> int:
+        return self.granularity if small or self.granularity >= SMALL_BUFFER else SMALL_BUFFER
+
+    def range_size(self, size: int, small: bool) -> int:
+        base = self.capacity + self.capacity // 8 if self.know_capacity else 64 << 30
+        page = self.page(small)
+        return -(-max(base, size) // page) * page
+
+    @staticmethod
+    def _allocatable(b: Optional[Block]) -> bool:
+        return b is not None and not b.allocated and b.pending_events == 0
+
+    @staticmethod
+    def _neighbour(b: Block, step: int) -> Optional[Block]:
+        blocks = b.segment.blocks
+        i = blocks.index(b) + step
+        return blocks[i] if 0 <= i < len(blocks) else None
+
+    def _expandable_size(self, b: Block) -> int:
+        nxt = self._neighbour(b, 1)
+        return b.size + (nxt.size if nxt is not None and not nxt.mapped else 0)
+
+    def _best_fit_expandable(self, size: int, stream: int, small: bool) -> Optional[Block]:
+        ordered = sorted((b for b in self._free_blocks()
+                          if b.stream == stream and b.small == small and b.size >= size),
+                         key=lambda b: (b.size, b.ptr))
+        if not ordered:
+            return None
+        i = 0
+        while i + 1 < len(ordered) and self._expandable_size(ordered[i + 1]) < self._expandable_size(ordered[i]):
+            i += 1
+        return ordered[i]
+
+    def _find_expandable(self, size: int, stream: int, small: bool) -> Optional[Block]:
+        for seg in sorted((s for s in self.segments if s.expandable and s.stream == stream and s.small == small),
+                          key=lambda s: s.base):
+            for b in seg.blocks:
+                if b.mapped:
+                    continue
+                prev = self._neighbour(b, -1)
+                start = prev if self._allocatable(prev) else b
+                room, c = 0, start
+                while room < size and self._allocatable(c):
+                    room += c.size
+                    c = self._neighbour(c, 1)
+                if room >= size:
+                    return start
+        return None
+
+    def _reserve(self, size: int, stream: int, small: bool) -> Block:
+        g = self.granularity
+        base = -(-self.next_address // g) * g
+        length = self.range_size(size, small)
+        self.next_address = base + length
+        seg = Segment(base, length, stream, small, expandable=True, page=self.page(small))
+        block = Block(base, length, stream, small, seg, mapped=False)
+        seg.blocks.append(block)
+        self.segments.append(seg)
+        return block
+
+    def _merge_into(self, dst: Block, src: Optional[Block]) -> None:
+        if src is None or src.allocated or src.pending_events or src.mapped != dst.mapped:
+            return
+        if src.ptr < dst.ptr:
+            dst.ptr = src.ptr
+        dst.size += src.size
+        dst.segment.blocks.remove(src)
+
+    def _map(self, b: Block, size: int) -> bool:
+        seg = b.segment
+        n = -(-size // seg.page) * seg.page
+        if self.refuse_next:
+            self.refuse_next -= 1
+            return False
+        if self.used + n > self.capacity:
+            return False
+        self.used += n
+        if n < b.size:
+            rest = Block(b.ptr + n, b.size - n, b.stream, b.small, seg, mapped=False)
+            seg.blocks.insert(seg.blocks.index(b) + 1, rest)
+            b.size = n
+        b.mapped = True
+        self._merge_into(b, self._neighbour(b, -1))
+        self._merge_into(b, self._neighbour(b, 1))
+        self._inc("reserved_bytes", b.small, n)
+        self.counters["num_device_alloc"] += 1
+        return True
+
+    def _grow(self, size: int, stream: int, small: bool, retry: bool) -> Optional[Block]:
+        if retry:
+            self.counters["num_alloc_retries"] += 1
+        c = self._find_expandable(size, stream, small)
+        if c is None:
+            c = self._reserve(size, stream, small)
+        if not c.mapped and not self._map(c, min(c.size, size)):
+            return None
+        while c.size < size:
+            nxt = self._neighbour(c, 1)
+            if not self._map(nxt, min(size - c.size, nxt.size)):
+                return None
+            c = nxt
+        return c
+
+    def _malloc_expandable(self, request: int, stream: int) -> int:
+        size = self.round_size(request)
+        small = size <= SMALL_SIZE
+        block = self._best_fit_expandable(size, stream, small)
+        if block is None:
+            page = self.page(small)
+            if self.know_capacity and -(-size // page) * page > self.capacity:
+                self.counters["num_ooms"] += 1
+                raise ModelOOM(request)
+            block = self._grow(size, stream, small, False)
+            if block is None:
+                self.counters["num_sync_all_streams"] += 1
+                self._unmap_all_free()
+                self.empty_virt_addr_cache()
+                block = self._grow(size, stream, small, True)
+            if block is None:
+                self.counters["num_ooms"] += 1
+                raise ModelOOM(request)
+        return self._hand_out(block, size, request)
+
+    def _unmap(self, b: Block) -> None:
+        seg = b.segment
+        begin = seg.base + -(-(b.ptr - seg.base) // seg.page) * seg.page
+        end = seg.base + (b.ptr + b.size - seg.base) // seg.page * seg.page
+        if begin >= end:
+            return
+        i = seg.blocks.index(b)
+        pieces = []
+        if begin > b.ptr:
+            pieces.append(Block(b.ptr, begin - b.ptr, b.stream, b.small, seg))
+        middle = Block(begin, end - begin, b.stream, b.small, seg, mapped=False)
+        pieces.append(middle)
+        if end < b.ptr + b.size:
+            pieces.append(Block(end, b.ptr + b.size - end, b.stream, b.small, seg))
+        seg.blocks[i:i + 1] = pieces
+        self._merge_into(middle, self._neighbour(middle, -1))
+        self._merge_into(middle, self._neighbour(middle, 1))
+        self.used -= end - begin
+        self._dec("reserved_bytes", b.small, end - begin)
+        self.counters["num_device_free"] += 1
+
+    def _unmap_all_free(self) -> None:
+        for seg in sorted((s for s in self.segments if s.expandable), key=lambda s: s.base):
+            for b in [b for b in seg.blocks if b.mapped and self._allocatable(b)]:
+                self._unmap(b)
+
+    def empty_virt_addr_cache(self) -> None:
+        self.segments = [s for s in self.segments
+                         if not (s.expandable and len(s.blocks) == 1 and not s.blocks[0].mapped)]
+
+    def reserved_ranges(self) -> int:
+        return sum(1 for s in self.segments if s.expandable)
 
     def reset_peak(self) -> None:
         for per_pool in self.stats.values():

@@ -21,6 +21,14 @@ def test_all_options():
     assert s.roundup_power2_divisions == [4] * 16
     assert s.per_process_memory_fraction == 0.5
     assert s.max_non_split_rounding == 40 * MiB
+    assert s.expandable_segments is False and s.core_kwargs()["expandable_segments"] is False
+
+
+def test_expandable_segments_reach_the_core():
+    s = parse_alloc_conf("expandable_segments:True")
+    assert s.expandable_segments is True
+    assert s.core_kwargs()["expandable_segments"] is True
+    assert parse_alloc_conf(None).core_kwargs()["expandable_segments"] is False
 
 
 def test_roundup_list_form_as_pytorch():
@@ -43,7 +51,7 @@ def test_roundup_list_form_as_pytorch():
     ("roundup_power2_divisions:[300:2]", "intervals"),
     ("roundup_power2_divisions:[256:2", "missing ']'"),
     ("per_process_memory_fraction:2", r"\[0.0, 1.0\]"),
-    ("expandable_segments:True", "not supported"),
+    ("expandable_segments:yes", "True or False"),
     ("backend:cudaMallocAsync", "not supported"),
     ("max_split_size_mb:100,max_split_size_mb:200", "twice"),
     ("max_spilt_size_mb:100", "unrecognized option 'max_spilt_size_mb'"),
@@ -152,7 +160,6 @@ def test_each_inert_option_is_listed_with_a_reason():
 
 
 @pytest.mark.parametrize("text, message", [
-    ("expandable_segments:True", "not supported yet"),
     ("expandable_segments:true", "True or False"),            # PyTorch takes only True/False
     ("expandable_segments:1", "True or False"),
     ("backend:cudaMallocAsync", "not supported yet"),

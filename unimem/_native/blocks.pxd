@@ -37,6 +37,11 @@ cdef struct Block:
     bint allocated
     bint is_small
     bint by_handle                 # handed out inside an Allocation: only it may free it
+    # Expandable segments: a span of the reserved range with no memory behind
+    # it (never in the free index, never merged with a mapped block); lost:
+    # its unmap failed, so it is neither memory nor reusable address space.
+    bint unmapped
+    bint lost
 
 cdef struct Segment:
     uintptr_t base
@@ -44,6 +49,12 @@ cdef struct Segment:
     uintptr_t stream
     bint is_small
     Block* head
+    # Expandable segments: ``size`` is the reserved range, mapped and
+    # unmapped in ``page``-byte pages (offsets from ``base``); ``mapped``
+    # bytes of it have memory behind them.
+    bint expandable
+    size_t page
+    size_t mapped
     Segment* prev_seg              # the allocator's list of all segments
     Segment* next_seg
 

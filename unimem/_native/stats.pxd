@@ -86,9 +86,11 @@ cdef enum TraceAction:
     T_SEGMENT_ALLOC
     T_SEGMENT_FREE
     T_OOM
+    T_SEGMENT_MAP                  # expandable segments: pages mapped, unmapped
+    T_SEGMENT_UNMAP
 
 TRACE_ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc",
-                 "segment_free", "oom")
+                 "segment_free", "oom", "segment_map", "segment_unmap")
 
 cdef struct TraceEvent:
     int action

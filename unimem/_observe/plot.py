@@ -32,6 +32,10 @@ from .._core import format_size
 MiB = float(1 << 20)
 MAX_DRAWN = 20_000        # allocations drawn individually; the rest join the grey base
 MAX_SEGMENT_ROWS = 40
+# Trace actions that change reserved memory: segments, and the pages that
+# expandable segments map and unmap (PyTorch's segment_map/segment_unmap).
+_GROWS = ("segment_alloc", "segment_map")
+_SHRINKS = ("segment_free", "segment_unmap")
 LEGEND_SITES = 8
 FREE_COLOUR = "#e3e3e3"
 BEFORE_COLOUR = "#a8a8a8"
@@ -127,7 +131,8 @@ def check_snapshot(snapshot: Any) -> None:
             _require(isinstance(event, dict) and isinstance(event.get("action"), str), where,
                      "has no 'action'")
             action = event["action"]
-            if action in ("alloc", "free_completed", "segment_alloc", "segment_free", "oom"):
+            if action in ("alloc", "free_completed", "segment_alloc", "segment_free", "segment_map",
+                          "segment_unmap", "oom"):
                 _require(_is_int(event.get("size")), where, "has no integer 'size'")
             if action in ("alloc", "free_completed"):
                 _require(_is_int(event.get("addr")), where, "has no integer 'addr'")
@@ -171,7 +176,8 @@ class Timeline:
     def __init__(self, snapshot: Dict[str, Any], device: int) -> None:
         traces = snapshot.get("device_traces") or []
         events = [e for e in (traces[device] if device < len(traces) else [])
-                  if e["action"] in ("alloc", "free_completed", "segment_alloc", "segment_free", "oom")]
+                  if e["action"] in ("alloc", "free_completed", "segment_alloc", "segment_free", "segment_map",
+                                     "segment_unmap", "oom")]
         self.segments = [s for s in snapshot["segments"] if s.get("device", 0) == device]
         self.has_history = bool(events)
         start_us = events[0].get("time_us", 0) if events else 0
@@ -203,8 +209,8 @@ class Timeline:
         live: List[Dict[str, Any]] = []
         index_of: Dict[int, Dict[str, Any]] = {}
         reserved = sum(s["total_size"] for s in self.segments) - sum(
-            e["size"] if e["action"] == "segment_alloc" else -e["size"]
-            for e in events if e["action"] in ("segment_alloc", "segment_free"))
+            e["size"] if e["action"] in _GROWS else -e["size"]
+            for e in events if e["action"] in _GROWS + _SHRINKS)
         self.base_steps: List[Tuple[float, float]] = []
         self.peak = (0.0, -1)                     # (active bytes, event index)
         self.live_at_peak: List[Dict[str, Any]] = []
@@ -230,9 +236,9 @@ class Timeline:
                     base -= e["size"]
                     moved_from = 0
                     self.base_steps.append((t, base))
-            elif action == "segment_alloc":
+            elif action in _GROWS:
                 reserved += e["size"]
-            elif action == "segment_free":
+            elif action in _SHRINKS:
                 reserved -= e["size"]
             elif action == "oom":
                 self.ooms.append((t, e["size"]))

@@ -23,10 +23,16 @@ Options (PyTorch's names and rules):
   segment until memory runs short; this bounds the cache's overhead (peak
   reserved at most about ratio × peak in use), paying with device calls when
   the working set changes.
-- ``expandable_segments:False`` and ``backend:native`` are accepted (they are
-  what unimem does); ``expandable_segments:True`` and ``backend:cudaMallocAsync``
-  are refused (not supported yet). ``large_segment_size_mb`` is accepted at
-  its only value here, 20.
+- ``expandable_segments`` (``True`` or ``False``, default False): PyTorch's
+  expandable segments. One virtual address range per stream and pool is
+  reserved once and grown by mapping pages at its end; ``empty_cache`` unmaps
+  free pages, ``empty_virt_addr_cache`` releases ranges with none mapped.
+  The device's backend must offer virtual memory (CUDA through
+  ``cuda-bindings``, the ``cpu`` pool, the simulated backend); an allocator
+  made on one that does not raises NotImplementedError naming it.
+- ``backend:native`` is accepted (it is what unimem does);
+  ``backend:cudaMallocAsync`` is refused (not supported yet).
+  ``large_segment_size_mb`` is accepted at its only value here, 20.
 - Every other option of PyTorch's ``PYTORCH_CUDA_ALLOC_CONF`` is accepted and
   checked as PyTorch checks it, but changes nothing here: see
   :data:`INERT_OPTIONS` for each one and why.
@@ -95,6 +101,7 @@ class AllocatorSettings:
     garbage_collection_threshold: float = 0.0
     per_process_memory_fraction: Optional[float] = None
     max_reserved_ratio: float = 0.0
+    expandable_segments: bool = False
     source: str = ""
     # the INERT_OPTIONS given, with their parsed values (they change nothing)
     inert_options: Dict[str, object] = field(default_factory=dict)
@@ -106,6 +113,7 @@ class AllocatorSettings:
             "roundup_power2_divisions": list(self.roundup_power2_divisions),
             "garbage_collection_threshold": self.garbage_collection_threshold,
             "max_reserved_ratio": self.max_reserved_ratio,
+            "expandable_segments": self.expandable_segments,
         }
 
 
@@ -277,9 +285,7 @@ def parse_alloc_conf(text: Optional[str]) -> AllocatorSettings:
                 raise p.fail("max_reserved_ratio must be at least 1.0")
             values[key] = value
         elif key == "expandable_segments":
-            if p.boolean(key):
-                raise p.fail("expandable_segments:True is not supported yet by unimem "
-                             "(segments are fixed-size; use expandable_segments:False)")
+            values[key] = p.boolean(key)
         elif key == "backend":
             backend = p.take()
             if backend in ("cudaMallocAsync", "hipMallocAsync"):
@@ -319,6 +325,7 @@ def parse_alloc_conf(text: Optional[str]) -> AllocatorSettings:
         garbage_collection_threshold=values.get("garbage_collection_threshold", 0.0),  # type: ignore[arg-type]
         per_process_memory_fraction=values.get("per_process_memory_fraction"),  # type: ignore[arg-type]
         max_reserved_ratio=values.get("max_reserved_ratio", 0.0),  # type: ignore[arg-type]
+        expandable_segments=values.get("expandable_segments", False),  # type: ignore[arg-type]
         source=text,
         inert_options=inert,
     )

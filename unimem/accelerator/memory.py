@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from .._observe.history import PathLike
 
 __all__ = [
-    "empty_cache", "empty_host_cache", "get_memory_info", "max_memory_allocated",
+    "empty_cache", "empty_virt_addr_cache", "empty_host_cache", "get_memory_info", "max_memory_allocated",
     "max_memory_reserved", "memory_allocated", "memory_reserved", "memory_stats",
     "reset_accumulated_memory_stats", "reset_peak_memory_stats",
     "memory_stats_as_nested_dict", "caching_allocator_alloc", "caching_allocator_delete",
@@ -51,6 +51,20 @@ def empty_cache() -> None:
         accelerator has not been initialized.
     """
     _current()[1].empty_cache()
+
+
+def empty_virt_addr_cache(device_index: DeviceLike = None, /) -> None:
+    r"""Release the virtual address ranges that expandable segments of the
+    current accelerator reserved and that no longer have any memory mapped
+    (torch_npu's ``empty_virt_addr_cache``). :func:`empty_cache` unmaps free
+    pages but keeps their addresses reserved; call it first.
+
+    Args:
+        device_index (:class:`unimem.device`, str, int, optional): the device
+            index to select. Every initialized device of the current
+            accelerator if ``None`` (default).
+    """
+    _current()[1].empty_virt_addr_cache(device_index)
 
 
 def memory_stats(device_index: DeviceLike = None, /) -> "collections.OrderedDict[str, Any]":

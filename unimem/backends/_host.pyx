@@ -7,15 +7,28 @@ Segments come straight from the operating system (``mmap``) and go back to it
 (``munmap``), as device memory goes back to a device: ``empty_cache()`` really
 returns host memory, which glibc's malloc would keep in its heap. Its malloc
 and free are published to the core as C functions (no Python, no GIL on a
-cache miss)."""
+cache miss).
+
+It also offers virtual memory (``expandable_segments``): an address range is
+reserved with ``mmap(PROT_NONE, MAP_NORESERVE)`` (no memory, no commit
+charge) and pages are mapped into it and out of it by the host page (see
+:meth:`PageAlignedBackend.map_pages` for how, and why that way)."""
 from cpython.pycapsule cimport PyCapsule_New
+from libc.errno cimport errno, ENOMEM
 from libc.stdint cimport uintptr_t
-from posix.mman cimport mmap, munmap, PROT_READ, PROT_WRITE, MAP_PRIVATE, MAP_ANONYMOUS, MAP_FAILED
+from posix.mman cimport (mmap, munmap, mprotect, madvise, PROT_NONE, PROT_READ, PROT_WRITE, MAP_PRIVATE,
+                         MAP_ANONYMOUS, MAP_FIXED, MAP_NORESERVE, MAP_FAILED, MADV_DONTNEED)
+from posix.unistd cimport sysconf, _SC_PAGESIZE
 
 from unimem._native.provider cimport (RawAllocatorAPI, RAW_OK, RAW_OUT_OF_MEMORY, RAW_ERROR,
                                       UM_PROVIDER_CAPSULE, UM_PROVIDER_VERSION)
 
 import os
+
+from .address_ranges import AddressRanges, as_int
+
+#: The host page: what the virtual memory calls map and unmap by.
+PAGE_SIZE = sysconf(_SC_PAGESIZE)
 
 cdef int host_malloc(void* ctx, size_t size, int device, uintptr_t stream,
                      uintptr_t* out) noexcept nogil:
@@ -59,6 +72,20 @@ def _meminfo():
     return available, total
 
 
+cdef void* reserve_pages(void* at, size_t n) noexcept nogil:
+    """``n`` bytes of address space with no memory and no commit charge
+    behind them (any access faults): anywhere when ``at`` is NULL, else
+    replacing whatever is mapped at ``at`` (``MAP_FIXED``)."""
+    cdef int fixed = MAP_FIXED if at != NULL else 0
+    return mmap(at, n, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | fixed, -1, 0)
+
+
+def _check_host_device(device):
+    """The host is one device, 0."""
+    if as_int(device, "device") != 0:
+        raise ValueError(f"the host has one device, 0; got device {device}")
+
+
 cdef class PageAlignedBackend:
     """Plain host memory from ``mmap`` (page aligned, not pinned).
 
@@ -70,12 +97,18 @@ cdef class PageAlignedBackend:
     cdef readonly object _raw_api
     cdef readonly bint host_accessible      # debug mode may fill and check it
     cdef readonly bint survives_fork        # plain memory: the child has a copy
+    #: The exact record of the address ranges reserved and the pages mapped
+    #: (``unimem.backends.address_ranges``): every virtual memory call is
+    #: checked against it before any system call, since mmap(MAP_FIXED) and
+    #: madvise would silently act on memory that is not the pool's.
+    cdef readonly object address_ranges
 
     def __init__(self, str name="CPU"):
         self.name = name
         self._raw_api = PyCapsule_New(&HOST_API, UM_PROVIDER_CAPSULE, NULL)
         self.host_accessible = True
         self.survives_fork = True
+        self.address_ranges = AddressRanges(PAGE_SIZE)
 
     def malloc(self, size, int device=0, stream=0):
         cdef uintptr_t out = 0
@@ -120,6 +153,111 @@ cdef class PageAlignedBackend:
 
     def synchronize(self, device):
         pass
+
+    # -- virtual memory (expandable segments) -----------------------------
+    # Called by the core with the GIL; the lock of the record is held from
+    # the check to the record, the GIL is not held in the system calls.
+    def virtual_memory_granularity(self, device=0):
+        """The host page (``sysconf(_SC_PAGESIZE)``): mmap maps by it."""
+        _check_host_device(device)
+        return PAGE_SIZE
+
+    def reserve_address_range(self, size, device=0):
+        """``mmap(PROT_NONE, MAP_NORESERVE)``: address space only, no memory
+        and no commit charge; any access faults until pages are mapped."""
+        cdef size_t n
+        cdef void* p
+        cdef int err = 0
+        _check_host_device(device)
+        ranges = self.address_ranges
+        checked = ranges.check_size(size)
+        if checked > <size_t>-1:
+            raise MemoryError(f"cannot reserve {checked} bytes: more than the address space")
+        n = checked
+        with ranges.lock:
+            with nogil:
+                p = reserve_pages(NULL, n)
+                if p == MAP_FAILED:
+                    err = errno
+            if p == MAP_FAILED:
+                raise MemoryError(f"mmap could not reserve {n} bytes of address space: {os.strerror(err)}")
+            ranges.record_reserve(<uintptr_t>p, n)
+        return <uintptr_t>p
+
+    def map_pages(self, address, size, device=0):
+        """Back the span with memory: a fresh read-write private mapping put
+        over it with ``MAP_FIXED``, without ``MAP_NORESERVE``.
+
+        Why that and not ``mprotect``: the new mapping is charged against the
+        kernel's commit limit at once, so a span the system cannot back fails
+        here with ``ENOMEM`` (a ``MemoryError``): always under strict
+        overcommit (``vm.overcommit_memory=2``), and for a span larger than
+        RAM and swap under the default heuristic. ``mprotect`` of the
+        ``MAP_NORESERVE`` reservation is never charged (except under strict
+        overcommit), and touching or ``MAP_POPULATE`` cannot report a failure
+        at all: Linux answers a shortage while faulting pages in with the OOM
+        killer, never with an error. Pages are not touched here (faulted in
+        on first use, as ``malloc``'s ``mmap`` memory is), so mapping costs
+        no time proportional to the size."""
+        cdef uintptr_t a
+        cdef size_t n
+        cdef void* p
+        cdef int err = 0
+        _check_host_device(device)
+        ranges = self.address_ranges
+        with ranges.lock:
+            a, n = ranges.check_map(address, size)
+            with nogil:
+                p = mmap(<void*>a, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0)
+                if p == MAP_FAILED:
+                    err = errno
+                    # Linux before 6.12 could remove the old mapping before
+                    # failing the charge: put the reservation back, so the
+                    # span stays reserved and no other mmap lands in it.
+                    reserve_pages(<void*>a, n)
+            if p == MAP_FAILED:
+                if err == ENOMEM:
+                    raise MemoryError(f"the system cannot commit {n} more bytes of host memory "
+                                      f"(mmap: {os.strerror(err)})")
+                raise OSError(err, f"mmap could not map [{a:#x}, {a + n:#x}): {os.strerror(err)}")
+            ranges.record_map(a, n)
+
+    def unmap_pages(self, address, size, device=0):
+        """Give the pages back: a fresh ``PROT_NONE``, ``MAP_NORESERVE``
+        mapping is put over the span, which frees its pages (RSS falls at
+        once), gives back the commit charge (``mprotect(PROT_NONE)`` would
+        keep it) and makes any later access fault. Should that fail (the
+        kernel's limit on mappings), ``madvise(MADV_DONTNEED)`` and
+        ``mprotect(PROT_NONE)`` free the pages all the same."""
+        cdef uintptr_t a
+        cdef size_t n
+        cdef int err = 0
+        _check_host_device(device)
+        ranges = self.address_ranges
+        with ranges.lock:
+            a, n = ranges.check_unmap(address, size)
+            with nogil:
+                if reserve_pages(<void*>a, n) == MAP_FAILED:
+                    if madvise(<void*>a, n, MADV_DONTNEED) != 0 or mprotect(<void*>a, n, PROT_NONE) != 0:
+                        err = errno
+            if err:
+                raise OSError(err, f"could not unmap [{a:#x}, {a + n:#x}): {os.strerror(err)}")
+            ranges.record_unmap(a, n)
+
+    def release_address_range(self, address, size, device=0):
+        """``munmap`` a reserved range with no page mapped."""
+        cdef uintptr_t a
+        cdef size_t n
+        cdef int rc
+        _check_host_device(device)
+        ranges = self.address_ranges
+        with ranges.lock:
+            a, n = ranges.check_release(address, size)
+            with nogil:
+                rc = munmap(<void*>a, n)
+            if rc != 0:
+                raise OSError(f"munmap({a:#x}, {n}) failed")
+            ranges.record_release(a)
 
     def pinned_host_backend(self):
         """The pinned pool of a host-only machine: page-aligned memory too."""

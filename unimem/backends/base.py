@@ -119,6 +119,42 @@ class Backend(Protocol):
         """Wait for all work queued on ``device`` (``torch.accelerator.synchronize``).
         Called by the front; absent: nothing to wait for."""
 
+    # -- virtual memory (expandable segments) -------------------------------
+    # Used by ``expandable_segments:True`` only, called by the core on a miss
+    # and by ``empty_cache``/``empty_virt_addr_cache`` (with the GIL, never
+    # through the provider ABI). A backend offers all of them or none: the
+    # core reads the granularity first and calls the rest only when it is not 0.
+    def virtual_memory_granularity(self, device: int) -> int:
+        """Bytes by which memory is mapped and unmapped in a reserved range
+        (a power of two); 0 when the backend cannot reserve address space and
+        map memory into it (default). Called when an allocator is made with
+        ``expandable_segments:True``, which a backend answering 0 refuses. A
+        backend that knows why it cannot (no such aspect on this device) may
+        raise ``NotImplementedError`` saying so instead: the refusal quotes it."""
+        return 0
+
+    def reserve_address_range(self, size: int, device: int) -> int:
+        """Reserve ``size`` bytes of address space (a multiple of the
+        granularity) with no memory behind it; return its address. Raise
+        ``MemoryError`` when no address space is left."""
+        raise NotImplementedError
+
+    def map_pages(self, address: int, size: int, device: int) -> None:
+        """Back ``[address, address+size)`` (granularity-aligned, inside a
+        reserved range, unmapped) with memory, readable and writable. Raise
+        ``MemoryError`` when the device is full; nothing stays mapped then."""
+        raise NotImplementedError
+
+    def unmap_pages(self, address: int, size: int, device: int) -> None:
+        """Give back the memory behind a mapped, granularity-aligned span;
+        the addresses stay reserved."""
+        raise NotImplementedError
+
+    def release_address_range(self, address: int, size: int, device: int) -> None:
+        """Give back a range from :meth:`reserve_address_range` that has no
+        page mapped."""
+        raise NotImplementedError
+
     # -- what the runtime and the front ask of some backends ---------------
     #: The device count the user gave (``PluggableAllocator(device_count=...)``),
     #: kept by ``change_current_allocator`` over the replaced backend's; absent

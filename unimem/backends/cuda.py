@@ -9,14 +9,21 @@ these are Python calls; the caching core makes them only on a cache miss.
 The runtime is a parameter (``CUDABackend(runtime=...)``): CuPy's
 ``cupy_backends.cuda.api.runtime`` by default, a stand-in in tests on
 machines without a GPU.
+
+Expandable segments map device memory into reserved address space through
+the driver's virtual memory management, which CuPy does not expose:
+:mod:`unimem.backends.cuda_vmm` drives it through NVIDIA's ``cuda-bindings``
+(the driver is a parameter too, ``CUDABackend(driver=...)``).
 """
 from __future__ import annotations
 
 import itertools
 import threading
-from typing import Any, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
+from .address_ranges import as_int
 from .base import Backend
+from .cuda_vmm import CudaVMM, load_driver
 
 CUDA_ERROR_MEMORY_ALLOCATION = 2          # cudaErrorMemoryAllocation
 CUDA_SUCCESS = 0
@@ -65,9 +72,20 @@ class CUDABackend(Backend):
     api_name = "CUDA"          # PyTorch's messages: "CUDA out of memory ... GPU 0 has ..."
     survives_fork = False      # CUDA cannot be used in a forked child
 
-    def __init__(self, runtime: Optional[Any] = None) -> None:
+    def __init__(self, runtime: Optional[Any] = None, driver: Optional[Any] = None) -> None:
+        """``driver``: the ``cuda.bindings.driver`` module to map virtual
+        memory with. By default it is imported when first needed, except
+        over a runtime given here: a stand-in runtime brings its stand-in
+        driver as its ``vmm_driver`` attribute, and one without any offers
+        no virtual memory (the real driver would map real memory behind it)."""
+        self._default = runtime is None
         self.runtime = runtime if runtime is not None else _default_runtime()
         self._count = self.runtime.getDeviceCount()
+        if driver is None and not self._default:
+            driver = getattr(self.runtime, "vmm_driver", None)
+        self._driver = driver
+        self._vmm: Optional[CudaVMM] = None
+        self._vmm_reasons: Dict[int, str] = {}      # device -> why it has no virtual memory ("": it has)
 
     def device_count(self) -> int:
         return self._count
@@ -125,6 +143,78 @@ class CUDABackend(Backend):
     def event_synchronize(self, event: Any) -> None:
         self.runtime.eventSynchronize(event)
         self.runtime.eventDestroy(event)
+
+    # -- virtual memory (expandable segments) -----------------------------
+    def virtual_memory_unavailable_reason(self, device: int) -> str:
+        """Why ``device`` cannot map virtual memory (no ``cuda-bindings``,
+        no driver, a GPU without VMM), for the refusal of
+        ``expandable_segments``; "" when it can."""
+        device = as_int(device, "device")
+        reason = self._vmm_reasons.get(device)
+        if reason is None:
+            if not 0 <= device < self._count:
+                raise ValueError(f"GPU {device} does not exist ({self._count} visible)")
+            reason = ""
+            if self._vmm is None:
+                if self._driver is None and not self._default:
+                    reason = ("this CUDA runtime was given without a driver for virtual memory "
+                              "(CUDABackend(runtime, driver=...))")
+                else:
+                    try:
+                        self._vmm = CudaVMM(self._driver if self._driver is not None else load_driver())
+                    except ImportError as exc:
+                        reason = str(exc)
+            if self._vmm is not None:
+                reason = self._vmm.unsupported_reason(device)
+            if not reason:
+                # the driver maps in the current context: make sure the
+                # device's primary context exists (as cudaFree(0) would)
+                with OnDevice(self.runtime, device):
+                    self.runtime.memGetInfo()
+            self._vmm_reasons[device] = reason
+        return reason
+
+    def _mapper(self, device: Any) -> CudaVMM:
+        reason = self.virtual_memory_unavailable_reason(device)
+        if reason:
+            raise RuntimeError(f"GPU {device} cannot map virtual memory: {reason}")
+        assert self._vmm is not None
+        return self._vmm
+
+    def virtual_memory_granularity(self, device: int) -> int:
+        """2 MiB (PyTorch's page for expandable segments), or the driver's
+        recommended granularity where larger. Without ``cuda-bindings``, a
+        driver or VMM support: ``NotImplementedError`` saying which (see
+        :meth:`virtual_memory_unavailable_reason`), which the core puts in
+        its refusal of ``expandable_segments``."""
+        reason = self.virtual_memory_unavailable_reason(device)
+        if reason:
+            raise NotImplementedError(reason)
+        return self._mapper(device).granularity(device)
+
+    def reserve_address_range(self, size: int, device: int) -> int:
+        vmm = self._mapper(device)
+        with OnDevice(self.runtime, device):
+            return vmm.reserve(size, device)
+
+    def map_pages(self, address: int, size: int, device: int) -> None:
+        vmm = self._mapper(device)
+        with OnDevice(self.runtime, device):
+            vmm.map(address, size, device)
+
+    def unmap_pages(self, address: int, size: int, device: int) -> None:
+        """Wait for the device first: unlike ``cudaFree``, ``cuMemUnmap`` does
+        not wait for kernels still using the memory (PyTorch synchronizes too)."""
+        vmm = self._mapper(device)
+        vmm.ranges(device).check_unmap(address, size)     # refuse misuse before waiting
+        with OnDevice(self.runtime, device):
+            self.runtime.deviceSynchronize()
+            vmm.unmap(address, size, device)
+
+    def release_address_range(self, address: int, size: int, device: int) -> None:
+        vmm = self._mapper(device)
+        with OnDevice(self.runtime, device):
+            vmm.release(address, size, device)
 
     def pinned_host_backend(self) -> "CUDAPinnedBackend":
         """Page-locked host memory from ``cudaHostAlloc``: the memory of ``unimem.host``."""

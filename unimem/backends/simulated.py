@@ -13,7 +13,7 @@ queue would.
 from __future__ import annotations
 
 import threading
-from typing import Dict, List, Tuple
+from typing import Dict, List, Set, Tuple
 
 from .base import Backend
 
@@ -38,16 +38,33 @@ class SimulatedBackend(Backend):
     """Simulated device memory.
 
     Args:
-        capacity: bytes each device holds.
+        capacity: bytes each device holds (segments and mapped pages together).
         devices: how many devices.
         name: what the device is called in messages.
         alignment: every address is a multiple of this.
+        granularity: the virtual-memory page (a power of two): address
+            ranges are reserved and pages mapped by it, as CUDA's
+            ``cuMemAddressReserve``/``cuMemMap`` do (2 MiB there). 0: the
+            device has no virtual memory (expandable segments refused).
+
+    Virtual memory is tracked exactly: reserved ranges and the pages mapped
+    in them. A misaligned call, a span outside a reserved range, mapping a
+    mapped page, unmapping an unmapped one or releasing a range with pages
+    mapped raises RuntimeError (a core bug, caught); mapping past the
+    capacity raises MemoryError with nothing mapped.
     """
 
     def __init__(self, capacity: int = 16 * GiB, devices: int = 1, name: str = "SIM",
-                 alignment: int = 512) -> None:
+                 alignment: int = 512, granularity: int = 2 << 20) -> None:
         if capacity <= 0 or devices <= 0 or alignment <= 0:
             raise ValueError("capacity, devices and alignment must be positive")
+        if granularity < 0 or granularity & (granularity - 1):
+            raise ValueError(f"granularity must be a power of two or 0, got {granularity}")
+        self.granularity = int(granularity)
+        # per device: range base -> size; mapped page addresses
+        self.ranges: List[Dict[int, int]] = [dict() for _ in range(devices)]
+        self.mapped_pages: List[Set[int]] = [set() for _ in range(devices)]
+        self.n_map = self.n_unmap = 0
         self.name = name
         self.capacity = int(capacity)
         self.devices = int(devices)
@@ -107,6 +124,71 @@ class SimulatedBackend(Backend):
     def held(self, device: int = 0) -> int:
         """Bytes currently allocated from the simulated device."""
         return self.used[device]
+
+    # virtual memory (expandable segments) ---------------------------------
+    def virtual_memory_granularity(self, device: int) -> int:
+        self._check_device(device)
+        return self.granularity
+
+    def _pages(self, address: int, size: int, device: int) -> range:
+        """The pages of ``[address, address+size)``, checked to lie inside
+        one reserved range and on page boundaries."""
+        self._check_device(device)
+        g = self.granularity
+        if not g:
+            raise RuntimeError(f"simulated device {device} has no virtual memory")
+        if size <= 0 or address % g or size % g:
+            raise RuntimeError(f"simulated device {device}: span {address:#x}+{size} is not "
+                               f"aligned to the granularity ({g})")
+        for base, length in self.ranges[device].items():
+            if base <= address and address + size <= base + length:
+                return range(address, address + size, g)
+        raise RuntimeError(f"simulated device {device}: span {address:#x}+{size} is not inside a reserved range")
+
+    def reserve_address_range(self, size: int, device: int) -> int:
+        self._check_device(device)
+        g = self.granularity
+        if not g or size <= 0 or size % g:
+            raise RuntimeError(f"simulated device {device}: cannot reserve {size} bytes "
+                               f"(granularity {g})")
+        with self._lock:
+            base = -(-self._next[device] // g) * g
+            self._next[device] = base + size
+            self.ranges[device][base] = size
+            return base
+
+    def map_pages(self, address: int, size: int, device: int) -> None:
+        with self._lock:
+            pages = self._pages(address, size, device)
+            if any(p in self.mapped_pages[device] for p in pages):
+                raise RuntimeError(f"simulated device {device}: {address:#x}+{size} is already mapped")
+            if self.used[device] + size > self.capacity:
+                raise MemoryError(f"simulated device {device} is full")
+            self.mapped_pages[device].update(pages)
+            self.used[device] += size
+            self.n_map += 1
+
+    def unmap_pages(self, address: int, size: int, device: int) -> None:
+        with self._lock:
+            pages = self._pages(address, size, device)
+            if not all(p in self.mapped_pages[device] for p in pages):
+                raise RuntimeError(f"simulated device {device}: {address:#x}+{size} is not all mapped")
+            self.mapped_pages[device].difference_update(pages)
+            self.used[device] -= size
+            self.n_unmap += 1
+
+    def release_address_range(self, address: int, size: int, device: int) -> None:
+        self._check_device(device)
+        with self._lock:
+            if self.ranges[device].get(address) != size:
+                raise RuntimeError(f"simulated device {device}: {address:#x}+{size} is not a reserved range")
+            if any(address <= p < address + size for p in self.mapped_pages[device]):
+                raise RuntimeError(f"simulated device {device}: range {address:#x} still has pages mapped")
+            del self.ranges[device][address]
+
+    def reserved(self, device: int = 0) -> int:
+        """Bytes of address space currently reserved on the simulated device."""
+        return sum(self.ranges[device].values())
 
     # streams -------------------------------------------------------------
     def record_event(self, stream: int, device: int) -> SimulatedEvent:

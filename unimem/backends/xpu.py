@@ -21,10 +21,23 @@ import threading
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 from . import _dpctl_api
+from .address_ranges import as_int
 from .base import Backend
 from .opencl_env import OCL_ENV, ensure_opencl_cpu_runtime
 
 USM_KINDS = ("device", "shared", "host")
+
+#: Why an XPU backend offers no virtual memory (``expandable_segments``).
+#: SYCL has it as an extension (``sycl_ext_oneapi_virtual_mem``: the
+#: ``ext_oneapi_virtual_mem`` aspect, ``reserve_virtual_mem``,
+#: ``physical_mem``, ``physical_mem::map``, ``unmap``), and the SYCL runtime
+#: dpctl loads exports it, but only as C++: dpctl 0.22 binds none of it in
+#: Python or in its C interface, and has no query for that aspect either.
+VIRTUAL_MEMORY_UNAVAILABLE = (
+    "dpctl 0.22 offers no route to SYCL's virtual memory extension (sycl_ext_oneapi_virtual_mem): "
+    "no query of the ext_oneapi_virtual_mem aspect and no binding of reserve_virtual_mem, physical_mem "
+    "or map, so unimem cannot reserve address space and map memory on any XPU device, whether or not "
+    "the device has that aspect")
 BACKEND_PREFERENCE = ("level_zero", "cuda", "hip", "opencl")
 
 
@@ -332,6 +345,23 @@ class XPUBackend(Backend):
 
     def event_synchronize(self, event) -> None:
         event.wait()
+
+    # virtual memory: none (see VIRTUAL_MEMORY_UNAVAILABLE); the other four
+    # members keep the Backend defaults, which the core never calls then
+    def virtual_memory_unavailable_reason(self, device: int) -> str:
+        """Why ``device`` cannot map virtual memory: dpctl offers no route to it."""
+        self._check_device(device)
+        return VIRTUAL_MEMORY_UNAVAILABLE
+
+    def virtual_memory_granularity(self, device: int) -> int:
+        """Never a granularity: ``NotImplementedError`` saying why, which the
+        core puts in its refusal of ``expandable_segments:True`` (so the
+        option is refused on an XPU device, never silently ignored)."""
+        raise NotImplementedError(self.virtual_memory_unavailable_reason(device))
+
+    def _check_device(self, device: int) -> None:
+        if not 0 <= as_int(device, "device") < len(self.runtime.devices):
+            raise ValueError(f"XPU device {device} does not exist ({len(self.runtime.devices)} visible)")
 
     def pinned_host_backend(self) -> "XPUBackend":
         """Host USM on device 0's context: the pinned memory of ``unimem.host``."""

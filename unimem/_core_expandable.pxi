@@ -1,0 +1,532 @@
+# Included by _core.pyx: expandable segments (expandable_segments:True), as
+# PyTorch's ExpandableSegment (c10/cuda/CUDACachingAllocator.cpp) does them.
+#
+# A segment is then a reserved range of address space, one per (stream, pool)
+# until it is full, with memory mapped into it page by page. Its blocks tile
+# the whole range: mapped blocks (allocated or free, free ones in the free
+# index as usual) and unmapped spans (``Block.unmapped``, in no index). A miss
+# maps pages at the first unmapped span that, with the free block before it,
+# holds the request; ``empty_cache`` unmaps every whole free page, in the
+# middle of a segment too; ``empty_virt_addr_cache`` releases ranges with no
+# page mapped. Statistics as PyTorch keeps them for expandable segments:
+# ``reserved_bytes`` counts mapped bytes, ``segment`` does not count ranges,
+# ``num_device_alloc``/``num_device_free`` count map/unmap calls, and
+# ``inactive_split`` leaves expandable blocks out.
+#
+# All of this is on the miss path or in empty_cache (the backend's Python
+# methods are called with the GIL and the lock held, as a Python malloc is);
+# the hot path only asks ``self.expandable`` where PyTorch's policy differs.
+
+# PyTorch sizes each range at 1 1/8 of the device's memory, so that a segment
+# can grow to the whole device even when some of its pages had to be
+# unmapped in the middle and others mapped at its end. Address space costs
+# nothing until mapped (CUDA VA space is 2**47 bytes and more; host mmap of
+# PROT_NONE reserves no memory). When the capacity is not known: 64 GiB.
+cdef size_t DEFAULT_RANGE_SIZE = <size_t>64 << 30
+# Large-pool pages: 2 MiB (the CUDA granularity), or the backend's granularity
+# if larger; small-pool pages are the backend's granularity. PyTorch maps the
+# large pool by 20 MiB; 2 MiB pages keep reserved memory within a page of
+# what is in use per segment.
+cdef size_t LARGE_PAGE = <size_t>2 << 20
+
+
+cdef int _setup_expandable(CachingAllocator self, object backend, int device, str name) except -1:
+    """Check that ``backend`` can reserve address space and map memory into
+    it (a non-zero ``virtual_memory_granularity(device)``) and keep its four
+    calls. Raises NotImplementedError naming the backend when it cannot."""
+    ask = getattr(backend, "virtual_memory_granularity", None)
+    reason = ""
+    granularity = 0
+    if ask is not None:
+        try:
+            granularity = as_integer(ask(device), "virtual_memory_granularity()")
+        except NotImplementedError as exc:     # a backend that says why it cannot
+            reason = str(exc)
+            granularity = 0
+    if granularity == 0:
+        raise NotImplementedError(
+            f"expandable_segments:True needs a backend that can reserve address space and map "
+            f"memory into it; the {name} backend ({type(backend).__name__}) cannot on device {device}"
+            + (f": {reason}" if reason else ""))
+    if granularity < 0 or granularity & (granularity - 1) or granularity > LARGE_PAGE * 512:
+        raise ValueError(f"the {name} backend's virtual_memory_granularity({device}) must be a "
+                         f"power of two, got {granularity}")
+    self._vm_reserve = backend.reserve_address_range
+    self._vm_map = backend.map_pages
+    self._vm_unmap = backend.unmap_pages
+    self._vm_release = backend.release_address_range
+    self.vm_granularity = granularity
+    self.expandable = True
+    return 0
+
+
+cdef inline size_t _page_of(CachingAllocator self, bint is_small) noexcept nogil:
+    if is_small or self.vm_granularity >= LARGE_PAGE:
+        return self.vm_granularity
+    return LARGE_PAGE
+
+
+cdef inline size_t _round_up(size_t n, size_t page) noexcept nogil:
+    return (n + page - 1) // page * page
+
+
+cdef inline bint _allocatable(Block* b) noexcept nogil:
+    """Free (mapped or not) and waiting for nothing: PyTorch's ``allocatable``."""
+    return (b != NULL and not b.allocated and b.event_count == 0 and b.stream_uses == NULL
+            and not b.lost)
+
+
+cdef inline size_t _expandable_size(Block* b) noexcept nogil:
+    """What a free block can grow to without moving: its size and the
+    unmapped span after it (PyTorch's ``expandable_size``)."""
+    if b.next != NULL and b.next.unmapped and not b.next.lost:
+        return b.size + b.next.size
+    return b.size
+
+
+cdef Block* _next_in_size_order(FreeIndex* fi, Block* b, SizeClass** found) noexcept nogil:
+    """The free block after ``b`` in (size, address) order: PyTorch's
+    ``pool.blocks`` iterator, over the size classes of the free index."""
+    cdef SizeClass* sc = <SizeClass*>um_find(&fi.by_size, b.size)
+    cdef Block* best = NULL
+    cdef Block* c
+    cdef size_t i
+    for i in range(sc.heap.size()):
+        c = sc.heap[i]
+        if c.ptr > b.ptr and (best == NULL or c.ptr < best.ptr):
+            best = c
+    if best != NULL:
+        found[0] = sc
+        return best
+    cdef cmap[size_t, SizeClass*].iterator it = fi.classes.upper_bound(b.size)
+    while it != fi.classes.end():
+        sc = um_second(it)
+        if not sc.heap.empty():
+            found[0] = sc
+            return sc.heap[0]
+        it = um_next(it)
+    return NULL
+
+
+cdef Block* _prefer_unexpandable(FreeIndex* fi, Block* b, SizeClass** found) noexcept nogil:
+    """PyTorch's get_free_block with expandable segments: a block followed by
+    unmapped space counts as the size it can grow to, so the best fit moves on
+    while the next block in (size, address) order can grow to less. This
+    keeps the end of a segment for requests that need it to grow."""
+    cdef SizeClass* sc
+    cdef Block* nxt = _next_in_size_order(fi, b, &sc)
+    while nxt != NULL and _expandable_size(nxt) < _expandable_size(b):
+        b = nxt
+        found[0] = sc
+        nxt = _next_in_size_order(fi, b, &sc)
+    return b
+
+
+cdef Block* _find_expandable_block(CachingAllocator self, size_t size, uintptr_t stream,
+                                   bint is_small) noexcept nogil:
+    """The first unmapped span of the stream's pool, in address order, that
+    (with the free block before it, if any) has room for ``size`` bytes;
+    NULL when none has (PyTorch's find_expandable_block)."""
+    cdef cmap[uintptr_t, Segment*].iterator it = self.segments_by_base.begin()
+    cdef Segment* seg
+    cdef Block* b
+    cdef Block* c
+    cdef size_t room
+    while it != self.segments_by_base.end():
+        seg = deref(it).second
+        if seg.expandable and seg.stream == stream and seg.is_small == is_small:
+            b = seg.head
+            while b != NULL:
+                if b.unmapped and not b.lost:
+                    c = b.prev if _allocatable(b.prev) else b
+                    room = 0
+                    while room < size and _allocatable(c):
+                        room += c.size
+                        c = c.next
+                    if room >= size:
+                        return b.prev if _allocatable(b.prev) else b
+                b = b.next
+        inc(it)
+    return NULL
+
+
+cdef Block* _new_range(CachingAllocator self, size_t size, uintptr_t stream, bint is_small) except? NULL:
+    """Reserve a new range for (stream, pool), big enough for ``size``:
+    its one block, unmapped. NULL when the backend has no address space left."""
+    cdef size_t page = _page_of(self, is_small)
+    cdef size_t range_size = self.capacity + self.capacity // 8 if self.capacity else DEFAULT_RANGE_SIZE
+    if range_size < size:
+        range_size = size
+    range_size = _round_up(range_size, page)
+    cdef Segment* seg = <Segment*>calloc(1, sizeof(Segment))
+    cdef Block* b = block_new(&self.slab)
+    if seg == NULL or b == NULL:
+        sys_free(seg)
+        if b != NULL:
+            block_delete(&self.slab, b)
+        raise MemoryError("host memory for the allocator's bookkeeping ran out")
+    cdef uintptr_t base = 0
+    try:
+        try:
+            address = self._vm_reserve(range_size, self.device)
+        except MemoryError:
+            address = None
+        if address is not None:
+            base = as_integer(address, "reserve_address_range()")
+            if base == 0 or base % self.vm_granularity:
+                raise RuntimeError(f"the {self.device_name} backend reserved {base:#x}, which is not "
+                                   f"aligned to its granularity ({self.vm_granularity} bytes): a backend error")
+            _check_new_segment(self, base, range_size)
+    except BaseException:
+        sys_free(seg)
+        block_delete(&self.slab, b)
+        raise
+    if base == 0:
+        sys_free(seg)
+        block_delete(&self.slab, b)
+        return NULL
+    cdef StreamPools* sp = self._stream_pools(stream)
+    if sp == NULL:
+        sys_free(seg)
+        block_delete(&self.slab, b)
+        self._vm_release(base, range_size, self.device)
+        raise MemoryError("host memory for the allocator's bookkeeping ran out")
+    seg.base = base
+    seg.size = range_size
+    seg.stream = stream
+    seg.is_small = is_small
+    seg.head = b
+    seg.expandable = True
+    seg.page = page
+    seg.mapped = 0
+    self._link_segment(seg)
+    sp.n_segments += 1
+    b.ptr = base
+    b.size = range_size
+    b.stream = stream
+    b.segment = seg
+    b.is_small = is_small
+    b.index = sp.small if is_small else sp.large
+    b.unmapped = True
+    return b
+
+
+cdef inline void _splice_after(Block* b, Block* rest) noexcept nogil:
+    rest.prev = b
+    rest.next = b.next
+    if b.next != NULL:
+        b.next.prev = rest
+    b.next = rest
+
+
+cdef int _map_block(CachingAllocator self, Block* b, size_t size) except -1:
+    """Map the pages covering the first ``size`` bytes of the unmapped span
+    ``b``, which then becomes a free block merged with its free neighbours
+    (PyTorch's map_block). 1: done; 0: the device is full (nothing changed)."""
+    cdef Segment* seg = b.segment
+    cdef size_t n = _round_up(size, seg.page)
+    cdef FreeIndex* fi = b.index
+    cdef Block* rest = NULL
+    cdef int64_t t0
+    if self.set_fraction and self.total_allocated_memory + n > self.allowed_memory_maximum:
+        return 0
+    if self.total_allocated_memory + n > MAX_RESERVED:
+        return 0
+    if um_reserve(&fi.by_size, fi.by_size.count + 1) != 0:
+        raise MemoryError("host memory for the allocator's bookkeeping ran out")
+    if n < b.size:
+        rest = block_new(&self.slab)
+        if rest == NULL:
+            raise MemoryError("host memory for the allocator's bookkeeping ran out")
+    t0 = um_now_ns()
+    try:
+        self._vm_map(b.ptr, n, self.device)
+    except MemoryError:
+        if rest != NULL:
+            block_delete(&self.slab, rest)
+        return 0
+    except BaseException:
+        if rest != NULL:
+            block_delete(&self.slab, rest)
+        raise
+    duration_add(&self.stats.device_alloc_time, (um_now_ns() - t0) // 1000)
+    if rest != NULL:
+        rest.ptr = b.ptr + n
+        rest.size = b.size - n
+        rest.stream = b.stream
+        rest.segment = seg
+        rest.index = fi
+        rest.is_small = b.is_small
+        rest.unmapped = True
+        _splice_after(b, rest)
+        b.size = n
+    b.unmapped = False
+    if self.debug_on:
+        memset(<void*>b.ptr, DEBUG_FILL, n)
+    self._try_merge(b, b.prev, fi)
+    self._try_merge(b, b.next, fi)
+    fi_insert(fi, b)          # its size class was reserved above
+    seg.mapped += n
+    self.total_allocated_memory += n
+    pool_increase(&self.stats, S_RESERVED_BYTES, seg.is_small, n)
+    self.stats.num_device_alloc += 1
+    if self.recording:
+        self._trace(T_SEGMENT_MAP, b.ptr, n, b.stream)
+    return 1
+
+
+cdef Block* _expandable_alloc(CachingAllocator self, size_t size, uintptr_t stream, bint is_small,
+                              bint is_retry) except? NULL:
+    """A free block of at least ``size`` bytes made by mapping pages
+    (PyTorch's try_allocate_expandable_block), taken off the free index;
+    NULL when the device (or address space) is full. Pages mapped before a
+    refused map stay mapped and cached, as in PyTorch."""
+    if is_retry:
+        self.stats.num_alloc_retries += 1
+    cdef Block* c = _find_expandable_block(self, size, stream, is_small)
+    cdef Block* nxt
+    if c == NULL:
+        c = _new_range(self, size, stream, is_small)
+        if c == NULL:
+            return NULL
+    if c.unmapped and not _map_block(self, c, c.size if c.size < size else size):
+        return NULL
+    while c.size < size:
+        # c is free and mapped, followed by unmapped space: map some of it,
+        # which merges c into it.
+        nxt = c.next
+        if not _map_block(self, nxt, nxt.size if nxt.size < size - c.size else size - c.size):
+            return NULL
+        c = nxt
+    fi_remove(c.index, c)
+    return c
+
+
+cdef void _merge_unmapped(CachingAllocator self, Block* dst, Block* src) noexcept nogil:
+    if src == NULL or not src.unmapped or src.lost:
+        return
+    if dst.prev == src:
+        dst.ptr = src.ptr
+        dst.prev = src.prev
+        if dst.prev != NULL:
+            dst.prev.next = dst
+        else:
+            dst.segment.head = dst
+    else:
+        dst.next = src.next
+        if dst.next != NULL:
+            dst.next.prev = dst
+    dst.size += src.size
+    block_delete(&self.slab, src)
+
+
+cdef Block* _free_piece(CachingAllocator self, Block* like, uintptr_t ptr, size_t size) noexcept nogil:
+    """A Block from the slab for a free mapped piece of ``like``'s segment."""
+    cdef Block* piece = block_new(&self.slab)
+    if piece == NULL:
+        return NULL
+    piece.ptr = ptr
+    piece.size = size
+    piece.stream = like.stream
+    piece.segment = like.segment
+    piece.index = like.index
+    piece.is_small = like.is_small
+    return piece
+
+
+cdef int _unmap_block(CachingAllocator self, Block* b) except -1:
+    """Unmap the whole pages inside the free block ``b`` (PyTorch's
+    unmap_block): what is left before and after them stays a free block.
+    An unmap that raises may or may not have given the memory back: the
+    span is then lost (never mapped or reserved again), counted in
+    lost_segments, and the error raised once the state is consistent."""
+    cdef Segment* seg = b.segment
+    cdef FreeIndex* fi = b.index
+    cdef uintptr_t begin = seg.base + _round_up(b.ptr - seg.base, seg.page)
+    cdef uintptr_t end = seg.base + (b.ptr + b.size - seg.base) // seg.page * seg.page
+    cdef Block* before = NULL
+    cdef Block* after = NULL
+    cdef size_t n
+    cdef int64_t t0
+    if begin >= end:
+        return 0
+    n = end - begin
+    if um_reserve(&fi.by_size, fi.by_size.count + 2) != 0:
+        raise MemoryError("host memory for the allocator's bookkeeping ran out")
+    if begin > b.ptr:
+        before = _free_piece(self, b, b.ptr, begin - b.ptr)
+    if end < b.ptr + b.size:
+        after = _free_piece(self, b, end, b.ptr + b.size - end)
+    if (begin > b.ptr and before == NULL) or (end < b.ptr + b.size and after == NULL):
+        if before != NULL:
+            block_delete(&self.slab, before)
+        if after != NULL:
+            block_delete(&self.slab, after)
+        raise MemoryError("host memory for the allocator's bookkeeping ran out")
+    error = None
+    t0 = um_now_ns()
+    try:
+        self._vm_unmap(begin, n, self.device)
+    except BaseException as exc:
+        error = exc
+    duration_add(&self.stats.device_free_time, (um_now_ns() - t0) // 1000)
+    fi_remove(fi, b)
+    if before != NULL:
+        before.prev = b.prev
+        before.next = b
+        if b.prev != NULL:
+            b.prev.next = before
+        else:
+            seg.head = before
+        b.prev = before
+        fi_insert(fi, before)
+    if after != NULL:
+        _splice_after(b, after)
+        fi_insert(fi, after)
+    b.ptr = begin
+    b.size = n
+    b.unmapped = True
+    seg.mapped -= n
+    self.total_allocated_memory -= n
+    pool_decrease(&self.stats, S_RESERVED_BYTES, seg.is_small, n)
+    self.stats.num_device_free += 1
+    if self.recording:
+        self._trace(T_SEGMENT_UNMAP, begin, n, b.stream)
+    if error is not None:
+        b.lost = True
+        self.lost_segment_count += 1
+        self.lost_segment_bytes += n
+        raise error
+    _merge_unmapped(self, b, b.prev)
+    _merge_unmapped(self, b, b.next)
+    return 0
+
+
+cdef int _unmap_free_pages(CachingAllocator self, bint has_stream, uintptr_t stream) except -1:
+    """Unmap every whole free page of the expandable segments (of ``stream``
+    only, when given): PyTorch's release_blocks for expandable segments.
+    The first backend error is raised after the other blocks were tried."""
+    cdef vector[Block*] victims
+    cdef Segment* seg = self.segments
+    cdef Block* b
+    cdef size_t i
+    while seg != NULL:
+        if seg.expandable and not (has_stream and seg.stream != stream):
+            b = seg.head
+            while b != NULL:
+                if not b.unmapped and _allocatable(b):
+                    victims.push_back(b)
+                b = b.next
+        seg = seg.next_seg
+    first_error = None
+    for i in range(victims.size()):
+        try:
+            _unmap_block(self, victims[i])
+        except BaseException as exc:
+            if first_error is None:
+                first_error = exc
+    if first_error is not None:
+        raise first_error
+    return 0
+
+
+cdef inline bint _range_is_empty(Segment* seg) noexcept nogil:
+    return seg.expandable and seg.head.next == NULL and seg.head.unmapped and not seg.head.lost
+
+
+cdef int _release_empty_ranges(CachingAllocator self, bint has_stream, uintptr_t stream) except -1:
+    """Give back the ranges that hold no mapped page (of ``stream`` only,
+    when given). They leave the allocator under the lock and go back to the
+    backend outside it, as segments do; a release that raises forgets the
+    range (its address space may be gone) and is raised after the others."""
+    cdef vector[Segment*] empty
+    cdef Segment* seg = self.segments
+    cdef StreamPools* sp
+    cdef size_t i
+    while seg != NULL:
+        if _range_is_empty(seg) and not (has_stream and seg.stream != stream):
+            empty.push_back(seg)
+        seg = seg.next_seg
+    if empty.empty():
+        return 0
+    for i in range(empty.size()):
+        seg = empty[i]
+        self._unlink_segment(seg)
+        sp = self._stream_pools(seg.stream)
+        if sp != NULL:
+            sp.n_segments -= 1
+            self._drop_stream_if_unused(sp)
+    cdef bint outside = self.lock_depth == 1
+    first_error = None
+    if outside:
+        self._unlock()
+    try:
+        for i in range(empty.size()):
+            try:
+                self._vm_release(empty[i].base, empty[i].size, self.device)
+            except BaseException as exc:
+                if first_error is None:
+                    first_error = exc
+    finally:
+        if outside:
+            self._lock()
+        for i in range(empty.size()):
+            block_delete(&self.slab, empty[i].head)
+            sys_free(empty[i])
+    if first_error is not None:
+        raise first_error
+    return 0
+
+
+cdef bint _expandable_teardown(CachingAllocator self, Segment* seg):
+    """At the allocator's death: unmap and release a range none of whose
+    blocks is in use. Whether it went (False: it stays, with its blocks)."""
+    cdef Block* b = seg.head
+    while b != NULL:
+        if b.allocated or b.event_count > 0 or b.stream_uses != NULL or b.lost:
+            return False
+        b = b.next
+    try:
+        b = seg.head
+        while b != NULL:
+            if not b.unmapped:
+                self._vm_unmap(b.ptr, b.size, self.device)
+            b = b.next
+        self._vm_release(seg.base, seg.size, self.device)
+    except BaseException as exc:
+        _report_unraisable(exc, "unimem allocator teardown")
+    return True
+
+
+cdef list _expandable_snapshot(CachingAllocator self, Segment* seg):
+    """PyTorch reports an expandable segment as one segment per run of
+    mapped blocks (unmapped spans are not memory), with is_expandable."""
+    cdef Block* b = seg.head
+    out = []
+    while b != NULL:
+        if b.unmapped:
+            b = b.next
+            continue
+        blocks = []
+        allocated_size = active_size = requested_size = 0
+        address = b.ptr
+        while b != NULL and not b.unmapped:
+            state = _block_state(b)
+            blocks.append({"address": b.ptr, "size": b.size, "requested_size": b.requested_size,
+                           "state": state, "frames": []})
+            if b.allocated:
+                allocated_size += b.size
+            if state != "inactive":
+                active_size += b.size
+                requested_size += b.requested_size
+            b = b.next
+        out.append({
+            "device": self.device, "address": address,
+            "total_size": sum(block["size"] for block in blocks),
+            "allocated_size": allocated_size, "active_size": active_size,
+            "requested_size": requested_size, "stream": seg.stream,
+            "segment_type": "small" if seg.is_small else "large",
+            "segment_pool_id": (0, 0), "is_expandable": True,
+            "frames": [], "blocks": blocks,
+        })
+    return out
