@@ -229,12 +229,6 @@ cdef class UsmAllocator:
             out[f"bypassed.{reason}.bytes"] = self.bypassed_bytes[i]
         return out
 
-    def forget_queues(self):
-        """Drop the cached route (the pools were replaced, e.g. after a fork)."""
-        self.cached_queue = None
-        self.cached_allocator = None
-        self.cached_guard = None
-
     cdef inline object _bypass(self, int reason, Py_ssize_t nbytes, tuple args, dict kwargs):
         self.bypassed_allocations[reason] += 1
         if nbytes > 0:

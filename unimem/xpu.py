@@ -183,26 +183,34 @@ SHARED_POOL = register_named_pool(Pool(PoolKind.SHARED_USM, "xpu", "xpu-shared",
                                        _shared_pools, lambda: _shared_registry))
 
 
-def allocator_for(usm_type: str = "device", device: Any = None) -> _core.CachingAllocator:
-    """The caching allocator serving ``usm_type`` memory on ``device``."""
-    if usm_type == "device":
-        return get_type("xpu").allocator(_device_to_index(device))
-    if usm_type == "shared":
-        return _shared_pools().get(_device_to_index(device))
-    if usm_type == "host":
-        return _host_pool_for(default_queue(device))
-    raise ValueError(f"usm_type must be 'device', 'shared' or 'host', got {usm_type!r}")
+def _check_usm_type(usm_type: Any) -> None:
+    if usm_type not in ("device", "shared", "host"):
+        raise ValueError(f"usm_type must be 'device', 'shared' or 'host', got {usm_type!r}")
 
 
-def _pool_for(usm_type: str, index: int, queue: Any) -> Optional[_core.CachingAllocator]:
-    """The pool serving ``usm_type`` memory on device ``index`` for ``queue``;
-    None for host USM when the pinned pool is not SYCL host USM of that context."""
+def _pool(usm_type: str, index: int, queue: Any) -> _core.CachingAllocator:
+    """The pool serving ``usm_type`` memory on device ``index`` for ``queue``
+    (read for host USM only). ``ValueError`` for an unknown ``usm_type``, and
+    for host USM when the pinned pool is not SYCL host USM of the queue's context."""
+    _check_usm_type(usm_type)
     if usm_type == "device":
         return get_type("xpu").allocator(index)
     if usm_type == "shared":
         return _shared_pools().get(index)
+    return _host_pool_for(queue)
+
+
+def allocator_for(usm_type: str = "device", device: Any = None) -> _core.CachingAllocator:
+    """The caching allocator serving ``usm_type`` memory on ``device``."""
+    _check_usm_type(usm_type)
+    return _pool(usm_type, _device_to_index(device), default_queue(device) if usm_type == "host" else None)
+
+
+def _pool_for(usm_type: str, index: int, queue: Any) -> Optional[_core.CachingAllocator]:
+    """The dpnp allocator's pool lookup: :func:`_pool`, None where it has none
+    (host USM when the pinned pool is not SYCL host USM of that context)."""
     try:
-        return _host_pool_for(queue)
+        return _pool(usm_type, index, queue)
     except ValueError:
         return None
 
@@ -301,14 +309,7 @@ def empty(shape: ShapeLike, dtype: Any = None, *, order: str = "C", device: Any 
     nbytes = dt.itemsize
     for d in dims:
         nbytes *= d
-    if usm_type == "device":
-        pool = ctx.registry.get(index)
-    elif usm_type == "shared":
-        pool = _shared_pools().get(index)
-    elif usm_type == "host":
-        pool = _host_pool_for(queue)
-    else:
-        raise ValueError(f"usm_type must be 'device', 'shared' or 'host', got {usm_type!r}")
+    pool = _pool(usm_type, index, queue)
     if nbytes == 0:     # nothing to allocate
         return ctx.dpnp.empty(dims, dtype=dt, order=order, usm_type=usm_type, sycl_queue=queue)
     _bound_keep_alive_tasks(ctx, queue, index)

@@ -221,12 +221,13 @@ def _dpnp_counters() -> Optional[Dict[str, int]]:
 
 def _print_dpnp_counters() -> None:
     from .._observe.summary import format_size
+    from .._usm_memory import BYPASS_REASONS
     counters = _dpnp_counters()
     if counters is None:
         return
     pooled, bypassed = counters["pooled.bytes"], counters["bypassed.bytes"]
     reasons = ", ".join(f"{reason.replace('_', ' ')}: {counters[f'bypassed.{reason}.allocations']}"
-                        for reason in ("foreign_context", "alignment", "zero_size", "other_arguments", "no_pool")
+                        for reason in BYPASS_REASONS
                         if counters[f"bypassed.{reason}.allocations"])
     print(f"dpnp arrays: {counters['pooled.allocations']} allocations, "
           f"{format_size(pooled, pooled).strip()} from unimem's pools; "
