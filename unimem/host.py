@@ -3,8 +3,8 @@
 The analogue of PyTorch's ``CachingHostAllocator``: host memory for staging
 host<->device copies, cached and counted (``host_memory_stats``). The memory is
 page-locked with ``cudaHostAlloc`` when CUDA is present, is SYCL host USM when
-only a SYCL device is, and plain page-aligned memory otherwise;
-:func:`backend_name` says which.
+only a SYCL device is (or when the program uses SYCL and not CUDA), and plain
+page-aligned memory otherwise; :func:`backend_name` says which.
 
 Unlike PyTorch's and CuPy's pinned pools, which round every request up to a
 power of two and never split (a 10 GiB request holds 16 GiB), this pool uses
@@ -13,6 +13,7 @@ the same best-fit, splitting policy as the device pools.
 from __future__ import annotations
 
 import collections
+import sys
 import threading
 from typing import Any, Dict, Mapping, Optional
 
@@ -29,9 +30,25 @@ _backend: Optional[Backend] = None
 _registry: Optional[DeviceRegistry] = None
 
 
+#: The runtimes that pin host memory, in order of preference, each with the
+#: Python module a program imports to use it.
+_PINNING_RUNTIMES = (("cuda", "cupy"), ("xpu", "dpctl"))
+
+
 def _choose_backend() -> Backend:
-    """Pinned memory from the first runtime that offers it."""
-    for name in ("cuda", "xpu"):
+    """Pinned memory from the first runtime that offers it, runtimes the
+    program already uses first.
+
+    A runtime is in use when its device type is set up or its module is
+    imported. Probing CUDA imports CuPy (and asks the driver for GPUs), which
+    an XPU program should not pay for to get host USM, nor see in its
+    ``sys.modules``; so CUDA is probed first only when the program uses it
+    or uses neither runtime, as on a CUDA machine whose program has not
+    allocated yet.
+    """
+    set_up = _devices.types_by_name()
+    in_use = [name for name, module in _PINNING_RUNTIMES if name in set_up or module in sys.modules]
+    for name in in_use + [name for name, _ in _PINNING_RUNTIMES if name not in in_use]:
         if _devices.is_available(name):
             pinned = getattr(_devices.get_type(name).backend, "pinned_host_backend", None)
             if pinned is not None:

@@ -247,6 +247,21 @@ def test_host_and_shared_usm_come_from_pools(xpu, dpnp):
     del h, s
 
 
+def test_the_host_pool_of_an_xpu_program_does_not_import_cupy(xpu):
+    """The first host USM array of an XPU program chooses the host pool's
+    backend: from the SYCL runtime already up, without importing CuPy to
+    ask CUDA first. A fresh interpreter, since this one may have imported
+    CuPy already."""
+    import subprocess
+    import sys
+    code = ("import sys, unimem, unimem.xpu\n"
+            "unimem.xpu.device_count()\n"                 # the SYCL runtime is up
+            "print(unimem.host.backend_name(), 'cupy' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["sycl", "False"], done.stdout + done.stderr
+
+
 def test_memory_info_and_device_strings(xpu, dpctl):
     free, total = xpu.get_memory_info(0)
     assert total == xpu.default_queue().sycl_device.global_mem_size and 0 < free <= total
