@@ -197,6 +197,33 @@ def test_load_snapshot_refuses_code_and_reads_the_snapshot_format(tmp_path):
     assert load_snapshot(path) == {"segments": snapshot["segments"], "device_traces": []}
 
 
+def test_plot_names_a_band_by_the_users_line_not_the_librarys():
+    """A dpnp array is allocated inside dpnp: its innermost frames are dpnp's
+    (in site-packages) and the standard library's. The timeline names the
+    band by the innermost frame of the user's code instead."""
+    import sysconfig
+    import unimem
+    from unimem._observe.plot import _site
+
+    def frame(filename, line, name):
+        return {"filename": filename, "line": line, "name": name}
+
+    paths = sysconfig.get_paths()
+    in_dpnp = frame(os.path.join(paths["purelib"], "dpnp", "dpnp_array.py"), 10, "_create")
+    in_stdlib = frame(os.path.join(paths["stdlib"], "functools.py"), 20, "wrapper")
+    in_unimem = frame(os.path.join(os.path.dirname(unimem.__file__), "xpu.py"), 30, "empty")
+    # recorded by another interpreter, plotted by this one
+    in_other_env = frame("/opt/conda/lib/python3.12/site-packages/dpctl/tensor/_ctors.py", 40, "empty")
+    users = frame("/home/someone/train.py", 42, "step")
+    callers = frame("/home/someone/main.py", 7, "<module>")
+
+    assert _site([in_dpnp, in_stdlib, in_unimem, in_other_env, users, callers]) == "train.py:42 step"
+    assert _site([users, in_dpnp]) == "train.py:42 step"
+    # only library frames: the innermost, as before
+    assert _site([in_dpnp, in_stdlib]).startswith("dpnp_array.py:10 ")
+    assert _site([]) == "(no Python frame recorded)"
+
+
 MALFORMED = {
     "empty": (b"", "empty or truncated"),
     "truncated": (pickle.dumps({"segments": [{"address": 1}] * 50})[:40], "truncated"),

@@ -5,7 +5,8 @@ with history (``_dump_snapshot``):
 
 * top: active memory over time, each allocation a band stacked on those
   allocated before it and coloured by where it was allocated (the innermost
-  Python frame; the heaviest places are named in the legend), what was
+  Python frame of the user's code, not of an installed package, the standard
+  library or unimem; the heaviest places are named in the legend), what was
   allocated before the recording began in grey at the bottom, reserved memory
   as a line, and every out-of-memory error marked;
 * bottom: the segments at the moment of peak active memory, each a row, the
@@ -21,13 +22,17 @@ snapshot format holds) and refuses any class or function the file names.
 """
 from __future__ import annotations
 
+import functools
 import linecache
 import numbers
 import os
 import pickle
+import site
+import sysconfig
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 from .._core import format_size
+from .history import is_unimem_code
 
 MiB = float(1 << 20)
 MAX_DRAWN = 20_000        # allocations drawn individually; the rest join the grey base
@@ -158,11 +163,41 @@ def _pick_device(snapshot: Dict[str, Any], device: Optional[int]) -> int:
     return devices[0] if devices else 0
 
 
+# The folders installers put packages in: how a frame recorded by another
+# interpreter (whose folders this one does not know) shows it is library code.
+_INSTALL_FOLDER_NAMES = ("site-packages", "dist-packages")
+
+
+@functools.lru_cache(maxsize=1)
+def _library_dirs() -> Tuple[str, ...]:
+    """This interpreter's folders of installed packages and of the standard
+    library, each ending in a separator (so ``/lib/python3.1`` is no prefix
+    of ``/lib/python3.11``)."""
+    paths = sysconfig.get_paths()
+    found = {paths[key] for key in ("stdlib", "platstdlib", "purelib", "platlib") if key in paths}
+    found.update(getattr(site, "getsitepackages", list)())     # absent in some old virtualenvs
+    found.add(site.getusersitepackages())
+    with_links_resolved = found | {os.path.realpath(d) for d in found}
+    return tuple(os.path.join(d, "") for d in sorted(with_links_resolved) if d)
+
+
+def _is_library_code(filename: str) -> bool:
+    """Whether ``filename`` is an installed package's, the standard library's
+    (frozen modules included) or unimem's, rather than the user's."""
+    return (filename.startswith(_library_dirs()) or filename.startswith("<frozen ")
+            or is_unimem_code(filename)
+            or any(part in _INSTALL_FOLDER_NAMES for part in filename.split(os.sep)))
+
+
 def _site(frames: List[Dict[str, Any]]) -> str:
-    """Where an allocation was made: file, line and (when readable) the source."""
+    """Where an allocation was made: file, line and (when readable) the source.
+
+    The place is the innermost frame of the user's code: an array library
+    (dpnp, CuPy) allocates in its own frames, which would name every band
+    alike; when every frame is library code, the innermost."""
     if not frames:
         return "(no Python frame recorded)"
-    f = frames[0]
+    f = next((f for f in frames if not _is_library_code(f["filename"])), frames[0])
     source = linecache.getline(f["filename"], f["line"]).strip()
     if len(source) > 34:
         source = source[:33] + "…"
