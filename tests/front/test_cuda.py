@@ -14,7 +14,7 @@ from unimem import _core
 from unimem.backends.cuda import CUDABackend, CUDAPinnedBackend
 from unimem.backends.simulated import SimulatedBackend
 
-from tests.helpers.fake_cuda import CUDA_ERROR_INVALID_DEVICE, CUDARuntimeError, FakeCudaRuntime, serving_cuda
+from tests.helpers.fake_cuda import CUDA_ERROR_INVALID_DEVICE, CUDARuntimeError, fake  # noqa: F401  (fixture)
 
 cupy = pytest.importorskip("cupy", reason="CuPy (cupy-cuda12x) is in the test extra")
 
@@ -47,13 +47,6 @@ def test_without_a_gpu_cuda_reports_nothing_and_says_why():
 # ---------------------------------------------------------------------------
 # the simulated CUDA runtime
 # ---------------------------------------------------------------------------
-@pytest.fixture
-def fake():
-    """Serve the ``cuda`` device type from a simulated two-GPU runtime."""
-    with serving_cuda(FakeCudaRuntime(devices=2, capacity=1 << 30)) as runtime:
-        yield runtime
-
-
 @pytest.fixture
 def ucuda(fake):
     import unimem.cuda

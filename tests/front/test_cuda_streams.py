@@ -16,36 +16,13 @@ from unimem.backends.cuda import (CUDA_STREAM_LEGACY, CUDA_STREAM_PER_THREAD, CU
                                   cuda_stream_of, per_thread_stream_key, stream_key)
 from unimem.backends.simulated import SimulatedBackend
 
-from tests.helpers.fake_cuda import CUDARuntimeError, FakeCudaRuntime, serving_cuda
+from tests.helpers.fake_cuda import CUDARuntimeError, fake, on_stream, raw_allocator_of  # noqa: F401  (fixtures)
 
 cupy = pytest.importorskip("cupy", reason="CuPy (cupy-cuda12x) is in the test extra")
 
 UNIT = 512                   # CuPy's allocation unit, and unimem's rounding
 STREAM_1, STREAM_2 = 0x1000, 0x2000
 MiB = 1 << 20
-
-
-@pytest.fixture
-def fake():
-    """Serve the ``cuda`` device type from a simulated two-GPU runtime."""
-    with serving_cuda(FakeCudaRuntime(devices=2, capacity=1 << 30)) as runtime:
-        yield runtime
-
-
-def raw_allocator_of(runtime):
-    """A CuPy-style raw allocator (``size -> MemoryPointer``) over the fake,
-    as ``cupy.cuda.memory._malloc`` is over the real runtime."""
-    memory = cupy.cuda.memory
-
-    class RawMemory(memory.UnownedMemory):
-        def __init__(self, size):
-            super().__init__(runtime.malloc(size), size, None, runtime.getDevice())
-
-        def __del__(self):
-            if self.ptr:
-                runtime.free(self.ptr)
-
-    return lambda size: memory.MemoryPointer(RawMemory(size), 0)
 
 
 POOL_SETUPS = ("unimem.cuda.allocator", "MemoryPool()", "MemoryPool(allocator)", "MemoryPool(backend=...)")
@@ -69,22 +46,6 @@ def make_malloc(setup, runtime):
 @pytest.fixture(params=POOL_SETUPS)
 def pool(request, fake):
     return make_malloc(request.param, fake)
-
-
-@pytest.fixture
-def on_stream(fake):
-    """``with on_stream(s):`` makes ``s`` the current stream, as ``with stream:`` does in CuPy."""
-    class OnStream:
-        def __init__(self, stream):
-            self.stream = stream
-
-        def __enter__(self):
-            self.previous = fake.current_stream(None)
-            fake.set_stream(self.stream)
-
-        def __exit__(self, *exc):
-            fake.set_stream(self.previous)
-    return OnStream
 
 
 # ---------------------------------------------------------------------------

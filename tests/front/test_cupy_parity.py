@@ -20,7 +20,7 @@ import pytest
 import unimem.cuda as ucuda
 from unimem.backends.simulated import SimulatedBackend
 
-from test_cuda_streams import fake, raw_allocator_of, on_stream  # noqa: F401  (fixtures)
+from tests.helpers.fake_cuda import fake, on_stream, raw_allocator_of  # noqa: F401  (fixtures)
 
 cupy = pytest.importorskip("cupy", reason="CuPy (cupy-cuda12x) is in the test extra")
 memory = cupy.cuda.memory

@@ -1,5 +1,5 @@
 """What the tests share: the policy model (model), the simulated CUDA runtime
-(fake_cuda), and where the repository is."""
+and the fixtures that serve it (fake_cuda), and where the repository is."""
 import pathlib
 
 #: The repository's root (README, pyproject.toml, benchmarks/).

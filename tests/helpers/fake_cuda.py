@@ -14,6 +14,8 @@ import gc
 import itertools
 import threading
 
+import pytest
+
 CUDA_SUCCESS = 0
 CUDA_ERROR_MEMORY_ALLOCATION = 2
 CUDA_ERROR_INVALID_DEVICE = 101
@@ -215,6 +217,49 @@ def serving_cuda(runtime):
             _devices._types["cuda"] = saved[0]
         if saved[1] is not None:
             _devices._unavailable["cuda"] = saved[1]
+
+
+# ---------------------------------------------------------------------------
+# Fixtures over the simulated runtime, for the tests of every layer that
+# drive unimem's CUDA pools (a test module imports the fixtures it uses)
+# ---------------------------------------------------------------------------
+@pytest.fixture
+def fake():
+    """Serve the ``cuda`` device type from a simulated two-GPU runtime."""
+    with serving_cuda(FakeCudaRuntime(devices=2, capacity=1 << 30)) as runtime:
+        yield runtime
+
+
+@pytest.fixture
+def on_stream(fake):
+    """``with on_stream(s):`` makes ``s`` the current stream, as ``with stream:`` does in CuPy."""
+    class OnStream:
+        def __init__(self, stream):
+            self.stream = stream
+
+        def __enter__(self):
+            self.previous = fake.current_stream(None)
+            fake.set_stream(self.stream)
+
+        def __exit__(self, *exc):
+            fake.set_stream(self.previous)
+    return OnStream
+
+
+def raw_allocator_of(runtime):
+    """A CuPy-style raw allocator (``size -> MemoryPointer``) over the fake,
+    as ``cupy.cuda.memory._malloc`` is over the real runtime."""
+    memory = pytest.importorskip("cupy", reason="CuPy (cupy-cuda12x) is in the test extra").cuda.memory
+
+    class RawMemory(memory.UnownedMemory):
+        def __init__(self, size):
+            super().__init__(runtime.malloc(size), size, None, runtime.getDevice())
+
+        def __del__(self):
+            if self.ptr:
+                runtime.free(self.ptr)
+
+    return lambda size: memory.MemoryPointer(RawMemory(size), 0)
 
 
 # ---------------------------------------------------------------------------

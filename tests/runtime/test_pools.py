@@ -17,7 +17,7 @@ from unimem.backends.base import REQUIRED_MEMBERS, Backend, backend_members
 from unimem.backends.faults import FaultInjectingBackend
 from unimem.backends.simulated import SimulatedBackend
 
-from test_cuda_streams import fake, raw_allocator_of  # noqa: F401  (fixture)
+from tests.helpers.fake_cuda import fake, raw_allocator_of  # noqa: F401  (fixture)
 
 GiB = 1 << 30
 
