@@ -53,13 +53,23 @@ _originals: Dict[str, type] = {}                         # the names we replaced
 
 class _StandInType(type):
     """The metaclass of the stand-ins: ``isinstance`` and ``issubclass``
-    against a stand-in answer for dpctl's class, and calling it allocates."""
+    against a stand-in answer for dpctl's class, and calling it allocates.
+
+    A class a user derives from a stand-in while the allocator is installed
+    gets this metaclass too; it is an ordinary subclass of dpctl's class
+    (its instances are its own, made by dpctl), so only the stand-ins
+    themselves, which hold ``__dpctl_class__`` in their own namespace, answer
+    for dpctl's class."""
 
     def __instancecheck__(cls, instance: Any) -> bool:
-        return isinstance(instance, cls.__dpctl_class__)
+        if "__dpctl_class__" in cls.__dict__:
+            return isinstance(instance, cls.__dpctl_class__)
+        return type.__instancecheck__(cls, instance)
 
     def __subclasscheck__(cls, subclass: type) -> bool:
-        return issubclass(subclass, cls.__dpctl_class__)
+        if "__dpctl_class__" in cls.__dict__:
+            return issubclass(subclass, cls.__dpctl_class__)
+        return type.__subclasscheck__(cls, subclass)
 
     __call__ = _usm_memory.call_stand_in
 

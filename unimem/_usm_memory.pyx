@@ -26,6 +26,7 @@ that ``Memory_Make`` makes: :func:`check_layout` compares the layout with
 objects dpctl made itself before anything is handed out.
 """
 from cpython.object cimport PyObject, PyTypeObject
+from cpython.dict cimport PyDict_GetItem
 from cpython.ref cimport Py_INCREF
 from libc.stdint cimport uintptr_t
 
@@ -330,8 +331,14 @@ def block_owner_use_count(memory):
 
 def call_stand_in(stand_in, *args, **kwargs):
     """The ``__call__`` of the stand-ins' metaclass: ``MemoryUSMDevice(...)``
-    with the hook installed."""
-    return (<UsmAllocator>stand_in.__unimem_allocator__).allocate(args, kwargs)
+    with the hook installed. A class derived from a stand-in (a user's
+    subclass of ``MemoryUSMDevice`` made while the hook is installed) has the
+    same metaclass but no allocator of its own: it is constructed as any
+    class is, its instances its own."""
+    cdef PyObject* allocator = PyDict_GetItem(<object>(<PyTypeObject*>stand_in).tp_dict, "__unimem_allocator__")
+    if allocator == NULL:
+        return type.__call__(stand_in, *args, **kwargs)
+    return (<UsmAllocator>allocator).allocate(args, kwargs)
 
 
 def _hold_block(memory):

@@ -1,7 +1,6 @@
 """Trying to break ``unimem.xpu.set_allocator()`` from ordinary dpnp code.
 
-Each test says what it expects. The ones marked xfail are known defects of
-the hook (reported to its owner); they say what they expect once fixed.
+Each test says what it expects.
 """
 import gc
 import subprocess
@@ -197,13 +196,19 @@ def test_a_numpy_integer_size_is_pooled(hooked):
     assert counters_delta(before).get("pooled.allocations") == 1
 
 
-@pytest.mark.xfail(strict=True, reason="a subclass of dpctl.memory.MemoryUSMDevice made while the allocator "
-                                       "is installed inherits the stand-in's metaclass: calling it returns a "
-                                       "plain MemoryUSMDevice, not an instance of the subclass")
 def test_a_subclass_made_while_installed_makes_its_own_instances(hooked):
     class Mine(dpm.MemoryUSMDevice):
         pass
-    assert type(Mine(64)) is Mine
+    before = xpu.allocator_counters()
+    mine = Mine(64)
+    # the subclass is dpctl's to allocate: the pools' counters do not move for it
+    assert counters_delta(before) == {}
+    assert type(mine) is Mine and mine.nbytes == 64
+    assert isinstance(mine, Mine) and isinstance(mine, dpm.MemoryUSMDevice)
+    # dpctl's own memory, pooled or not, is not an instance of the user's class
+    assert not isinstance(dpm.MemoryUSMDevice(64), Mine)
+    assert not isinstance(dpnp.empty(16).get_array().usm_data, Mine)
+    assert not issubclass(type(dpm.MemoryUSMDevice(64)), Mine)
 
 
 DEADLOCK = """
