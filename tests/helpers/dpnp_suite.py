@@ -89,15 +89,19 @@ def command(workdir: str, files: List[str]) -> List[str]:
     file (not this repository's pyproject, which a virtual environment inside
     the checkout would otherwise find) and dpnp's package as the root, so that
     node ids are dpnp's own ``tests/...`` (its conftest reads its skip lists
-    by them)."""
+    by them). A test still running after two minutes has every thread's
+    Python stack written to the output (faulthandler), so that a hang says
+    where it is; after five minutes pytest-timeout ends the process from its
+    own thread (a hang inside compiled code holding the GIL never lets a
+    signal handler run), and :class:`Run` records that test as crashed."""
     tests = dpnp_tests_dir()
     ini = os.path.join(workdir, "pytest.ini")
     with open(ini, "w") as f:
         f.write("[pytest]\n")
     return [sys.executable, "-m", "pytest", "-c", ini, "--rootdir", os.path.dirname(tests),
             "-p", PLUGIN, "-p", "no:cacheprovider", "-p", "no:randomly", "--import-mode=importlib", "-q", "--tb=short",
-            "--timeout=300", *[f"--deselect={test}" for test in DESELECT],
-            *[os.path.join(tests, f) for f in files]]
+            "--timeout=300", "--timeout-method=thread", "-o", "faulthandler_timeout=120",
+            *[f"--deselect={test}" for test in DESELECT], *[os.path.join(tests, f) for f in files]]
 
 
 class Run:
