@@ -1,6 +1,7 @@
 """Builds unimem's Cython extensions and installs its OpenCL start-up hook (a
 .pth file); everything else is in pyproject.toml."""
 import os
+import sys
 from typing import Any, Dict, List
 
 from Cython.Build import cythonize
@@ -15,6 +16,14 @@ CXX_FLAGS = ["-O3", "-std=c++17", "-fno-strict-aliasing"]
 # sources in a development build (pip install -e, build_ext --inplace) and
 # never go into a wheel: they are not part of the library.
 BENCHMARK_PREFIX = "benchmarks."
+
+# The SYCL interposer (unimem/_sycl_interposer.pyx) defines SYCL's USM
+# functions under their mangled names and is promoted to the global symbol
+# scope at install: its link exports those names and its PyInit only, so
+# that nothing else of it (the C++ library's template instantiations) can
+# take the place of another library's definitions. ELF and dl_iterate_phdr: Linux only.
+SYCL_INTERPOSER = "unimem._sycl_interposer"
+SYCL_INTERPOSER_EXPORTS = "{ global: PyInit__sycl_interposer; _ZN4sycl3_V1*; local: *; };\n"
 
 
 def extension(name: str) -> Extension:
@@ -86,12 +95,23 @@ class EditableWheel(editable_wheel):
 
 
 class BuildExt(build_ext):
-    """Leaves the benchmark helpers out of every build that is not in place."""
+    """Leaves the benchmark helpers out of every build that is not in place,
+    and links the SYCL interposer with its version script."""
 
     def finalize_options(self) -> None:
         super().finalize_options()
         if not self.inplace:
             self.extensions = [e for e in self.extensions if not e.name.startswith(BENCHMARK_PREFIX)]
+
+    def build_extension(self, ext: Extension) -> None:
+        if ext.name == SYCL_INTERPOSER:
+            os.makedirs(self.build_temp, exist_ok=True)
+            script = os.path.abspath(os.path.join(self.build_temp, "sycl_interposer.map"))
+            with open(script, "w", encoding="utf-8") as f:
+                f.write(SYCL_INTERPOSER_EXPORTS)
+            ext.extra_link_args = [a for a in ext.extra_link_args if not a.startswith("-Wl,--version-script=")]
+            ext.extra_link_args.append(f"-Wl,--version-script={script}")
+        super().build_extension(ext)
 
 
 setup(
@@ -100,6 +120,7 @@ setup(
         [extension("unimem._core"), extension("unimem._runtime.registry"),
          extension("unimem.backends._host"), extension("unimem.backends._dpctl_api"),
          extension("unimem._usm_memory"),
+         *([extension(SYCL_INTERPOSER)] if sys.platform.startswith("linux") else []),
          extension("benchmarks._timing")],
         compiler_directives={"language_level": "3"},
         include_path=[HERE],

@@ -53,6 +53,7 @@ LAYER_OF_PREFIX = (                 # first match wins: more specific first
     ("unimem.host", 4),
     ("unimem._memory_api", 4),
     ("unimem._usm_memory", 4),
+    ("unimem._sycl_interposer", 4),
     ("unimem._dpnp_allocator", 4),
     ("unimem._observe", 4),
     ("unimem._integrations", 5),
