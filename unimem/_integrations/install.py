@@ -7,8 +7,12 @@
 * dpnp (with a SYCL device): ``unimem.xpu.set_allocator()`` - every dpnp
   array allocated through Python, including the results of dpnp's
   operations, comes from unimem.
+* dpnp's C++ scratch buffers, opt-in (``sycl_interpose=True``): the SYCL
+  interposer (:mod:`unimem._sycl_interposer`), installed before dpnp is
+  imported, serves the USM requests of dpnp's compiled extensions too.
 
-:func:`uninstall_allocators` puts everything back as it was.
+:func:`uninstall_allocators` puts everything back as it was, except the
+interposer: dpnp's extensions stay bound to it for the life of the process.
 """
 from __future__ import annotations
 
@@ -52,7 +56,35 @@ def _install_cupy() -> bool:
     return True
 
 
-def install_allocators() -> List[str]:
+def install_sycl_interposer() -> bool:
+    """Serve the SYCL USM requests of dpnp's compiled extensions (their C++
+    scratch buffers) from unimem's pools, for the rest of the process;
+    returns False when it was already installed.
+
+    Must run before dpnp is imported: raises ``RuntimeError``, changing
+    nothing, when dpnp's extensions are already loaded, when there is no
+    SYCL device, or when the installed dpnp imports SYCL functions the
+    interposer does not know (see :mod:`unimem._sycl_interposer`)."""
+    try:
+        from .. import _sycl_interposer
+    except ImportError as exc:          # built on Linux only (ELF symbol binding)
+        raise RuntimeError(f"the SYCL interposer is not available here: {exc}") from None
+    if _sycl_interposer.installed():
+        return False
+    _sycl_interposer.install()
+    return True
+
+
+def sycl_interposer_installed() -> bool:
+    """Whether :func:`install_sycl_interposer` is in effect."""
+    try:
+        from .. import _sycl_interposer
+    except ImportError:
+        return False
+    return _sycl_interposer.installed()
+
+
+def install_allocators(sycl_interpose: bool = False) -> List[str]:
     """Make unimem the allocator of every array library it can serve here;
     returns their names (``["cupy"]``, ``["dpnp"]``, or ``[]`` when neither
     has a device).
@@ -60,9 +92,16 @@ def install_allocators() -> List[str]:
     Each library is served by the pool of its own device type
     (:data:`POOL_OF_LIBRARY`), not by the current accelerator's: with
     ``UNIMEM_DEVICE=cpu`` dpnp's arrays still come from the XPU pool, and
-    its statistics are ``unimem.xpu``'s."""
+    its statistics are ``unimem.xpu``'s.
+
+    ``sycl_interpose``: first install the SYCL interposer
+    (:func:`install_sycl_interposer`), so that dpnp's C++ scratch buffers
+    come from the pools too; this must happen before dpnp is imported, and
+    raises ``RuntimeError`` (installing nothing) when it cannot."""
     installed: List[str] = []
     with _lock:
+        if sycl_interpose:
+            install_sycl_interposer()   # before the import of dpnp below
         done = {name for name, _ in _undo}
         if "cupy" not in done and _devices.is_available("cuda") and _install_cupy():
             installed.append("cupy")

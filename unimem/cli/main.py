@@ -4,6 +4,7 @@ Subcommands:
   demo      train a small MLP on the default device through the pool and show what it did
   plot      draw the timeline and segment map of a snapshot into a PNG
   run       run a Python script with unimem as its array library's allocator, then print the summary
+            (--sycl-interpose: dpnp's C++ scratch buffers from the pools too)
   summary   print the memory summary (after running a script, if one is given)
   stats     print the memory statistics (as JSON with --json), after an optional script
   cluster   print the unimem statistics of every worker of a Dask cluster
@@ -29,6 +30,9 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 EXIT_INTERRUPTED = 130
 # argparse's status for a usage error, used for the same kind of mistake found later.
 EXIT_USAGE = 2
+# Set to 1 (true, yes, on), the scripts run by run/summary/stats have the SYCL
+# interposer installed, as with ``run --sycl-interpose``.
+SYCL_INTERPOSE_ENV = "UNIMEM_SYCL_INTERPOSE"
 
 
 class UsageError(Exception):
@@ -140,16 +144,35 @@ def _script_traceback(exc: BaseException, script: str) -> str:
     return "".join(traceback.format_exception(type(exc), exc, tb))
 
 
-def _run_script(argv: List[str], install: bool, quiet_stdout: bool = False) -> int:
+def _sycl_interpose_from_environment() -> bool:
+    value = os.environ.get(SYCL_INTERPOSE_ENV, "").strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    raise UsageError(f"{SYCL_INTERPOSE_ENV}={os.environ[SYCL_INTERPOSE_ENV]!r}: expected 1 or 0")
+
+
+def _run_script(argv: List[str], install: bool, quiet_stdout: bool = False, sycl_interpose: bool = False) -> int:
     """Run ``argv[0]`` as ``__main__`` with ``argv`` as its arguments; returns
-    its exit status (1 after printing its traceback if it raised)."""
+    its exit status (1 after printing its traceback if it raised).
+    ``sycl_interpose`` (or UNIMEM_SYCL_INTERPOSE=1): install the SYCL
+    interposer before anything imports dpnp."""
     if not argv:
         return 0
     _check_script(argv)
+    sycl_interpose = sycl_interpose or _sycl_interpose_from_environment()
     if install:
         from .._integrations.install import POOL_OF_LIBRARY, install_allocators
-        installed = install_allocators()
+        try:
+            installed = install_allocators(sycl_interpose=sycl_interpose)
+        except RuntimeError as exc:
+            if not sycl_interpose:
+                raise
+            raise UsageError(f"cannot install the SYCL interposer: {exc}") from None
         served = ", ".join(f"{name} from the {POOL_OF_LIBRARY[name]} pool" for name in installed)
+        if sycl_interpose:
+            served += " (and dpnp's C++ scratch buffers)"
         print(f"unimem: serving {served or 'no array library'} "
               f"(current accelerator: {_current_device_type().name})", file=sys.stderr)
     script = argv[0]
@@ -235,10 +258,35 @@ def _print_dpnp_counters() -> None:
           f"around them{f' ({reasons})' if reasons else ''}")
 
 
+def _sycl_counters() -> Optional[Dict[str, int]]:
+    """What the SYCL interposer served and forwarded, if it was installed."""
+    from .._integrations.install import sycl_interposer_installed
+    if not sycl_interposer_installed():
+        return None
+    from .. import _sycl_interposer
+    return _sycl_interposer.counters()
+
+
+def _print_sycl_counters() -> None:
+    from .._observe.summary import format_size
+    from .._sycl_interposer import REASONS
+    counters = _sycl_counters()
+    if counters is None:
+        return
+    pooled, bypassed = counters["pooled.bytes"], counters["bypassed.bytes"]
+    reasons = ", ".join(f"{reason.replace('_', ' ')}: {counters[f'bypassed.{reason}.calls']}"
+                        for reason in REASONS if counters[f"bypassed.{reason}.calls"])
+    refused = (f"; {counters['refused.calls']} refused (out of memory)" if counters["refused.calls"] else "")
+    print(f"dpnp C++ scratch: {counters['pooled.calls']} calls, {format_size(pooled, pooled).strip()} "
+          f"from unimem's pools; {counters['bypassed.calls']} calls, {format_size(bypassed, bypassed).strip()} "
+          f"around them{f' ({reasons})' if reasons else ''}{refused}")
+
+
 def _run(args: argparse.Namespace) -> int:
-    code = _run_script([args.script] + args.args, install=True)
+    code = _run_script([args.script] + args.args, install=True, sycl_interpose=args.sycl_interpose)
     _print_summaries(None, args.abbreviated)
     _print_dpnp_counters()
+    _print_sycl_counters()
     return code
 
 
@@ -246,6 +294,7 @@ def _summary(args: argparse.Namespace) -> int:
     code = _run_script(args.script, install=True)
     _print_summaries(args.device, args.abbreviated)
     _print_dpnp_counters()
+    _print_sycl_counters()
     return code
 
 
@@ -263,6 +312,9 @@ def _stats(args: argparse.Namespace) -> int:
     counters = _dpnp_counters()
     if counters is not None:
         view["dpnp_allocator"] = counters
+    scratch = _sycl_counters()
+    if scratch is not None:
+        view["sycl_interposer"] = scratch
     if args.json:
         text = json.dumps(view, indent=2, sort_keys=True) + "\n"
     else:
@@ -329,6 +381,10 @@ def build_parser(prog: str = "unimem") -> argparse.ArgumentParser:
     run.add_argument("script")
     run.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     run.add_argument("--abbreviated", action="store_true", help=argparse.SUPPRESS)
+    run.add_argument("--sycl-interpose", action="store_true",
+                     help="also serve dpnp's C++ scratch buffers (its extensions' sycl::aligned_alloc and "
+                          "sycl::free) from unimem's pools, by interposing SYCL's USM functions before dpnp "
+                          f"is imported; {SYCL_INTERPOSE_ENV}=1 does the same for run, summary and stats")
     run.set_defaults(handler=_run)
 
     summary = commands.add_parser("summary", help="print the memory summary table of this process "
