@@ -141,7 +141,7 @@ def test_the_runner_refuses_an_unknown_benchmark():
 
 
 def test_the_dpnp_benchmark_runs_and_reports_every_target(tmp_path):
-    """``python -m benchmarks dpnp --quick`` runs its three workloads plain and
+    """``python -m benchmarks dpnp --quick`` runs its four workloads plain and
     with the allocator and reports its targets; not its timings (speed lives
     in benchmarks/), but what must hold however fast the machine is: the hooked
     runs were served by the pools and computed the same results as the plain ones."""
@@ -154,7 +154,7 @@ def test_the_dpnp_benchmark_runs_and_reports_every_target(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     with open(tmp_path / "dpnp.json") as f:
         result = json.load(f)
-    assert [r["workload"] for r in result["workloads"]] == ["mlp", "kmeans", "linalg_fft_sort"]
+    assert [r["workload"] for r in result["workloads"]] == ["mlp", "mlp_small", "kmeans", "linalg_fft_sort"]
     assert [r["size"] for r in result["empty"]] == [512, 4096, 65536, MiB, 4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB]
     assert len(result["targets"]) == 6 and all(isinstance(t["met"], bool) for t in result["targets"])
     for row in result["workloads"]:
