@@ -28,6 +28,7 @@ BENCHMARKS = {
     "threads": "bench_threads",
     "xpu": "bench_xpu",
     "dpnp": "bench_dpnp",
+    "sycl_interposer": "bench_sycl_interposer",
     "cuda": "bench_cuda",
     "soak": "soak",
 }
