@@ -444,89 +444,100 @@ UM_SI_EXPORT void um_si_free_context(void* ptr, const void* context, const void*
 UM_SI_EXPORT void um_si_free_queue(void* ptr, const void* queue, const void* location)
     __asm__(UM_SI_FREE_QUEUE);
 
-/* The property list is not looked at: dpnp passes an empty one, and a pool
-   block has no SYCL properties to honour. */
-void* um_si_aligned_alloc(size_t align, size_t size, const void* device, const void* context, int kind,
-                          const void* properties, const void* location) {
-    using namespace um_si;
-    count_call(ALIGNED_ALLOC);
-    int reason = precheck(reinterpret_cast<std::uintptr_t>(__builtin_return_address(0)), align, size, kind);
+namespace um_si {
+
+/* The return address of the exported function it is used in: where in
+   which object file the call came from. */
+#define UM_SI_CALLER reinterpret_cast<std::uintptr_t>(__builtin_return_address(0))
+
+/* The two kinds of request, served or forward()ed to libsycl. */
+template <class Forward>
+static inline void* device_request(int entry, std::uintptr_t caller, size_t align, size_t size,
+                                   const void* device, const void* context, int kind, Forward forward) {
+    count_call(entry);
+    int reason = precheck(caller, align, size, kind);
     if (reason == SERVE) {
         void* p = from_pool_for_device(device, context, kind, align, size, &reason);
         if (reason == SERVE) return p;
     }
     count_bypass(reason, size);
-    return reinterpret_cast<aligned_alloc_fn>(state()->real[ALIGNED_ALLOC])(
-        align, size, device, context, kind, properties, location);
+    return forward();
 }
 
-void* um_si_aligned_alloc_device(size_t align, size_t size, const void* device, const void* context,
-                                 const void* properties, const void* location) {
-    using namespace um_si;
-    count_call(ALIGNED_ALLOC_DEVICE);
-    int reason = precheck(reinterpret_cast<std::uintptr_t>(__builtin_return_address(0)), align, size,
-                          KIND_DEVICE);
-    if (reason == SERVE) {
-        void* p = from_pool_for_device(device, context, KIND_DEVICE, align, size, &reason);
-        if (reason == SERVE) return p;
-    }
-    count_bypass(reason, size);
-    return reinterpret_cast<aligned_alloc_device_fn>(state()->real[ALIGNED_ALLOC_DEVICE])(
-        align, size, device, context, properties, location);
-}
-
-void* um_si_malloc_device_q(size_t size, const void* queue, const void* location) {
-    using namespace um_si;
-    count_call(MALLOC_DEVICE_Q);
-    int reason = precheck(reinterpret_cast<std::uintptr_t>(__builtin_return_address(0)), 0, size, KIND_DEVICE);
-    if (reason == SERVE) {
-        void* p = from_pool_for_queue(queue, KIND_DEVICE, size, &reason);
-        if (reason == SERVE) return p;
-    }
-    count_bypass(reason, size);
-    return reinterpret_cast<malloc_queue_fn>(state()->real[MALLOC_DEVICE_Q])(size, queue, location);
-}
-
-void* um_si_malloc_shared_q(size_t size, const void* queue, const void* location) {
-    using namespace um_si;
-    count_call(MALLOC_SHARED_Q);
-    int reason = precheck(reinterpret_cast<std::uintptr_t>(__builtin_return_address(0)), 0, size, KIND_SHARED);
-    if (reason == SERVE) {
-        void* p = from_pool_for_queue(queue, KIND_SHARED, size, &reason);
-        if (reason == SERVE) return p;
-    }
-    count_bypass(reason, size);
-    return reinterpret_cast<malloc_queue_fn>(state()->real[MALLOC_SHARED_Q])(size, queue, location);
-}
-
-void* um_si_malloc_q(size_t size, const void* queue, int kind, const void* location) {
-    using namespace um_si;
-    count_call(MALLOC_Q);
-    int reason = precheck(reinterpret_cast<std::uintptr_t>(__builtin_return_address(0)), 0, size, kind);
+template <class Forward>
+static inline void* queue_request(int entry, std::uintptr_t caller, size_t size, const void* queue, int kind,
+                                  Forward forward) {
+    count_call(entry);
+    int reason = precheck(caller, 0, size, kind);
     if (reason == SERVE) {
         void* p = from_pool_for_queue(queue, kind, size, &reason);
         if (reason == SERVE) return p;
     }
     count_bypass(reason, size);
-    return reinterpret_cast<malloc_queue_kind_fn>(state()->real[MALLOC_Q])(size, queue, kind, location);
+    return forward();
+}
+
+}  // namespace um_si
+
+/* The property list is not looked at: dpnp passes an empty one, and a pool
+   block has no SYCL properties to honour. */
+void* um_si_aligned_alloc(size_t align, size_t size, const void* device, const void* context, int kind,
+                          const void* properties, const void* location) {
+    using namespace um_si;
+    return device_request(ALIGNED_ALLOC, UM_SI_CALLER, align, size, device, context, kind, [&] {
+        return reinterpret_cast<aligned_alloc_fn>(state()->real[ALIGNED_ALLOC])(
+            align, size, device, context, kind, properties, location);
+    });
+}
+
+void* um_si_aligned_alloc_device(size_t align, size_t size, const void* device, const void* context,
+                                 const void* properties, const void* location) {
+    using namespace um_si;
+    return device_request(ALIGNED_ALLOC_DEVICE, UM_SI_CALLER, align, size, device, context, KIND_DEVICE, [&] {
+        return reinterpret_cast<aligned_alloc_device_fn>(state()->real[ALIGNED_ALLOC_DEVICE])(
+            align, size, device, context, properties, location);
+    });
+}
+
+void* um_si_malloc_device_q(size_t size, const void* queue, const void* location) {
+    using namespace um_si;
+    return queue_request(MALLOC_DEVICE_Q, UM_SI_CALLER, size, queue, KIND_DEVICE, [&] {
+        return reinterpret_cast<malloc_queue_fn>(state()->real[MALLOC_DEVICE_Q])(size, queue, location);
+    });
+}
+
+void* um_si_malloc_shared_q(size_t size, const void* queue, const void* location) {
+    using namespace um_si;
+    return queue_request(MALLOC_SHARED_Q, UM_SI_CALLER, size, queue, KIND_SHARED, [&] {
+        return reinterpret_cast<malloc_queue_fn>(state()->real[MALLOC_SHARED_Q])(size, queue, location);
+    });
+}
+
+void* um_si_malloc_q(size_t size, const void* queue, int kind, const void* location) {
+    using namespace um_si;
+    return queue_request(MALLOC_Q, UM_SI_CALLER, size, queue, kind, [&] {
+        return reinterpret_cast<malloc_queue_kind_fn>(state()->real[MALLOC_Q])(size, queue, kind, location);
+    });
 }
 
 /* Frees are looked up whoever calls: a pool block may be freed from any
-   object file bound to these definitions. */
-void um_si_free_context(void* ptr, const void* context, const void* location) {
+   object file bound to these definitions. `queue`: the queue the caller
+   named, if any; `where`: the context or queue argument, for libsycl. */
+static inline void um_si_free_request(int entry, void* ptr, const void* queue, const void* where,
+                                      const void* location) {
     using namespace um_si;
-    count_call(FREE_CONTEXT);
-    if (give_back(ptr, nullptr)) return;
+    count_call(entry);
+    if (give_back(ptr, queue)) return;
     state()->frees_bypassed.fetch_add(1, std::memory_order_relaxed);
-    reinterpret_cast<free_fn>(state()->real[FREE_CONTEXT])(ptr, context, location);
+    reinterpret_cast<free_fn>(state()->real[entry])(ptr, where, location);
+}
+
+void um_si_free_context(void* ptr, const void* context, const void* location) {
+    um_si_free_request(um_si::FREE_CONTEXT, ptr, nullptr, context, location);
 }
 
 void um_si_free_queue(void* ptr, const void* queue, const void* location) {
-    using namespace um_si;
-    count_call(FREE_QUEUE);
-    if (give_back(ptr, queue)) return;
-    state()->frees_bypassed.fetch_add(1, std::memory_order_relaxed);
-    reinterpret_cast<free_fn>(state()->real[FREE_QUEUE])(ptr, queue, location);
+    um_si_free_request(um_si::FREE_QUEUE, ptr, queue, queue, location);
 }
 
 /* ---- set-up, from Python --------------------------------------------------- */

@@ -242,20 +242,23 @@ def _dpnp_counters() -> Optional[Dict[str, int]]:
     return unimem.xpu.allocator_counters()
 
 
-def _print_dpnp_counters() -> None:
+def _served_line(what: str, counters: Dict[str, int], unit: str, reasons: Tuple[str, ...]) -> str:
+    """``<what>: N <unit>, X from unimem's pools; M <unit>, Y around them
+    (<reason>: n, ...)`` from a hook's ``pooled.*`` / ``bypassed.*`` counters."""
     from .._observe.summary import format_size
+    pooled, bypassed = counters["pooled.bytes"], counters["bypassed.bytes"]
+    why = ", ".join(f"{reason.replace('_', ' ')}: {counters[f'bypassed.{reason}.{unit}']}"
+                    for reason in reasons if counters[f"bypassed.{reason}.{unit}"])
+    return (f"{what}: {counters[f'pooled.{unit}']} {unit}, {format_size(pooled, pooled).strip()} from unimem's "
+            f"pools; {counters[f'bypassed.{unit}']} {unit}, {format_size(bypassed, bypassed).strip()} "
+            f"around them{f' ({why})' if why else ''}")
+
+
+def _print_dpnp_counters() -> None:
     from .._usm_memory import BYPASS_REASONS
     counters = _dpnp_counters()
-    if counters is None:
-        return
-    pooled, bypassed = counters["pooled.bytes"], counters["bypassed.bytes"]
-    reasons = ", ".join(f"{reason.replace('_', ' ')}: {counters[f'bypassed.{reason}.allocations']}"
-                        for reason in BYPASS_REASONS
-                        if counters[f"bypassed.{reason}.allocations"])
-    print(f"dpnp arrays: {counters['pooled.allocations']} allocations, "
-          f"{format_size(pooled, pooled).strip()} from unimem's pools; "
-          f"{counters['bypassed.allocations']} allocations, {format_size(bypassed, bypassed).strip()} "
-          f"around them{f' ({reasons})' if reasons else ''}")
+    if counters is not None:
+        print(_served_line("dpnp arrays", counters, "allocations", BYPASS_REASONS))
 
 
 def _sycl_counters() -> Optional[Dict[str, int]]:
@@ -268,18 +271,11 @@ def _sycl_counters() -> Optional[Dict[str, int]]:
 
 
 def _print_sycl_counters() -> None:
-    from .._observe.summary import format_size
     from .._sycl_interposer import REASONS
     counters = _sycl_counters()
-    if counters is None:
-        return
-    pooled, bypassed = counters["pooled.bytes"], counters["bypassed.bytes"]
-    reasons = ", ".join(f"{reason.replace('_', ' ')}: {counters[f'bypassed.{reason}.calls']}"
-                        for reason in REASONS if counters[f"bypassed.{reason}.calls"])
-    refused = (f"; {counters['refused.calls']} refused (out of memory)" if counters["refused.calls"] else "")
-    print(f"dpnp C++ scratch: {counters['pooled.calls']} calls, {format_size(pooled, pooled).strip()} "
-          f"from unimem's pools; {counters['bypassed.calls']} calls, {format_size(bypassed, bypassed).strip()} "
-          f"around them{f' ({reasons})' if reasons else ''}{refused}")
+    if counters is not None:
+        refused = f"; {counters['refused.calls']} refused (out of memory)" if counters["refused.calls"] else ""
+        print(_served_line("dpnp C++ scratch", counters, "calls", REASONS) + refused)
 
 
 def _run(args: argparse.Namespace) -> int:
