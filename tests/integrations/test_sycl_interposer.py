@@ -291,6 +291,35 @@ def test_without_the_flag_there_is_no_scratch_line(tmp_path):
     assert "dpnp arrays:" in done.stdout and "dpnp C++ scratch" not in done.stdout
 
 
+def test_stats_json_has_the_interposers_counters(tmp_path):
+    script = tmp_path / "scratch.py"
+    script.write_text("import dpnp\nprint(float(dpnp.sum(dpnp.ones((8, 8))[:, ::2], axis=1)[0]))\n")
+    done = subprocess.run([sys.executable, "-m", "unimem", "stats", "--json", str(script)], capture_output=True,
+                          text=True, cwd=ROOT, timeout=TIMEOUT, env=dict(os.environ, UNIMEM_SYCL_INTERPOSE="1"))
+    assert done.returncode == 0, done.stderr
+    view = json.loads(done.stdout)
+    assert view["sycl_interposer"]["pooled.calls"] > 0, view.get("sycl_interposer")
+    assert view["sycl_interposer"]["live.blocks"] == 0
+
+
+def test_the_benchmark_runs_and_reports_its_targets(tmp_path):
+    """``python -m benchmarks --quick sycl_interposer``: not its timings, but
+    what holds however fast the machine is: identical results, the pools
+    served C++ calls in every workload, nothing held after the runs."""
+    done = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "sycl_interposer"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, UNIMEM_BENCHMARK_RESULTS=str(tmp_path)))
+    assert done.returncode == 0, done.stdout + done.stderr
+    with open(tmp_path / "sycl_interposer.json") as f:
+        result = json.load(f)
+    assert len(result["targets"]) == 3 and all(isinstance(t["met"], bool) for t in result["targets"])
+    assert {"mlp", "kmeans", "linalg_fft_sort"} <= {row["workload"] for row in result["workloads"]}
+    for row in result["workloads"]:
+        assert row["identical"], row
+        assert row["cxx_calls_per_iteration"] > 0 and row["pooled_calls_share"] > 0.5, row
+    assert next(t for t in result["targets"] if "held" in t["measured"])["met"]
+
+
 def test_dpnps_imports_are_exactly_the_interposed_functions(tmp_path):
     """The install-time check reads dpnp's object files: every SYCL USM
     function they import is one the interposer defines; a library importing
