@@ -47,8 +47,10 @@ USM_TYPES = ("device", "shared", "host")
 CLASS_OF_USM_TYPE = {"device": "MemoryUSMDevice", "shared": "MemoryUSMShared", "host": "MemoryUSMHost"}
 
 _lock = threading.RLock()
+_kinds: Dict[str, _usm_memory.UsmKind] = {}            # dpctl's classes, checked once
 _allocators: Dict[str, _usm_memory.UsmAllocator] = {}   # made once, kept for their counters
 _originals: Dict[str, type] = {}                         # the names we replaced, while installed
+_probed: List[bool] = []                                 # [True] once dpnp's allocation path was checked
 
 
 class _StandInType(type):
@@ -141,20 +143,37 @@ def _make_allocators(dpctl: Any, dpctl_memory: Any, pool_for: PoolFor,
     """Check dpctl's memory classes against objects it makes itself, and make
     one allocator per USM kind."""
     routes = _Routes(dpctl, pool_for, guard_for)
-    queue = routes.runtime.default_queues[0]
     error = _out_of_memory_error(dpctl_memory)
     made = {}
-    for usm_type in USM_TYPES:
-        cls = getattr(dpctl_memory, CLASS_OF_USM_TYPE[usm_type])
-        probe = cls(1, queue=queue)           # one byte of dpctl's own, to compare layouts with
-        _usm_memory.check_layout(probe, dpctl_memory._memory._Memory)
-        kind = _usm_memory.UsmKind(cls, usm_type, probe)
-        del probe
-
+    for usm_type, kind in usm_kinds().items():
         def route(queue: Any, usm_type: str = usm_type) -> Any:
             return routes(usm_type, queue)
         made[usm_type] = _usm_memory.UsmAllocator(kind, route, error)
     return made
+
+
+def usm_kinds() -> Dict[str, _usm_memory.UsmKind]:
+    """dpctl's three memory classes by USM type, each checked once against
+    an object dpctl made itself (:func:`unimem._usm_memory.check_layout`):
+    what pool blocks are wrapped as, by this hook and by ``unimem.xpu.empty``.
+    Raises ``RuntimeError`` when dpctl or dpnp is too old or dpctl's layout
+    is not the one unimem writes."""
+    with _lock:
+        if not _kinds:
+            import dpctl
+            import dpctl.memory._memory as dpctl_classes   # dpctl's own, whoever replaced the public names
+            import dpnp
+            _check_versions(dpctl, dpnp)
+            queue = _xpu_backend._SyclRuntime.get().default_queues[0]
+            kinds = {}
+            for usm_type in USM_TYPES:
+                cls = getattr(dpctl_classes, CLASS_OF_USM_TYPE[usm_type])
+                probe = cls(1, queue=queue)           # one byte of dpctl's own, to compare layouts with
+                _usm_memory.check_layout(probe, dpctl_classes._Memory)
+                kinds[usm_type] = _usm_memory.UsmKind(cls, usm_type, probe)
+                del probe
+            _kinds.update(kinds)
+        return dict(_kinds)
 
 
 def _stand_in(cls: type, allocator: _usm_memory.UsmAllocator) -> type:
@@ -220,7 +239,13 @@ def set_allocator(pool_for: PoolFor, guard_for: GuardFor) -> None:
             if cls is not _allocators[usm_type].kind.memory_class:
                 raise RuntimeError(f"dpctl.memory.{cls.__name__} was replaced by {cls!r} "
                                    f"(another allocator hook?): unimem will not replace it in turn")
-        _probe_dpnp(dpnp, dpctl_memory, _xpu_backend._SyclRuntime.get().default_queues[0])
+        if not _probed:
+            # once: how dpnp allocates is a property of its version, and the
+            # probe runs a dpnp call, which installing from one thread while
+            # others compute should not add (dpnp's kernels submitted from
+            # several threads at once can crash the OpenCL CPU runtime)
+            _probe_dpnp(dpnp, dpctl_memory, _xpu_backend._SyclRuntime.get().default_queues[0])
+            _probed.append(True)
         for usm_type, cls in current.items():
             setattr(dpctl_memory, cls.__name__, _stand_in(cls, _allocators[usm_type]))
         _originals.update(current)

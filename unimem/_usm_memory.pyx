@@ -78,6 +78,13 @@ cdef extern from *:
     static std::uintptr_t um_release_block_owner_copy_address() {
         return reinterpret_cast<std::uintptr_t>(&um_release_block_owner_copy);
     }
+    static void um_reset_block_owner(void* owner) {
+        static_cast<std::shared_ptr<void>*>(owner)->reset();
+    }
+    /* Whether the smart pointer holds a pool block (its deleter is ours). */
+    static int um_owns_pool_block(void* owner) {
+        return std::get_deleter<um_pool_deleter>(*static_cast<std::shared_ptr<void>*>(owner)) != NULL;
+    }
     static long um_block_owner_use_count(void* owner) {
         return static_cast<std::shared_ptr<void>*>(owner)->use_count();
     }
@@ -100,6 +107,8 @@ cdef extern from *:
     void* um_new_block_owner(uintptr_t p, void* allocator, um_detached_free_fn fn) nogil
     void um_delete_block_owner(void* owner) nogil
     long um_block_owner_use_count(void* owner) nogil
+    void um_reset_block_owner(void* owner) nogil
+    int um_owns_pool_block(void* owner) nogil
     void* um_copy_block_owner(void* owner) nogil
     uintptr_t um_release_block_owner_copy_address() nogil
     ctypedef struct um_dpctl_memory:
@@ -292,24 +301,69 @@ cdef class UsmAllocator:
         return memory
 
     cdef object _wrap(self, uintptr_t ptr, Py_ssize_t nbytes, object queue, CachingAllocator allocator):
-        cdef void* owner = um_new_block_owner(ptr, <void*>allocator, _return_block)
-        if owner == NULL:                 # the block went back through the deleter
-            raise MemoryError("no host memory for the smart pointer of a pool block")
-        try:
-            memory = um_new_instance(self.kind.type_object)
-        except BaseException:
-            um_delete_block_owner(owner)  # gives the block back
-            raise
-        cdef um_dpctl_memory* m = <um_dpctl_memory*><PyObject*>memory
-        m.vtab = self.kind.vtab
-        m.memory_ptr = <void*>ptr
-        m.opaque_ptr = owner
-        m.nbytes = nbytes
-        Py_INCREF(queue)
-        m.queue = <PyObject*>queue
-        Py_INCREF(None)
-        m.refobj = <PyObject*>None
-        return memory
+        return _new_memory(self.kind, ptr, nbytes, queue, allocator)
+
+
+cdef object _new_memory(UsmKind kind, uintptr_t ptr, Py_ssize_t nbytes, object queue, CachingAllocator allocator):
+    """dpctl's memory object of ``kind`` over the block at ``ptr``, held by a
+    smart pointer whose deleter gives it back to ``allocator``. On failure
+    the block is given back."""
+    cdef void* owner = um_new_block_owner(ptr, <void*>allocator, _return_block)
+    if owner == NULL:                 # the block went back through the deleter
+        raise MemoryError("no host memory for the smart pointer of a pool block")
+    try:
+        memory = um_new_instance(kind.type_object)
+    except BaseException:
+        um_delete_block_owner(owner)  # gives the block back
+        raise
+    cdef um_dpctl_memory* m = <um_dpctl_memory*><PyObject*>memory
+    m.vtab = kind.vtab
+    m.memory_ptr = <void*>ptr
+    m.opaque_ptr = owner
+    m.nbytes = nbytes
+    Py_INCREF(queue)
+    m.queue = <PyObject*>queue
+    Py_INCREF(None)
+    m.refobj = <PyObject*>None
+    return memory
+
+
+# The allocator pooled_memory pinned last (pinning is a list search).
+cdef CachingAllocator _last_pinned = None
+
+
+def pooled_memory(UsmKind kind, CachingAllocator allocator, Py_ssize_t nbytes, uintptr_t stream, queue):
+    """A new block of ``nbytes`` (> 0) from ``allocator`` on ``stream``, as
+    dpctl's memory object of ``kind`` bound to ``queue``: what
+    ``unimem.xpu.empty`` builds its arrays on, the same objects the dpnp
+    allocator hands out. The allocator's errors (out of memory) propagate."""
+    global _last_pinned
+    cdef uintptr_t ptr
+    if nbytes <= 0:
+        raise ValueError(f"a pool block holds at least one byte, not {nbytes}")
+    if allocator is not _last_pinned:
+        pin_allocator(allocator)
+        _last_pinned = allocator
+    ptr = allocator.c_malloc(<size_t>nbytes, stream)
+    return _new_memory(kind, ptr, nbytes, queue, allocator)
+
+
+def holds_pool_block(memory):
+    """Whether ``memory`` (a dpctl memory object) holds a block of unimem's
+    pools through the smart pointer this module gives it."""
+    if block_owner_use_count(memory) == 0:
+        return False
+    return bool(um_owns_pool_block((<um_dpctl_memory*><PyObject*>memory).opaque_ptr))
+
+
+def release_now(memory):
+    """Let go of ``memory``'s own smart pointer to its block: the block goes
+    back to its pool now, or when the last kernel holding a copy is done.
+    For a failed fill of a new array, whose traceback would keep it alive;
+    the memory must not be used again."""
+    if not holds_pool_block(memory):
+        raise ValueError("the memory is not a pool block's")
+    um_reset_block_owner((<um_dpctl_memory*><PyObject*>memory).opaque_ptr)
 
 
 def pin_allocator(CachingAllocator allocator):

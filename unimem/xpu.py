@@ -26,7 +26,7 @@ from typing import Any, Dict, Iterator, Optional, Sequence, Tuple, Union
 
 import numpy
 
-from . import _core, _dpnp_allocator, host
+from . import _core, _dpnp_allocator, _usm_memory, host
 from ._runtime.registry import DeviceRegistry
 from ._runtime.devices import device_index, get_type, new_allocator
 from ._runtime.pools import Pool, PoolKind, register_named_pool
@@ -63,7 +63,6 @@ class _Context:
     def __init__(self) -> None:
         import dpnp
         import dpnp.tensor as dpt
-        from .backends._dpctl_api import make_usm_memory
         self.dtype_xpu = get_type("xpu")     # raises, saying why, when there is no SYCL device
         self.registry = self.dtype_xpu.registry
         self.runtime = _backend._SyclRuntime.get()
@@ -71,7 +70,7 @@ class _Context:
         self.dpnp = dpnp
         self.usm_ndarray = dpt.usm_ndarray
         self.wrap = dpnp.ndarray._create_from_usm_ndarray
-        self.make_usm_memory = make_usm_memory
+        self.usm_kinds = _dpnp_allocator.usm_kinds()
         self.default_queues = self.runtime.default_queues
         self.dtypes: Dict[Tuple[Any, int], numpy.dtype] = {}
         from dpctl.utils import SequentialOrderManager
@@ -313,12 +312,17 @@ def empty(shape: ShapeLike, dtype: Any = None, *, order: str = "C", device: Any 
     if nbytes == 0:     # nothing to allocate
         return ctx.dpnp.empty(dims, dtype=dt, order=order, usm_type=usm_type, sycl_queue=queue)
     _bound_keep_alive_tasks(ctx, queue, index)
-    block = pool.allocate(nbytes, 0 if queue is ctx.default_queues[index] else ctx.runtime.stream_handle(queue))
+    # dpctl's own memory object, holding the block with a smart pointer as
+    # dpctl holds what it allocates: the same memory the dpnp allocator
+    # (set_allocator) hands out, so dpnp's kernels keep it alive without
+    # the GIL and it returns to the pool from whichever thread lets go last
+    memory = _usm_memory.pooled_memory(
+        ctx.usm_kinds[usm_type], pool, nbytes,
+        0 if queue is ctx.default_queues[index] else ctx.runtime.stream_handle(queue), queue)
     try:
-        memory = ctx.make_usm_memory(block.ptr, nbytes, queue, block)
         return ctx.wrap(ctx.usm_ndarray(dims, dtype=dt, buffer=memory, order=order.upper()))
     except BaseException:
-        block.release()          # now, not when the traceback goes
+        _usm_memory.release_now(memory)      # now, not when the traceback goes
         raise
 
 
@@ -334,10 +338,11 @@ def _filled(out: Any, fill: Any) -> Any:
 
 
 def _release(array: Any) -> None:
-    """Give a pool array's block back now (the array must not be used again)."""
-    owner = array.get_array().usm_data.reference_obj
-    if isinstance(owner, _core.Allocation):
-        owner.release()
+    """Give a pool array's block back now, or when the kernels using it are
+    done (the array must not be used again)."""
+    memory = array.get_array().usm_data
+    if _usm_memory.holds_pool_block(memory):     # not so for an empty array
+        _usm_memory.release_now(memory)
 
 
 def full(shape: ShapeLike, fill_value: Any, dtype: Any = None, **kwargs: Any):
@@ -476,7 +481,21 @@ def set_allocator() -> None:
     Thread-safe; installing twice is a no-op. Raises ``RuntimeError``,
     changing nothing, when the installed dpctl or dpnp does not allocate the
     way unimem relies on (:mod:`unimem._dpnp_allocator` says what that is)."""
+    _set_up_pools()
     _dpnp_allocator.set_allocator(_pool_for, _keep_alive_guard)
+
+
+def _set_up_pools() -> None:
+    """Make every pool the dpnp allocator can route to (no memory yet), so
+    that no allocation it serves has to make one. Making a pool reads the
+    host's memory and waits for locks, letting the GIL go, and dpnp's
+    extensions allocate from inside C++ static initializers that other
+    threads wait for holding the GIL: a first allocation that lets the GIL
+    go there can deadlock."""
+    ctx = _ctx()
+    for index, queue in enumerate(ctx.default_queues):
+        for usm_type in _dpnp_allocator.USM_TYPES:
+            _pool_for(usm_type, index, queue)
 
 
 def reset_allocator() -> None:
@@ -489,6 +508,7 @@ def reset_allocator() -> None:
 def using_allocator() -> Iterator[None]:
     """A context manager in which unimem allocates every dpnp array (as
     ``cupy.cuda.using_allocator``); the allocator in effect before is back after it."""
+    _set_up_pools()
     with _dpnp_allocator.using_allocator(_pool_for, _keep_alive_guard):
         yield
 

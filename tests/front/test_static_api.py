@@ -238,9 +238,10 @@ def xpu_namespace():
     import unimem.xpu as uxpu
     array = uxpu.empty(64, dtype="f4")
     usm = uxpu.empty(64, dtype="f4").get_array()
+    allocation = uxpu.allocator_for("device").allocate(256)
     address = uxpu.caching_allocator_alloc(512)
     forms = {"dpnp array": array, "view inside it": array[3:], "usm_ndarray": usm,
-             "MemoryUSMDevice": usm.usm_data, "Allocation": usm.usm_data.reference_obj,
+             "MemoryUSMDevice": usm.usm_data, "Allocation": allocation,
              "address": address, "shared USM array": uxpu.ones(8, usm_type="shared"),
              "host USM array": uxpu.ones(8, usm_type="host")}
     device = uxpu.default_queue().sycl_device

@@ -2,10 +2,10 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
 """dpctl's C API, reached at run time.
 
-dpctl ships its C interface in ``libDPCTLSyclInterface.so`` and exports
-``Memory_Make`` through its Cython capsule table. Taking both at run time
-(instead of compiling against dpctl's headers) keeps dpctl out of unimem's
-build: the package compiles without it and uses it when it is installed.
+dpctl ships its C interface in ``libDPCTLSyclInterface.so``. Taking it at
+run time (instead of compiling against dpctl's headers) keeps dpctl out of
+unimem's build: the package compiles without it and uses it when it is
+installed.
 
 Queues other than the devices' defaults sit in a table of stream handles
 that never moves (the core reads it without the GIL): a slot is filled when a
@@ -13,13 +13,10 @@ queue is added, counts the allocations made on it and not yet freed, and is
 cleared again (dropping the queue) once none is left, so the slot can serve
 another queue.
 
-Two things live here:
-
-* :class:`USMRawAllocator`: SYCL USM ``malloc_device`` / ``malloc_shared`` /
-  ``malloc_host`` and ``free``, published to the caching core as C functions
-  (a cache miss calls them without Python and without the GIL).
-* :func:`make_usm_memory`: wraps a pool block as a dpctl memory object that
-  keeps the block's owner alive, for usm_ndarray buffers.
+:class:`USMRawAllocator`: SYCL USM ``malloc_device`` / ``malloc_shared`` /
+``malloc_host`` and ``free``, published to the caching core as C functions
+(a cache miss calls them without Python and without the GIL). Pool blocks
+become dpctl memory objects in :mod:`unimem._usm_memory`.
 """
 from cpython.pycapsule cimport PyCapsule_New, PyCapsule_GetPointer, PyCapsule_GetName
 from libc.stdint cimport uintptr_t, int64_t
@@ -74,7 +71,6 @@ MAX_QUEUE_HANDLES = 1 << 20
 ctypedef void* (*usm_malloc_fn)(size_t size, void* queue) noexcept nogil
 ctypedef void (*usm_free_fn)(void* ptr, void* queue) noexcept nogil
 ctypedef void (*queue_wait_fn)(void* queue) noexcept nogil
-ctypedef object (*memory_make_fn)(void* ptr, size_t nbytes, void* queue, object owner)
 
 
 cdef struct USMContext:
@@ -228,20 +224,3 @@ cdef class USMRawAllocator:
     def free(self, uintptr_t ptr, size_t size, int device, uintptr_t stream):
         if usm_free(&self.ctx, ptr, size, device, stream) != RAW_OK:
             raise ValueError(f"no SYCL queue for device {device}, stream {stream}")
-
-
-cdef memory_make_fn _memory_make = NULL
-
-
-def bind_memory_make(capsule):
-    """Take ``Memory_Make`` from ``dpctl.memory._memory.__pyx_capi__``."""
-    global _memory_make
-    _memory_make = <memory_make_fn>PyCapsule_GetPointer(capsule, PyCapsule_GetName(capsule))
-
-
-def make_usm_memory(uintptr_t ptr, size_t nbytes, queue, owner):
-    """A dpctl ``MemoryUSM*`` object over ``nbytes`` at ``ptr``, bound to
-    ``queue``, that keeps ``owner`` alive for as long as it lives."""
-    if _memory_make == NULL:
-        raise RuntimeError("dpctl's Memory_Make is not bound")
-    return _memory_make(<void*>ptr, nbytes, <void*><uintptr_t>queue.addressof_ref(), owner)

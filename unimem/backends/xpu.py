@@ -94,8 +94,6 @@ class _SyclRuntime:
         self.functions = {name: ctypes.cast(getattr(library, name), ctypes.c_void_p).value
                           for name in ("DPCTLmalloc_device", "DPCTLmalloc_shared", "DPCTLmalloc_host",
                                        "DPCTLfree_with_queue", "DPCTLQueue_Wait")}
-        from dpctl.memory import _memory
-        _dpctl_api.bind_memory_make(_memory.__pyx_capi__["Memory_Make"])
         # queue -> stream handle; a device's default queue is handle 0
         self.handles: Dict[Any, int] = {q: 0 for q in self.default_queues}
         self.queues: List[Any] = [None]          # handle -> queue (handle 0: per device; None: free)
