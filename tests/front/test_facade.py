@@ -261,7 +261,11 @@ def test_host_memory_stats_keys():
     s = unimem.host_memory_stats()
     assert s["allocated_bytes.peak"] == s["allocated_bytes.current"] and s["num_host_alloc"] == 0
     acc.empty_host_cache()
-    assert unimem.host_memory_stats()["reserved_bytes.current"] == 0
+    # every segment without a live block goes back; live blocks of others
+    # (dpctl's extensions keep a 1-byte host USM buffer for the process's
+    # life, from the pool when they first ran with the dpnp allocator) stay
+    for segment in host.caching_allocator().snapshot():
+        assert any(block["state"] != "inactive" for block in segment["blocks"]), segment
     assert host.backend_name() in ("cuda", "sycl", "page-aligned")
 
 

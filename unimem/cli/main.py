@@ -153,6 +153,10 @@ def _sycl_interpose_from_environment() -> bool:
     raise UsageError(f"{SYCL_INTERPOSE_ENV}={os.environ[SYCL_INTERPOSE_ENV]!r}: expected 1 or 0")
 
 
+#: The globals of the scripts run, kept for the process's life.
+_script_globals: List[Dict[str, Any]] = []
+
+
 def _run_script(argv: List[str], install: bool, quiet_stdout: bool = False, sycl_interpose: bool = False) -> int:
     """Run ``argv[0]`` as ``__main__`` with ``argv`` as its arguments; returns
     its exit status (1 after printing its traceback if it raised).
@@ -181,7 +185,9 @@ def _run_script(argv: List[str], install: bool, quiet_stdout: bool = False, sycl
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     try:
         with _stdout_to_stderr() if quiet_stdout else contextlib.nullcontext():
-            runpy.run_path(script, run_name="__main__")
+            # the script's globals stay alive, as a script's do until the
+            # interpreter exits, so that the summaries show its live arrays
+            _script_globals.append(runpy.run_path(script, run_name="__main__"))
     except SystemExit as exc:
         code = exc.code
         if code is None or isinstance(code, int):
