@@ -162,6 +162,25 @@ def _warm_up_dpnp():
         assert float(dpnp.ones(5, usm_type=usm_type).sum()) == 5
 
 
+def run_while_installing_and_removing(work, stop, seconds=3):
+    """``work(seed)`` on four threads while this one installs and removes the
+    allocator every millisecond (set/reset and the context manager), then
+    ``stop`` and wait for them."""
+    threads = [threading.Thread(target=work, args=(seed,)) for seed in range(4)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        xpu.set_allocator()
+        time.sleep(0.001)
+        xpu.reset_allocator()
+        with xpu.using_allocator():
+            time.sleep(0.001)
+    stop.set()
+    for thread in threads:
+        thread.join()
+
+
 def test_threads_allocate_while_the_allocator_is_installed_and_removed():
     """Arrays made and computed on while another thread installs and removes
     the allocator every millisecond: right results, nothing left held.
@@ -195,19 +214,7 @@ def test_threads_allocate_while_the_allocator_is_installed_and_removed():
             errors.append(repr(exc))
 
     base = allocated()
-    threads = [threading.Thread(target=work, args=(seed,)) for seed in range(4)]
-    for thread in threads:
-        thread.start()
-    deadline = time.monotonic() + 3
-    while time.monotonic() < deadline:
-        xpu.set_allocator()
-        time.sleep(0.001)
-        xpu.reset_allocator()
-        with xpu.using_allocator():
-            time.sleep(0.001)
-    stop.set()
-    for thread in threads:
-        thread.join()
+    run_while_installing_and_removing(work, stop)
     assert not errors
     assert not xpu.allocator_installed()
     assert allocated() == base
@@ -256,17 +263,7 @@ def test_threads_never_share_a_block_while_the_allocator_is_installed_and_remove
 
     base = allocated()
     before = xpu.allocator_counters()
-    threads = [threading.Thread(target=work, args=(seed,)) for seed in range(4)]
-    for thread in threads:
-        thread.start()
-    deadline = time.monotonic() + 3
-    while time.monotonic() < deadline:
-        xpu.set_allocator()
-        time.sleep(0.001)
-        xpu.reset_allocator()
-    stop.set()
-    for thread in threads:
-        thread.join()
+    run_while_installing_and_removing(work, stop)
     assert not errors, errors[:10]
     assert counters_delta(before).get("pooled.allocations", 0) > 100    # the pools did serve them
     assert allocated() == base
