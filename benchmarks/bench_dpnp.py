@@ -262,7 +262,7 @@ def run(quick: bool = False) -> Dict[str, Any]:
     device = queue.sycl_device
     # warm-up: long enough for the pools to reach the high-water mark of blocks
     # still held by kernels in flight (their frees come back asynchronously)
-    repeats, warmup, iterations = (3, 4, 4) if quick else (7, 5, 12)
+    repeats, warmup, iterations = (3, 6, 4) if quick else (7, 10, 12)
     # relative sizes: each ~ the same time
     iterations_of = {"mlp": 2, "mlp_small": 5, "kmeans": 1, "linalg_fft_sort": 1}
     rows = [measure_workload(dp, xpu, queue, name, repeats, warmup, iterations * iterations_of[name])
