@@ -9,23 +9,8 @@ import pytest
 
 import unimem
 from unimem import _dpnp_allocator, _usm_memory
-from unimem._runtime import devices as _devices
 
 MiB = 1 << 20
-
-
-@pytest.fixture(scope="module")
-def xpu():
-    if not _devices.is_available("xpu"):
-        pytest.fail(f"no SYCL device: {_devices.unavailable_reason('xpu')} -- the XPU tests must run")
-    import unimem.xpu
-    return unimem.xpu
-
-
-@pytest.fixture(scope="module")
-def dpnp():
-    import dpnp
-    return dpnp
 
 
 @pytest.fixture(scope="module")

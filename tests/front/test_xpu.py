@@ -12,24 +12,8 @@ import numpy as np
 import pytest
 
 import unimem
-from unimem._runtime import devices as _devices
 
 MiB = 1 << 20
-
-
-@pytest.fixture(scope="module")
-def xpu():
-    if not _devices.is_available("xpu"):
-        pytest.fail(f"no SYCL device: {_devices.unavailable_reason('xpu')} -- the XPU tests must run "
-                    f"(pip install -e '.[xpu,test]' installs dpctl, dpnp and intel-opencl-rt)")
-    import unimem.xpu
-    return unimem.xpu
-
-
-@pytest.fixture(scope="module")
-def dpnp():
-    import dpnp
-    return dpnp
 
 
 @pytest.fixture(scope="module")
