@@ -50,7 +50,6 @@ from libc.stdint cimport uintptr_t
 
 from unimem._core cimport CachingAllocator
 
-import ctypes
 import importlib.util
 import os
 import struct
@@ -348,10 +347,9 @@ def _global_definitions():
 # ---------------------------------------------------------------------------
 # install
 # ---------------------------------------------------------------------------
-def _bind_dpctl(dpctl_module):
+def _bind_dpctl(runtime):
     global _queue_wait
-    library = ctypes.CDLL(os.path.join(os.path.dirname(dpctl_module.__file__), "libDPCTLSyclInterface.so"))
-    address = {name: ctypes.cast(getattr(library, name), ctypes.c_void_p).value for name in DPCTL_FUNCTIONS}
+    address = runtime.c_functions(DPCTL_FUNCTIONS)
     um_si_set_dpctl(<void*><uintptr_t>address["DPCTLDevice_AreEq"], <void*><uintptr_t>address["DPCTLContext_AreEq"],
                     <void*><uintptr_t>address["DPCTLQueue_GetDevice"],
                     <void*><uintptr_t>address["DPCTLQueue_GetContext"],
@@ -398,7 +396,7 @@ def install():
         if already:
             raise RuntimeError(f"the global scope already defines {', '.join(sorted(already))} "
                                f"(libsycl preloaded, or another interposer): dpnp would not bind to unimem's")
-        _bind_dpctl(dpctl)
+        _bind_dpctl(runtime)
         if um_si_prepare(os.path.join(folder, "").encode()) != 0:
             raise RuntimeError(f"cannot set up the SYCL interposer for {folder}")
         # The dpnp allocator's routes decide which pool serves which USM kind

@@ -90,10 +90,9 @@ class _SyclRuntime:
         self.dpctl = dpctl
         self.devices = preferred_devices(dpctl)
         self.default_queues = [_default_queue(d) for d in self.devices]
-        library = ctypes.CDLL(os.path.join(os.path.dirname(dpctl.__file__), "libDPCTLSyclInterface.so"))
-        self.functions = {name: ctypes.cast(getattr(library, name), ctypes.c_void_p).value
-                          for name in ("DPCTLmalloc_device", "DPCTLmalloc_shared", "DPCTLmalloc_host",
-                                       "DPCTLfree_with_queue", "DPCTLQueue_Wait")}
+        self.c_library = ctypes.CDLL(os.path.join(os.path.dirname(dpctl.__file__), "libDPCTLSyclInterface.so"))
+        self.functions = self.c_functions(("DPCTLmalloc_device", "DPCTLmalloc_shared", "DPCTLmalloc_host",
+                                           "DPCTLfree_with_queue", "DPCTLQueue_Wait"))
         # queue -> stream handle; a device's default queue is handle 0
         self.handles: Dict[Any, int] = {q: 0 for q in self.default_queues}
         self.queues: List[Any] = [None]          # handle -> queue (handle 0: per device; None: free)
@@ -106,6 +105,10 @@ class _SyclRuntime:
         self.free_handles: Dict[int, List[int]] = {}    # device index -> handles to reuse
         self.handle_devices: Dict[int, int] = {}        # handle -> its queue's device index
         self.released: Set[int] = set()                 # handles the core no longer uses
+
+    def c_functions(self, names: Tuple[str, ...]) -> Dict[str, int]:
+        """The addresses of functions of dpctl's C interface (libDPCTLSyclInterface)."""
+        return {name: ctypes.cast(getattr(self.c_library, name), ctypes.c_void_p).value for name in names}
 
     @classmethod
     def get(cls) -> "_SyclRuntime":
