@@ -50,7 +50,7 @@ _lock = threading.RLock()
 _kinds: Dict[str, _usm_memory.UsmKind] = {}            # dpctl's classes, checked once
 _allocators: Dict[str, _usm_memory.UsmAllocator] = {}   # made once, kept for their counters
 _originals: Dict[str, type] = {}                         # the names we replaced, while installed
-_probed: List[bool] = []                                 # [True] once dpnp's allocation path was checked
+_probed = False                                          # True once dpnp's allocation path was checked
 
 
 class _StandInType(type):
@@ -223,6 +223,7 @@ def set_allocator(pool_for: PoolFor, guard_for: GuardFor) -> None:
     when dpctl or dpnp is not a version whose allocation path unimem knows
     (see this module's documentation), and when there is no SYCL device.
     """
+    global _probed
     with _lock:
         if _originals:
             return
@@ -245,7 +246,7 @@ def set_allocator(pool_for: PoolFor, guard_for: GuardFor) -> None:
             # others compute should not add (dpnp's kernels submitted from
             # several threads at once can crash the OpenCL CPU runtime)
             _probe_dpnp(dpnp, dpctl_memory, _xpu_backend._SyclRuntime.get().default_queues[0])
-            _probed.append(True)
+            _probed = True
         for usm_type, cls in current.items():
             setattr(dpctl_memory, cls.__name__, _stand_in(cls, _allocators[usm_type]))
         _originals.update(current)

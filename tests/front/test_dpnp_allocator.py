@@ -324,7 +324,7 @@ def test_a_class_replaced_by_someone_else_is_not_replaced_again(xpu, dpm, monkey
 def test_a_dpnp_that_allocates_another_way_is_refused(xpu, dpnp, dpm, monkeypatch):
     import dpnp.tensor as dpt
     import unimem._dpnp_allocator as hook
-    monkeypatch.setattr(hook, "_probed", [])      # the probe runs once per process
+    monkeypatch.setattr(hook, "_probed", False)      # the probe runs once per process
     monkeypatch.setattr(dpnp, "empty", lambda *args, **kwargs: dpt.usm_ndarray(
         1, dtype="u1", buffer=dpm._memory.MemoryUSMDevice(1)))
     device = dpm.MemoryUSMDevice
