@@ -90,7 +90,8 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from .._observe.plot import SnapshotError, load_snapshot, plot_snapshot
+    from .._observe.plot import plot_snapshot
+    from .._observe.snapshot_file import SnapshotError, load_snapshot
     try:
         snapshot = load_snapshot(args.snapshot)
     except OSError as exc:
