@@ -31,7 +31,7 @@ from ._runtime.registry import DeviceRegistry
 from ._runtime.devices import device_index, get_type, new_allocator
 from ._runtime.pools import Pool, PoolKind, register_named_pool
 from ._memory_api import PUBLIC_FUNCTIONS, DeviceLike, MemoryAPI, MemoryLike, record_stream_on_pools, numpy_dtype
-from ._observe.summary import memory_summary_table
+from ._observe.summary import has_held_memory, memory_summary_table
 from .backends import xpu as _backend
 
 _api = MemoryAPI("xpu")
@@ -567,16 +567,21 @@ memory_stats.__doc__ = (_api.memory_stats.__doc__ or "") + """
 def memory_summary(device: DeviceLike = None, abbreviated: bool = False) -> str:
     index = _api._index(device)
     parts = [_api.memory_summary(index, abbreviated)]
+    # The pools beside the device's: a table each once it has held memory
+    # (a pool that was only set up prints none, not a table of zeros).
+    beside: list[Tuple[Dict[str, Any], str, int]] = []
     shared = _used_shared_pool(index)
     if shared is not None:
-        parts.append(memory_summary_table(shared.memory_stats(), "XPU shared USM", index, abbreviated))
+        beside.append((shared.memory_stats(), "XPU shared USM", index))
     pinned = host._existing()
-    if host.backend_name() == "sycl" and pinned is not None and pinned.memory_stats():
-        parts.append(memory_summary_table(pinned.memory_stats(), "XPU host USM", 0, abbreviated))
+    if host.backend_name() == "sycl" and pinned is not None:
+        beside.append((pinned.memory_stats(), "XPU host USM", 0))
+    parts += [memory_summary_table(stats, name, pool_index, abbreviated)
+              for stats, name, pool_index in beside if has_held_memory(stats)]
     return "\n".join(parts)
 
 
 memory_summary.__doc__ = (_api.memory_summary.__doc__ or "") + """
     On an XPU device the tables of the shared USM pool of the device and of
-    the host USM (pinned) pool follow the device's, once they have been used.
+    the host USM (pinned) pool follow the device's, once they have held memory.
     """

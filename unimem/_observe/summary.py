@@ -32,34 +32,56 @@ def format_count(count: int, reference: float) -> str:
     return f"{count:7d} {prefix} "
 
 
-def _centered(text: str) -> str:
-    return text.center(WIDTH)
+#: PyTorch's metric column: a label of up to 21 characters between two spaces.
+LABEL_WIDTH = 21
+
+
+def has_held_memory(stats: Mapping[str, int]) -> bool:
+    """Whether the pool of ``stats`` has ever held memory (reserved bytes
+    allocated since the accumulated statistics were last reset, or held now):
+    the pools beside a device's are summarized only then."""
+    return stats.get("reserved_bytes.all.allocated", 0) > 0 or stats.get("reserved_bytes.all.current", 0) > 0
+
+
+def _fits_the_label_column(device_name: str) -> bool:
+    """Whether PyTorch's labels that name the memory ("GPU reserved segments",
+    "Oversize GPU segments") fit its label column with ``device_name`` in
+    them: "GPU", "XPU", "CPU" do; "host", "XPU shared USM" do not."""
+    return len(f"Oversize {device_name} segments") <= LABEL_WIDTH
 
 
 def memory_summary_table(stats: Mapping[str, int], device_name: str, device_index: int,
                          abbreviated: bool = False) -> str:
-    """The summary table of ``stats`` (a ``memory_stats`` dict).
+    """The summary table of ``stats`` (a ``memory_stats`` dict), laid out as
+    PyTorch's ``torch.cuda.memory_summary`` lays out its own.
 
-    ``device_name`` names the memory ("GPU", "XPU", "CPU", "host") where
-    PyTorch's table says "GPU" / "CUDA".
+    ``device_name`` names the memory ("GPU", "XPU", "CPU", "host", "XPU shared
+    USM") where PyTorch's table says "GPU" / "CUDA": in the title line always,
+    in the OOMs line and the row labels only where it fits PyTorch's columns
+    (else those read "OOMs", "Reserved memory", "Reserved segments",
+    "Oversize segments").
     """
+    named = _fits_the_label_column(device_name)
+    memory = f"{device_name} " if named else ""
     rows: Tuple[Tuple[str, str, Callable[[int, float], str]], ...] = (
         ("allocated_bytes", "Allocated memory", format_size),
         ("active_bytes", "Active memory", format_size),
         ("requested_bytes", "Requested memory", format_size),
-        ("reserved_bytes", f"{device_name} reserved memory", format_size),
+        ("reserved_bytes", f"{device_name} reserved memory" if named else "Reserved memory", format_size),
         ("inactive_split_bytes", "Non-releasable memory", format_size),
         ("allocation", "Allocations", format_count),
         ("active", "Active allocs", format_count),
-        ("segment", f"{device_name} reserved segments", format_count),
+        ("segment", f"{device_name} reserved segments" if named else "Reserved segments", format_count),
         ("inactive_split", "Non-releasable allocs", format_count),
     )
     get = lambda key: int(stats.get(key, 0))  # noqa: E731 - empty stats print as zeros
+    # The OOMs line's "|" where PyTorch's is: two halves of 35 characters.
+    ooms = f"{memory}OOMs: {get('num_ooms'):<12d}".rjust(35)
+    retries = f"{memory}malloc retries: {get('num_alloc_retries'):<8d}".rjust(35)
     lines = ["=" * WIDTH,
-             _centered(f"unimem {device_name} memory summary, device ID {device_index}"),
+             f"unimem {device_name} memory summary, device ID {device_index}".center(WIDTH),
              "-" * WIDTH,
-             _centered(f"{device_name} OOMs: {get('num_ooms'):<12d} | "
-                       f"{device_name} malloc retries: {get('num_alloc_retries'):<8d}"),
+             f"{ooms} | {retries}  ",
              "=" * WIDTH,
              "        Metric         | Cur Usage  | Peak Usage | Tot Alloc  | Tot Freed  "]
     for key, title, formatter in rows:
@@ -73,12 +95,13 @@ def memory_summary_table(stats: Mapping[str, int], device_name: str, device_inde
             if reference is None:
                 reference = values
             cells = " | ".join(formatter(v, r) for v, r in zip(values, reference))
-            lines.append(f" {name:<21} | {cells} ")
+            lines.append(f" {name:<{LABEL_WIDTH}} | {cells} ")
     for key, title in (("oversize_allocations", "Oversize allocations"),
-                       ("oversize_segments", f"Oversize {device_name} segments")):
+                       ("oversize_segments", f"Oversize {device_name} segments" if named else "Oversize segments")):
         lines.append("-" * WIDTH)
         values = [get(f"{key}.{m}") for m in ("current", "peak", "allocated", "freed")]
         cells = " | ".join(format_count(v, v) for v in values)
-        lines.append(f" {title:<21} | {cells} ")
+        lines.append(f" {title:<{LABEL_WIDTH}} | {cells} ")
     lines.append("=" * WIDTH)
-    return "|" + "|\n|".join(line[:WIDTH].ljust(WIDTH) for line in lines) + "|\n"
+    # Padded, never cut: a line too long for the table shows, it does not lose its last column.
+    return "|" + "|\n|".join(line.ljust(WIDTH) for line in lines) + "|\n"
