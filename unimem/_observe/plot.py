@@ -20,15 +20,10 @@ names ever runs).
 """
 from __future__ import annotations
 
-import functools
-import linecache
-import os
-import site
-import sysconfig
 from typing import Any, Dict, List, Optional, Tuple
 
 from .._core import format_size
-from .history import is_unimem_code
+from .timeline import Timeline, allocation_site, pick_device
 # The loader lives in snapshot_file; these names stay importable from here for existing callers.
 from .snapshot_file import SnapshotError, load_snapshot
 
@@ -37,168 +32,15 @@ __all__ = ["SnapshotError", "Timeline", "load_snapshot", "plot_snapshot"]
 MiB = float(1 << 20)
 MAX_DRAWN = 20_000        # allocations drawn individually; the rest join the grey base
 MAX_SEGMENT_ROWS = 40
-# Trace actions that change reserved memory: segments, and the pages that
-# expandable segments map and unmap (PyTorch's segment_map/segment_unmap).
-_GROWS = ("segment_alloc", "segment_map")
-_SHRINKS = ("segment_free", "segment_unmap")
 LEGEND_SITES = 8
 FREE_COLOUR = "#e3e3e3"
 BEFORE_COLOUR = "#a8a8a8"
 PENDING_COLOUR = "#ef8636"
 
 
-def _pick_device(snapshot: Dict[str, Any], device: Optional[int]) -> int:
-    traces = snapshot.get("device_traces") or []
-    if device is not None:
-        if device < 0:
-            raise ValueError(f"a device index is not negative, got {device}")
-        if device >= len(traces) and not any(s.get("device") == device for s in snapshot["segments"]):
-            raise ValueError(f"the snapshot has no device {device}")
-        return device
-    if traces and any(traces):
-        return max(range(len(traces)), key=lambda d: len(traces[d]))
-    devices = sorted({s.get("device", 0) for s in snapshot["segments"]})
-    return devices[0] if devices else 0
-
-
-# The folders installers put packages in: how a frame recorded by another
-# interpreter (whose folders this one does not know) shows it is library code.
-_INSTALL_FOLDER_NAMES = ("site-packages", "dist-packages")
-
-
-@functools.lru_cache(maxsize=1)
-def _library_dirs() -> Tuple[str, ...]:
-    """This interpreter's folders of installed packages and of the standard
-    library, each ending in a separator (so ``/lib/python3.1`` is no prefix
-    of ``/lib/python3.11``)."""
-    paths = sysconfig.get_paths()
-    found = {paths[key] for key in ("stdlib", "platstdlib", "purelib", "platlib") if key in paths}
-    found.update(getattr(site, "getsitepackages", list)())     # absent in some old virtualenvs
-    found.add(site.getusersitepackages())
-    with_links_resolved = found | {os.path.realpath(d) for d in found}
-    return tuple(os.path.join(d, "") for d in sorted(with_links_resolved) if d)
-
-
-def _is_library_code(filename: str) -> bool:
-    """Whether ``filename`` is an installed package's, the standard library's
-    (frozen modules included) or unimem's, rather than the user's."""
-    return (filename.startswith(_library_dirs()) or filename.startswith("<frozen ")
-            or is_unimem_code(filename)
-            or any(part in _INSTALL_FOLDER_NAMES for part in filename.split(os.sep)))
-
-
 def _site(frames: List[Dict[str, Any]]) -> str:
-    """Where an allocation was made: file, line and (when readable) the source.
-
-    The place is the innermost frame of the user's code: an array library
-    (dpnp, CuPy) allocates in its own frames, which would name every band
-    alike; when every frame is library code, the innermost."""
-    if not frames:
-        return "(no Python frame recorded)"
-    f = next((f for f in frames if not _is_library_code(f["filename"])), frames[0])
-    source = linecache.getline(f["filename"], f["line"]).strip()
-    if len(source) > 34:
-        source = source[:33] + "…"
-    return f"{f['filename'].rsplit('/', 1)[-1]}:{f['line']} {source or f['name']}"
-
-
-class Timeline:
-    """The trace of one device, swept once: allocation lifetimes, their
-    stacked positions over time, reserved memory, OOMs, and the peak."""
-
-    def __init__(self, snapshot: Dict[str, Any], device: int) -> None:
-        traces = snapshot.get("device_traces") or []
-        events = [e for e in (traces[device] if device < len(traces) else [])
-                  if e["action"] in ("alloc", "free_completed", "segment_alloc", "segment_free", "segment_map",
-                                     "segment_unmap", "oom")]
-        self.segments = [s for s in snapshot["segments"] if s.get("device", 0) == device]
-        self.has_history = bool(events)
-        start_us = events[0].get("time_us", 0) if events else 0
-        self.times = [(e.get("time_us", i) - start_us) / 1e6 if "time_us" in e else float(i)
-                      for i, e in enumerate(events)]
-        self.ooms: List[Tuple[float, int]] = []
-        self.reserved: List[float] = []
-        # Sizes still alive at the end but not allocated in the trace, and
-        # frees of allocations made before it: memory from before the recording.
-        allocated_in_trace = set()
-        open_at_end: Dict[int, int] = {}
-        freed_before: List[Tuple[int, int]] = []
-        for i, e in enumerate(events):
-            if e["action"] == "alloc":
-                allocated_in_trace.add(e["addr"])
-                open_at_end[e["addr"]] = e["size"]
-            elif e["action"] == "free_completed":
-                if e["addr"] in open_at_end:
-                    del open_at_end[e["addr"]]
-                else:
-                    freed_before.append((i, e["size"]))
-        final_active = sum(b["size"] for s in self.segments for b in s["blocks"] if b["state"] != "inactive")
-        base_end = max(final_active - sum(open_at_end.values()), 0)
-        base = base_end + sum(size for _, size in freed_before)
-
-        # The sweep: the live allocations in stacking order, each one's
-        # bottom recorded whenever it moves.
-        self.bands: List[Dict[str, Any]] = []     # addr, size, site, start, end, steps [(t, bottom)]
-        live: List[Dict[str, Any]] = []
-        index_of: Dict[int, Dict[str, Any]] = {}
-        reserved = sum(s["total_size"] for s in self.segments) - sum(
-            e["size"] if e["action"] in _GROWS else -e["size"]
-            for e in events if e["action"] in _GROWS + _SHRINKS)
-        self.base_steps: List[Tuple[float, float]] = []
-        self.peak = (0.0, -1)                     # (active bytes, event index)
-        self.live_at_peak: List[Dict[str, Any]] = []
-        for i, e in enumerate(events):
-            t = self.times[i]
-            action = e["action"]
-            moved_from = None
-            if action == "alloc":
-                band = {"addr": e["addr"], "size": e["size"], "site": _site(e.get("frames", [])),
-                        "start": t, "end": None, "steps": []}
-                live.append(band)
-                index_of[e["addr"]] = band
-                self.bands.append(band)
-                moved_from = len(live) - 1
-            elif action == "free_completed":
-                band = index_of.pop(e["addr"], None)
-                if band is not None:
-                    band["end"] = t
-                    position = live.index(band)
-                    live.pop(position)
-                    moved_from = position
-                else:
-                    base -= e["size"]
-                    moved_from = 0
-                    self.base_steps.append((t, base))
-            elif action in _GROWS:
-                reserved += e["size"]
-            elif action in _SHRINKS:
-                reserved -= e["size"]
-            elif action == "oom":
-                self.ooms.append((t, e["size"]))
-            self.reserved.append(reserved)
-            y = float(base)
-            for position, band in enumerate(live):
-                if moved_from is not None and position >= moved_from:
-                    if not band["steps"] or band["steps"][-1][1] != y:
-                        band["steps"].append((t, y))
-                y += band["size"]
-            if y > self.peak[0]:
-                self.peak = (y, i)
-                self.live_at_peak = list(live)
-        if not self.base_steps or self.base_steps[0][0] != (self.times[0] if events else 0.0):
-            first = base_end + sum(size for _, size in freed_before)
-            self.base_steps.insert(0, (self.times[0] if events else 0.0, float(first)))
-        self.end_time = self.times[-1] if events else 0.0
-
-    def site_totals(self) -> List[Tuple[str, int]]:
-        """Allocation sites by the bytes they hold at the peak (then by total)."""
-        at_peak: Dict[str, int] = {}
-        for band in self.live_at_peak:
-            at_peak[band["site"]] = at_peak.get(band["site"], 0) + band["size"]
-        overall: Dict[str, int] = {}
-        for band in self.bands:
-            overall[band["site"]] = overall.get(band["site"], 0) + band["size"]
-        return sorted(overall.items(), key=lambda kv: (at_peak.get(kv[0], 0), kv[1]), reverse=True)
+    """Where an allocation was made, with the source line when the file is readable."""
+    return allocation_site(frames, read_source=True)
 
 
 def _band_polygon(band: Dict[str, Any], end_time: float) -> List[Tuple[float, float]]:
@@ -224,8 +66,8 @@ def plot_snapshot(snapshot: Dict[str, Any], output: str, device: Optional[int] =
     from matplotlib.collections import PolyCollection
     from matplotlib.patches import Patch
 
-    device = _pick_device(snapshot, device)
-    tl = Timeline(snapshot, device)
+    device = pick_device(snapshot, device)
+    tl = Timeline(snapshot, device, site=_site)
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(12, 9), gridspec_kw={"height_ratios": [3, 2]})
     pool = snapshot.get("allocator_settings", {}).get("pool", "device")
     fig.suptitle(title or f"unimem memory: {pool} device {device}", fontsize=13)
