@@ -12,6 +12,7 @@ from unimem import _core
 from unimem._observe import history as _history
 from unimem._observe.summary import format_count, format_size, memory_summary_table
 from unimem.backends.simulated import SimulatedBackend
+from tests.helpers.pytorch_summary import pytorch_memory_summary
 
 MiB = 1 << 20
 
@@ -29,31 +30,11 @@ def known_state():
     return a
 
 
-def torch_summary(stats):
-    """PyTorch's own memory_summary, fed our statistics."""
-    import torch.cuda.memory as tcm
-    original = tcm.memory_stats
-    tcm.memory_stats = lambda device=None: stats
-    try:
-        return tcm.memory_summary(0)
-    finally:
-        tcm.memory_stats = original
-
-
 @pytest.mark.parametrize("abbreviated", [False, True])
 def test_summary_matches_pytorchs_table(abbreviated):
     stats = known_state().memory_stats()
     ours = memory_summary_table(stats, "GPU", 0, abbreviated).splitlines()
-    if abbreviated:
-        import torch.cuda.memory as tcm
-        original = tcm.memory_stats
-        tcm.memory_stats = lambda device=None: stats
-        try:
-            theirs = tcm.memory_summary(0, abbreviated=True).splitlines()
-        finally:
-            tcm.memory_stats = original
-    else:
-        theirs = torch_summary(stats).splitlines()
+    theirs = pytorch_memory_summary(stats, abbreviated).splitlines()
     assert len(ours) == len(theirs)
     for i, (mine, torch_line) in enumerate(zip(ours, theirs)):
         assert len(mine) == 77, f"line {i} is {len(mine)} wide"
