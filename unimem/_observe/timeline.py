@@ -25,6 +25,7 @@ Frame = Dict[str, Any]
 GROWS = ("segment_alloc", "segment_map")
 SHRINKS = ("segment_free", "segment_unmap")
 NO_FRAMES = "(no Python frame recorded)"
+MiB = float(1 << 20)
 
 
 def pick_device(snapshot: Dict[str, Any], device: Optional[int]) -> int:
@@ -191,3 +192,17 @@ class Timeline:
         return sorted(overall.items(), key=lambda kv: (at_peak.get(kv[0], 0), kv[1]), reverse=True)
 
 
+def band_polygon(band: Dict[str, Any], end_time: float,
+                 steps: Optional[List[Tuple[float, float]]] = None) -> List[Tuple[float, float]]:
+    """A step-shaped polygon, in (seconds, MiB): the band's bottom as it moves
+    (``steps``, by default the band's own), its top size above."""
+    end = band["end"] if band["end"] is not None else end_time
+    steps = steps or band["steps"] or [(band["start"], 0.0)]
+    lower: List[Tuple[float, float]] = []
+    for k, (t, y) in enumerate(steps):
+        if k:
+            lower.append((t, steps[k - 1][1] / MiB))
+        lower.append((t, y / MiB))
+    lower.append((end, steps[-1][1] / MiB))
+    upper = [(t, y + band["size"] / MiB) for t, y in reversed(lower)]
+    return lower + upper
