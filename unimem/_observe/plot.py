@@ -20,16 +20,15 @@ names ever runs).
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 from .._core import format_size
-from .timeline import Timeline, allocation_site, pick_device
+from .timeline import MiB, Timeline, allocation_site, band_polygon, pick_device
 # The loader lives in snapshot_file; these names stay importable from here for existing callers.
 from .snapshot_file import SnapshotError, load_snapshot
 
 __all__ = ["SnapshotError", "Timeline", "load_snapshot", "plot_snapshot"]
 
-MiB = float(1 << 20)
 MAX_DRAWN = 20_000        # allocations drawn individually; the rest join the grey base
 MAX_SEGMENT_ROWS = 40
 LEGEND_SITES = 8
@@ -41,20 +40,6 @@ PENDING_COLOUR = "#ef8636"
 def _site(frames: List[Dict[str, Any]]) -> str:
     """Where an allocation was made, with the source line when the file is readable."""
     return allocation_site(frames, read_source=True)
-
-
-def _band_polygon(band: Dict[str, Any], end_time: float) -> List[Tuple[float, float]]:
-    """A step-shaped polygon: the band's bottom as it moves, its top size above."""
-    end = band["end"] if band["end"] is not None else end_time
-    steps = band["steps"] or [(band["start"], 0.0)]
-    lower: List[Tuple[float, float]] = []
-    for k, (t, y) in enumerate(steps):
-        if k:
-            lower.append((t, steps[k - 1][1] / MiB))
-        lower.append((t, y / MiB))
-    lower.append((end, steps[-1][1] / MiB))
-    upper = [(t, y + band["size"] / MiB) for t, y in reversed(lower)]
-    return lower + upper
 
 
 def plot_snapshot(snapshot: Dict[str, Any], output: str, device: Optional[int] = None,
@@ -88,7 +73,7 @@ def plot_snapshot(snapshot: Dict[str, Any], output: str, device: Optional[int] =
                              color=BEFORE_COLOUR, linewidth=0)
             handles.append(Patch(color=BEFORE_COLOUR, label="allocated before the recording"))
         drawn = sorted(tl.bands, key=lambda b: b["size"], reverse=True)[:MAX_DRAWN]
-        top.add_collection(PolyCollection([_band_polygon(b, end) for b in drawn],
+        top.add_collection(PolyCollection([band_polygon(b, end) for b in drawn],
                                           facecolors=[colour_of[b["site"]] for b in drawn],
                                           edgecolors="none"))
         top.step(tl.times, [r / MiB for r in tl.reserved], where="post", color="black",

@@ -3,7 +3,9 @@
 Subcommands:
   demo      train a small MLP on the default device through the pool and show what it did
   plot      draw the timeline and segment map of a snapshot into a PNG
+  view      write a snapshot's memory report: one interactive HTML file that opens offline
   run       run a Python script with unimem as its array library's allocator, then print the summary
+            (--report memory.html: and write the memory report of the run)
             (--sycl-interpose: dpnp's C++ scratch buffers from the pools too)
   summary   print the memory summary (after running a script, if one is given)
   stats     print the memory statistics (as JSON with --json), after an optional script
@@ -24,7 +26,7 @@ import os
 import runpy
 import sys
 import traceback
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 # The exit status of a program ended by Ctrl-C (128 + SIGINT), as shells report it.
 EXIT_INTERRUPTED = 130
@@ -33,6 +35,8 @@ EXIT_USAGE = 2
 # Set to 1 (true, yes, on), the scripts run by run/summary/stats have the SYCL
 # interposer installed, as with ``run --sycl-interpose``.
 SYCL_INTERPOSE_ENV = "UNIMEM_SYCL_INTERPOSE"
+# run --report: the memory history kept (the last events of a longer run).
+REPORT_MAX_ENTRIES = 200_000
 
 
 class UsageError(Exception):
@@ -105,6 +109,30 @@ def _plot(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise UsageError(f"cannot write {args.output}: {exc.strerror or exc}") from None
     return 0
+
+
+def _write_from_snapshot(args: argparse.Namespace, write: Callable[[Dict[str, Any]], str]) -> int:
+    """Read ``args.snapshot`` safely, ``write(snapshot)`` into ``args.output``
+    and print the path; a bad file, device or output is one line."""
+    from .._observe.snapshot_file import SnapshotError, load_snapshot
+    try:
+        snapshot = load_snapshot(args.snapshot)
+    except OSError as exc:
+        raise UsageError(f"cannot read {args.snapshot}: {exc.strerror or exc}") from None
+    except SnapshotError as exc:
+        raise UsageError(f"{args.snapshot}: {exc}") from None
+    try:
+        print(write(snapshot))
+    except ValueError as exc:                    # a device the snapshot does not have
+        raise UsageError(f"{args.snapshot}: {exc}") from None
+    except OSError as exc:
+        raise UsageError(f"cannot write {args.output}: {exc.strerror or exc}") from None
+    return 0
+
+
+def _view(args: argparse.Namespace) -> int:
+    from .._observe.report import write_report
+    return _write_from_snapshot(args, lambda snapshot: write_report(snapshot, args.output, device=args.device))
 
 
 # ---------------------------------------------------------------------------
@@ -285,11 +313,40 @@ def _print_sycl_counters() -> None:
         print(_served_line("dpnp C++ scratch", counters, "calls", REASONS) + refused)
 
 
+def _record_for_report(path: str) -> None:
+    """``run --report``: a folder to write into, and every available device
+    type's memory history recorded from before the script starts."""
+    from .._runtime import devices as _devices
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise UsageError(f"cannot write {path}: no such folder {folder}")
+    for name in _devices.KNOWN_TYPES:
+        if _devices.is_available(name):
+            _memory_api(name)._record_memory_history(max_entries=REPORT_MAX_ENTRIES)
+
+
+def _write_run_report(path: str, script: str) -> None:
+    """``run --report``: the report of the pool the summary shows first."""
+    from .._observe.report import write_report
+    type_name, index = _pools_to_report(None)[0]
+    api = _memory_api(type_name)
+    try:
+        write_report(api._snapshot(), path, device=index, stats=api.memory_stats(index),
+                     title=f"unimem memory report: {os.path.basename(script)} ({type_name} device {index})")
+    except OSError as exc:
+        raise UsageError(f"cannot write {path}: {exc.strerror or exc}") from None
+    print(f"unimem: wrote {path}", file=sys.stderr)
+
+
 def _run(args: argparse.Namespace) -> int:
+    if args.report:
+        _record_for_report(args.report)
     code = _run_script([args.script] + args.args, install=True, sycl_interpose=args.sycl_interpose)
     _print_summaries(None, args.abbreviated)
     _print_dpnp_counters()
     _print_sycl_counters()
+    if args.report:
+        _write_run_report(args.report, args.script)
     return code
 
 
@@ -379,6 +436,15 @@ def build_parser(prog: str = "unimem") -> argparse.ArgumentParser:
                       help="device index (default: the busiest)")
     plot.set_defaults(handler=_plot)
 
+    view = commands.add_parser("view", help="write a snapshot's memory report: one interactive HTML file "
+                                            "that opens offline")
+    view.add_argument("snapshot", help="a pickled snapshot (_dump_snapshot, or the demo's snapshot.pickle); "
+                                       "read without running any code it names")
+    view.add_argument("-o", "--output", default="memory.html", help="the HTML file to write (default: %(default)s)")
+    view.add_argument("-d", "--device", type=_device_index, default=None,
+                      help="device index (default: the busiest)")
+    view.set_defaults(handler=_view)
+
     run = commands.add_parser("run", help="run a script with unimem as the array library's allocator "
                                           "and print the memory summary at exit")
     run.add_argument("script")
@@ -388,6 +454,9 @@ def build_parser(prog: str = "unimem") -> argparse.ArgumentParser:
                      help="also serve dpnp's C++ scratch buffers (its extensions' sycl::aligned_alloc and "
                           "sycl::free) from unimem's pools, by interposing SYCL's USM functions before dpnp "
                           f"is imported; {SYCL_INTERPOSE_ENV}=1 does the same for run, summary and stats")
+    run.add_argument("--report", metavar="HTML", default=None,
+                     help="record the memory history while the script runs and write its memory report "
+                          "(as `view` does) into HTML")
     run.set_defaults(handler=_run)
 
     summary = commands.add_parser("summary", help="print the memory summary table of this process "
