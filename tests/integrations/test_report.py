@@ -326,6 +326,28 @@ def test_100000_entries_draw_in_seconds_from_a_file_a_few_times_the_pickle(brows
     assert report_ms < max(3000, baseline_ms + 1500), timings
 
 
+@pytest.mark.parametrize("kind", ["segments without history", "nothing at all"])
+def test_a_snapshot_without_history_opens_too(browser, tmp_path, kind):
+    path = tmp_path / "snapshot.pickle"
+    if kind == "nothing at all":
+        path.write_bytes(pickle.dumps({"segments": [], "device_traces": []}))
+    else:                                         # a pickled memory_snapshot(): segments only
+        subprocess.run([sys.executable, "-c", "import pickle, unimem\n"
+                        "p = unimem.cpu.caching_allocator_alloc(3 << 20)\n"
+                        f"pickle.dump(unimem.cpu.memory_snapshot(), open({str(path)!r}, 'wb'))\n"],
+                       check=True, timeout=120, env=dict(os.environ, UNIMEM_DEVICE="cpu"))
+    done = unimem_cli("view", str(path), "-o", str(tmp_path / "memory.html"))
+    assert done.returncode == 0, done.stderr
+    report = OpenedReport(browser, tmp_path / "memory.html")
+    try:
+        assert report.left_the_file == [] and report.console_errors == []
+        assert "no history in this snapshot" in report.page.inner_text("#unimem-timeline")
+        live = report.traces("largest")[0]["x"]
+        assert values(live).tolist() == ([3.0] if kind == "segments without history" else [])
+    finally:
+        report.close()
+
+
 def test_the_summary_made_from_a_snapshot_agrees_with_the_pools_own(training):
     """Recorded from the pool's first allocation, the snapshot says what
     memory_stats counted: every current value (from the segments), and the
