@@ -131,7 +131,10 @@ def test_plot_of_a_snapshot_without_history(tmp_path):
 def one_line_error(done, *needed, status=2):
     """The command failed with ``status`` and said why in one line, no traceback."""
     assert done.returncode == status, (done.returncode, done.stdout, done.stderr)
-    lines = [line for line in done.stderr.splitlines() if line.strip() and not line.startswith("usage:")]
+    # argparse's usage (its first line "usage:", the lines it wraps onto indented) is not the error.
+    usage = re.match(r"usage:.*\n(?:[ \t]+\S.*\n)*", done.stderr)
+    after_usage = done.stderr[usage.end():] if usage else done.stderr
+    lines = [line for line in after_usage.splitlines() if line.strip()]
     assert len(lines) == 1, done.stderr
     assert "Traceback" not in done.stderr
     for text in needed:
@@ -230,7 +233,7 @@ MALFORMED = {
     "text": (b"hello, this is not a pickle\n", "not a pickled snapshot"),
     "a number": (pickle.dumps(42), "int, not a dict"),
     "a dict without segments": (pickle.dumps({"device_traces": []}), "no 'segments'"),
-    "segments of the wrong shape": (pickle.dumps({"segments": [1, 2]}), "segment 0 is not a dict"),
+    "segments of the wrong shape": (pickle.dumps({"segments": [1, 2]}), "segment 0 is an int, not a dict"),
     "a block without a size": (pickle.dumps({"segments": [{"address": 0, "total_size": 4, "segment_type": "small",
                                                            "blocks": [{"state": "inactive"}]}]}), "block 0"),
     "an event without an address": (pickle.dumps({"segments": [], "device_traces": [[{"action": "alloc",

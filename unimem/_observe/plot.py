@@ -37,14 +37,26 @@ BEFORE_COLOUR = "#a8a8a8"
 PENDING_COLOUR = "#ef8636"
 
 
-def _site(frames: List[Dict[str, Any]]) -> str:
-    """Where an allocation was made, with the source line when the file is readable."""
-    return allocation_site(frames, read_source=True)
+def _site(frames: List[Dict[str, Any]], source_lines: bool = False) -> str:
+    """Where an allocation was made: ``file:line function``, or with
+    ``source_lines`` the source line for the function where the file is a
+    readable regular file. A snapshot may come from anyone: without
+    ``source_lines`` no path it names is opened."""
+    return allocation_site(frames, read_source=source_lines)
+
+
+def _literal(text: str) -> str:
+    """``text`` shown as it is: matplotlib reads text between two ``$`` as
+    TeX, and a snapshot's names (files, functions, pools) may hold any."""
+    return text.replace("$", r"\$")
 
 
 def plot_snapshot(snapshot: Dict[str, Any], output: str, device: Optional[int] = None,
-                  title: Optional[str] = None) -> str:
-    """Draw ``snapshot`` into ``output`` (a PNG); returns the path."""
+                  title: Optional[str] = None, source_lines: bool = False) -> str:
+    """Draw ``snapshot`` (as :func:`load_snapshot` returns it) into ``output``
+    (a PNG); returns the path. ``source_lines`` names allocation sites by
+    their source line, read from the files the frames name (regular files
+    only, the first MiB at most); without it no path in the snapshot is opened."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -52,10 +64,10 @@ def plot_snapshot(snapshot: Dict[str, Any], output: str, device: Optional[int] =
     from matplotlib.patches import Patch
 
     device = pick_device(snapshot, device)
-    tl = Timeline(snapshot, device, site=_site)
+    tl = Timeline(snapshot, device, site=lambda frames: _site(frames, source_lines))
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(12, 9), gridspec_kw={"height_ratios": [3, 2]})
     pool = snapshot.get("allocator_settings", {}).get("pool", "device")
-    fig.suptitle(title or f"unimem memory: {pool} device {device}", fontsize=13)
+    fig.suptitle(title or f"unimem memory: {_literal(pool)} device {device}", fontsize=13)
 
     # --- colours by allocation site -----------------------------------------
     palette = matplotlib.colormaps["tab10"].colors + matplotlib.colormaps["Set3"].colors
@@ -94,7 +106,7 @@ def plot_snapshot(snapshot: Dict[str, Any], output: str, device: Optional[int] =
             top.annotate(f"peak {format_size(tl.peak[0])}", (peak_t, tl.peak[0] / MiB),
                          xytext=(4, 4), textcoords="offset points", fontsize=8, color="#444444")
         for site, _ in sites[:LEGEND_SITES]:
-            handles.append(Patch(color=colour_of[site], label=site))
+            handles.append(Patch(color=colour_of[site], label=_literal(site)))
         if len(sites) > LEGEND_SITES:
             handles.append(Patch(color="white", label=f"... {len(sites) - LEGEND_SITES} more places"))
         top.legend(handles=handles, loc="upper left", fontsize=7.5, ncol=2, framealpha=0.9)
@@ -134,7 +146,7 @@ def plot_snapshot(snapshot: Dict[str, Any], output: str, device: Optional[int] =
             bottom.broken_barh([(x, w) for x, w, _ in spans], (row - 0.4, 0.8),
                                facecolors=[c for _, _, c in spans], edgecolors="white", linewidth=0.4)
     bottom.set_yticks(range(len(segments)))
-    bottom.set_yticklabels([f"{s['segment_type']} {format_size(s['total_size'])}" for s in segments],
+    bottom.set_yticklabels([f"{_literal(s['segment_type'])} {format_size(s['total_size'])}" for s in segments],
                            fontsize=7 if len(segments) > 16 else 8)
     bottom.invert_yaxis()
     hidden = len(tl.segments) - len(segments)

@@ -11,13 +11,13 @@ unless asked to.
 from __future__ import annotations
 
 import functools
-import linecache
 import os
 import site
 import sysconfig
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .history import is_unimem_code
+from .snapshot_file import read_source_line
 
 Frame = Dict[str, Any]
 # Trace actions that change reserved memory: segments, and the pages that
@@ -81,7 +81,8 @@ def allocation_site(frames: List[Frame], read_source: bool = False) -> str:
     if not frames:
         return NO_FRAMES
     f = next((f for f in frames if not _is_library_code(f["filename"])), frames[0])
-    source = linecache.getline(f["filename"], f["line"]).strip() if read_source else ""
+    # read_source_line, not linecache: a snapshot may name /dev/zero or a FIFO.
+    source = read_source_line(f["filename"], f["line"]) if read_source else ""
     if len(source) > 34:
         source = source[:33] + "…"
     return f"{f['filename'].rsplit('/', 1)[-1]}:{f['line']} {source or f['name']}"

@@ -95,20 +95,8 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _plot(args: argparse.Namespace) -> int:
     from .._observe.plot import plot_snapshot
-    from .._observe.snapshot_file import SnapshotError, load_snapshot
-    try:
-        snapshot = load_snapshot(args.snapshot)
-    except OSError as exc:
-        raise UsageError(f"cannot read {args.snapshot}: {exc.strerror or exc}") from None
-    except SnapshotError as exc:
-        raise UsageError(f"{args.snapshot}: {exc}") from None
-    try:
-        print(plot_snapshot(snapshot, args.output, device=args.device))
-    except ValueError as exc:                    # a device the snapshot does not have
-        raise UsageError(f"{args.snapshot}: {exc}") from None
-    except OSError as exc:
-        raise UsageError(f"cannot write {args.output}: {exc.strerror or exc}") from None
-    return 0
+    return _write_from_snapshot(args, lambda snapshot: plot_snapshot(
+        snapshot, args.output, device=args.device, source_lines=args.source_lines))
 
 
 def _write_from_snapshot(args: argparse.Namespace, write: Callable[[Dict[str, Any]], str]) -> int:
@@ -434,6 +422,10 @@ def build_parser(prog: str = "unimem") -> argparse.ArgumentParser:
     plot.add_argument("-o", "--output", default="timeline.png", help="the PNG to write (default: %(default)s)")
     plot.add_argument("-d", "--device", type=_device_index, default=None,
                       help="device index (default: the busiest)")
+    plot.add_argument("--source-lines", action="store_true",
+                      help="name allocation sites by their source line, read from the files the snapshot's "
+                           "frames name (regular files only, the first MiB of each); without it no path "
+                           "named in the snapshot is opened")
     plot.set_defaults(handler=_plot)
 
     view = commands.add_parser("view", help="write a snapshot's memory report: one interactive HTML file "
