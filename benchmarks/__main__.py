@@ -4,6 +4,7 @@
     python -m benchmarks --quick         # fewer repeats: about 10 s on 2 cores without a GPU
     python -m benchmarks memory threads  # some of them, by name
     python -m benchmarks soak            # the long run (not in the default set)
+    python -m benchmarks compare REV     # the working tree against REV, A/B interleaved (compare.py)
 
 Each benchmark prints its own table and writes ``benchmarks/results/<name>.json``;
 this runner then prints every target, met or not, and writes
@@ -36,6 +37,9 @@ DEFAULT = [name for name in BENCHMARKS if name != "soak"]
 
 
 def main(argv: List[str]) -> int:
+    if argv[:1] == ["compare"]:
+        from .compare import main as compare
+        return compare(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description="run unimem's benchmarks")
     parser.add_argument("names", nargs="*", metavar="name",
                         help=f"benchmarks to run (default: {' '.join(DEFAULT)}); also: soak")

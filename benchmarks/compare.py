@@ -1,0 +1,311 @@
+"""``python -m benchmarks compare REV``: is the working tree slower than REV?
+
+Builds REV in a git worktree of its own (cached, built in place with this
+interpreter), starts one measuring interpreter per tree (``compare_worker``,
+with that tree first on its path) and runs every case on both, interleaved:
+for each round and case, base then new, or new then base on odd rounds, so
+that drift of the machine (another process, the CPU's clock) falls on both
+sides alike. Each case's ratio is new / base per round; the table shows the
+median ratio and its spread (lowest - highest).
+
+A difference counts as real only when every round agrees on its direction
+and the median ratio is past ``--threshold`` (1.10: 10%); anything else is
+noise on these shared machines. With ``--strict`` a real slowdown is exit
+status 1.
+
+    python -m benchmarks compare 53b0763                 # base: a revision; new: the working tree
+    python -m benchmarks compare HEAD --rounds 7
+    python -m benchmarks compare HEAD --new-tree /path/to/other/checkout --cases "accelerator pair"
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Dict, IO, List, Optional, Sequence
+
+from ._common import format_time, print_table, write_json
+from .compare_worker import CASES
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "compare_worker.py")
+CACHE_ENV = "UNIMEM_COMPARE_CACHE"
+DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "unimem-compare")
+THRESHOLD = 1.10
+MIN_ROUNDS = 5
+BUILD_STAMP = ".unimem-compare-built"
+
+
+class CompareError(RuntimeError):
+    """A tree that cannot be checked out, built or measured."""
+
+
+# ---------------------------------------------------------------------------
+# trees
+# ---------------------------------------------------------------------------
+def _git(*args: str, cwd: str = REPO) -> str:
+    done = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise CompareError(f"git {' '.join(args)}: {done.stderr.strip()}")
+    return done.stdout.strip()
+
+
+def build_in_place(tree: str, log: IO[str]) -> None:
+    """Build the tree's Cython extensions next to their sources (a no-op for
+    what is up to date), with this interpreter: the one that will import them."""
+    print(f"building {tree} in place ...", file=log, flush=True)
+    done = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace", "-j", str(os.cpu_count() or 1)],
+                          cwd=tree, capture_output=True, text=True)
+    if done.returncode != 0:
+        tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-15:])
+        raise CompareError(f"building {tree} failed:\n{tail}")
+
+
+def checkout(revision: str, cache: str, log: IO[str]) -> str:
+    """A built worktree of ``revision`` (a commit, branch or tag), made once and kept in ``cache``."""
+    sha = _git("rev-parse", "--verify", f"{revision}^{{commit}}")
+    tree = os.path.join(cache, sha)
+    if os.path.exists(os.path.join(tree, BUILD_STAMP)):
+        return tree
+    if not os.path.isdir(tree):
+        os.makedirs(cache, exist_ok=True)
+        _git("worktree", "prune")
+        _git("worktree", "add", "--detach", tree, sha)
+    build_in_place(tree, log)
+    with open(os.path.join(tree, BUILD_STAMP), "w") as f:
+        f.write(sha + "\n")
+    return tree
+
+
+# ---------------------------------------------------------------------------
+# the measuring interpreters
+# ---------------------------------------------------------------------------
+class Side:
+    """One tree's measuring interpreter."""
+
+    def __init__(self, label: str, tree: str, env: Dict[str, str]) -> None:
+        self.label = label
+        self.tree = tree
+        child_env = dict(env)
+        child_env["PYTHONPATH"] = os.pathsep.join([tree] + [p for p in [env.get("PYTHONPATH")] if p])
+        self.process = subprocess.Popen([sys.executable, WORKER], cwd=tree, env=child_env,
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        hello = self._read()
+        expected = os.path.join(os.path.realpath(tree), "unimem", "__init__.py")
+        if os.path.realpath(hello.get("unimem", "")) != expected:
+            self.close()
+            raise CompareError(f"the {label} interpreter imported {hello.get('unimem')}, not {expected}")
+        self.device = hello["device"]
+
+    def _read(self) -> Dict[str, Any]:
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()
+        if not line:
+            raise CompareError(f"the {self.label} interpreter ({self.tree}) ended: see its error above")
+        return json.loads(line)
+
+    def measure(self, case: str, quick: bool) -> Dict[str, Any]:
+        assert self.process.stdin is not None
+        self.process.stdin.write(json.dumps({"case": case, "quick": quick}) + "\n")
+        self.process.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        if self.process.stdin is not None:
+            self.process.stdin.close()
+        self.process.wait(timeout=60)
+
+
+# ---------------------------------------------------------------------------
+# rounds and verdicts
+# ---------------------------------------------------------------------------
+@dataclass
+class CaseResult:
+    case: str
+    base: List[float] = field(default_factory=list)
+    new: List[float] = field(default_factory=list)
+    skipped: Optional[str] = None
+
+    @property
+    def ratios(self) -> List[float]:
+        return [n / b for b, n in zip(self.base, self.new)]
+
+    def verdict(self, threshold: float) -> str:
+        """``slower`` / ``faster`` when every round agrees and the median ratio
+        is past the threshold; ``same`` otherwise (noise)."""
+        if self.skipped or not self.ratios:
+            return "-"
+        ratios = self.ratios
+        median = statistics.median(ratios)
+        if all(r > 1 for r in ratios) and median >= threshold:
+            return "slower"
+        if all(r < 1 for r in ratios) and median <= 1 / threshold:
+            return "faster"
+        return "same"
+
+    def as_dict(self, threshold: float) -> Dict[str, Any]:
+        ratios = self.ratios
+        return {"case": self.case, "skipped": self.skipped, "base_s": self.base, "new_s": self.new,
+                "ratios": ratios, "median_ratio": statistics.median(ratios) if ratios else None,
+                "verdict": self.verdict(threshold)}
+
+
+def _summary(samples: List[float], statistic: str) -> float:
+    return min(samples) if statistic == "min" else statistics.median(samples)
+
+
+def run_rounds(base: Side, new: Side, cases: Sequence[str], rounds: int, quick: bool,
+               log: IO[str]) -> List[CaseResult]:
+    """Each round, each case: the two sides take turns sample by sample
+    (base first on even turns), so that a burst of load falls on both; a
+    side's time for the round is the fastest of its samples (the median for
+    cases whose samples vary by nature, such as an allocation behind a kernel)."""
+    results = {case: CaseResult(case) for case in cases}
+    for r in range(rounds):
+        print(f"round {r + 1}/{rounds}", file=log, flush=True)
+        for case in cases:
+            result = results[case]
+            if result.skipped:
+                continue
+            spec = CASES[case]
+            samples: Dict[str, List[float]] = {"base": [], "new": []}
+            for turn in range(max(3, spec.samples // 2) if quick else spec.samples):
+                for side in ((base, new) if (r + turn) % 2 == 0 else (new, base)):
+                    answer = side.measure(case, quick)
+                    if "skipped" in answer:
+                        result.skipped = f"{side.label}: {answer['skipped']}"
+                        break
+                    samples[side.label].append(answer["seconds"])
+                if result.skipped:
+                    break
+            if not result.skipped:
+                result.base.append(_summary(samples["base"], spec.statistic))
+                result.new.append(_summary(samples["new"], spec.statistic))
+    return list(results.values())
+
+
+def _ratio_cell(result: CaseResult) -> List[str]:
+    if result.skipped or not result.ratios:
+        return ["-", "-"]
+    ratios = result.ratios
+    return [f"{_ratio(statistics.median(ratios))}x", f"{_ratio(min(ratios))}-{_ratio(max(ratios))}"]
+
+
+def _ratio(value: float) -> str:
+    """Two decimals, or two significant digits for ratios that small."""
+    return f"{value:.2f}" if value >= 0.1 else f"{value:.2g}"
+
+
+def print_results(results: List[CaseResult], base_label: str, new_label: str, threshold: float) -> str:
+    rows = []
+    for r in results:
+        base = format_time(statistics.median(r.base)) if r.base else "-"
+        new = format_time(statistics.median(r.new)) if r.new else "-"
+        rows.append([r.case, base, new, *_ratio_cell(r), r.verdict(threshold) if not r.skipped
+                     else f"skipped ({r.skipped})"])
+    return print_table(f"new ({new_label}) against base ({base_label}): median time per operation, "
+                       f"ratio new/base per round (median, lowest-highest); real only when every round "
+                       f"agrees and the median is past {threshold:.2f}x",
+                       ["case", "base", "new", "ratio", "spread", "verdict"], rows)
+
+
+def targets(results: List[CaseResult]) -> List[Dict[str, Any]]:
+    """The hot path's targets, judged on the new tree's per-round ratios
+    (median with its spread), never on one time."""
+    by_case = {r.case: r for r in results if not r.skipped and r.new}
+
+    def ratio(numerator: str, denominator: str) -> Optional[List[float]]:
+        if numerator not in by_case or denominator not in by_case:
+            return None
+        return [n / d for n, d in zip(by_case[numerator].new, by_case[denominator].new)]
+
+    out = []
+    for name, numerator, denominator, limit in (
+            ("Python-API pair <= 2.5x a pair of dict.get calls", "accelerator pair", "dict.get pair (floor)", 2.5),
+            ("namespace pair within 25% of the accelerator pair", "namespace pair", "accelerator pair", 1.25),
+            ("with a kernel in flight, unimem.xpu.empty <= 3x dpnp.empty",
+             "in flight: unimem.xpu.empty", "in flight: dpnp.empty (peer)", 3.0),
+            ("with a kernel in flight, dpnp.empty pooled <= 3x dpnp.empty",
+             "in flight: dpnp.empty pooled", "in flight: dpnp.empty (peer)", 3.0)):
+        ratios = ratio(numerator, denominator)
+        if ratios:
+            median = statistics.median(ratios)
+            out.append({"target": name, "measured": f"{_ratio(median)}x ({_ratio(min(ratios))}-{_ratio(max(ratios))})",
+                        "met": median <= limit})
+    core = by_case.get("typed core pair")
+    if core:
+        median = statistics.median(core.new)
+        out.append({"target": "typed core pair <= 50 ns", "measured": format_time(median), "met": median <= 50e-9})
+    return out
+
+
+def main(argv: List[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks compare", description=__doc__.splitlines()[0])
+    parser.add_argument("base", metavar="REV", nargs="?",
+                        help="the base revision (anything git rev-parse takes)")
+    parser.add_argument("--base-tree", help="a checkout to use as the base instead of REV, built in place")
+    parser.add_argument("--new-tree", default=REPO,
+                        help="the tree to judge, built in place (default: this working tree)")
+    parser.add_argument("--rounds", type=int, default=MIN_ROUNDS,
+                        help=f"interleaved rounds (at least {MIN_ROUNDS}; default {MIN_ROUNDS})")
+    parser.add_argument("--cases", nargs="+", choices=list(CASES), metavar="CASE",
+                        help=f"cases to run (default: all: {', '.join(CASES)})")
+    parser.add_argument("--quick", action="store_true", help="shorter loops in each round")
+    parser.add_argument("--threshold", type=float, default=THRESHOLD,
+                        help="the ratio a real difference must pass (default 1.10)")
+    parser.add_argument("--strict", action="store_true", help="exit with status 1 on a real slowdown")
+    parser.add_argument("--cache", default=os.environ.get(CACHE_ENV, DEFAULT_CACHE),
+                        help=f"where base worktrees are kept (default {DEFAULT_CACHE}, or ${CACHE_ENV})")
+    parser.add_argument("--device", choices=("cpu", "xpu", "cuda"),
+                        help="UNIMEM_DEVICE for both sides (default: this machine's default device)")
+    arguments = parser.parse_args(argv)
+    if (arguments.base is None) == (arguments.base_tree is None):
+        parser.error("give the base as REV or as --base-tree, not both")
+    if arguments.rounds < MIN_ROUNDS:
+        parser.error(f"--rounds must be at least {MIN_ROUNDS}")
+    if arguments.threshold <= 1:
+        parser.error("--threshold must be above 1")
+    log = sys.stderr
+    cases = arguments.cases or list(CASES)
+    try:
+        if arguments.base_tree:
+            base_tree = os.path.abspath(arguments.base_tree)
+            build_in_place(base_tree, log)
+        else:
+            base_tree = checkout(arguments.base, arguments.cache, log)
+        new_tree = os.path.abspath(arguments.new_tree)
+        build_in_place(new_tree, log)
+        env = dict(os.environ)
+        if arguments.device:
+            env["UNIMEM_DEVICE"] = arguments.device
+        base = Side("base", base_tree, env)
+        try:
+            new = Side("new", new_tree, env)
+            try:
+                results = run_rounds(base, new, cases, arguments.rounds, arguments.quick, log)
+            finally:
+                new.close()
+        finally:
+            base.close()
+    except CompareError as exc:
+        print(f"python -m benchmarks compare: {exc}", file=sys.stderr)
+        return 2
+    base_label = base_tree if arguments.base_tree else f"{arguments.base} = {os.path.basename(base_tree)[:10]}"
+    table = print_results(results, base_label, new_tree, arguments.threshold)
+    hot = targets(results)
+    if hot:
+        print_table("targets (the new tree; ratios per round: median, lowest-highest)",
+                    ["target", "measured", "result"],
+                    [[t["target"], t["measured"], "met" if t["met"] else "NOT MET"] for t in hot], text_columns=3)
+    write_json("compare", {"base": arguments.base or base_tree, "base_tree": base_tree, "new_tree": new_tree,
+                           "device": base.device, "rounds": arguments.rounds, "quick": arguments.quick,
+                           "threshold": arguments.threshold, "table": table, "targets": hot,
+                           "cases": [r.as_dict(arguments.threshold) for r in results]})
+    slower = [r.case for r in results if r.verdict(arguments.threshold) == "slower"]
+    if slower:
+        print(f"slower than {arguments.base or base_tree}: {', '.join(slower)}", flush=True)
+    return 1 if arguments.strict and slower else 0

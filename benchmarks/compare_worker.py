@@ -1,0 +1,211 @@
+"""One side of ``python -m benchmarks compare``: runs in an interpreter whose
+``unimem`` is one tree's (PYTHONPATH), measures the cases it is asked for and
+answers on stdout, one JSON line per request.
+
+It uses only what every tree since the first measured one offers (the facade's
+functions, ``unimem.xpu.empty``, the core's typed loop wherever that tree keeps
+it), so that the same cases run on a base revision and on the working tree.
+A case the tree lacks answers ``{"skipped": reason}``.
+
+Protocol: the worker prints ``{"ready": ...}`` once set up; then for each line
+``{"case": NAME, "quick": BOOL}`` read from stdin it measures one sample and
+prints ``{"seconds": S}`` (time per operation) or ``{"skipped": REASON}``;
+EOF ends it. Samples are short so that the two sides can take turns often.
+"""
+from __future__ import annotations
+
+import gc
+import importlib
+import json
+import sys
+import time
+from typing import Any, Callable, Dict, NamedTuple, Optional
+
+SIZE = 4096               # the pair the issue measured: caching_allocator_alloc(4096) + delete
+ARRAY_ITEMS = 1024        # unimem.xpu.empty(1024, dtype="f4"), as the in-flight case's allocation
+MATMUL_N = 1536           # a float32 matmul of this order keeps a CPU device busy for tens of ms
+IN_FLIGHT_TRIES = 3       # allocations behind queued matmuls and reductions per sample
+PAIRS = 50_000            # pairs per sample of a hot-path loop (--quick: PAIRS_QUICK)
+PAIRS_QUICK = 10_000
+
+
+class Skip(Exception):
+    """The tree (or this machine) has nothing to measure for the case."""
+
+
+def _pair_time(alloc: Callable[[int], int], free: Callable[[int], None], pairs: int) -> float:
+    """One loop of ``pairs`` alloc+free pairs: seconds per pair."""
+    free(alloc(SIZE))
+    start = time.perf_counter()
+    for _ in range(pairs):
+        free(alloc(SIZE))
+    return (time.perf_counter() - start) / pairs
+
+
+def _call_time(call: Callable[[], Any], calls: int) -> float:
+    call()
+    start = time.perf_counter()
+    for _ in range(calls):
+        call()
+    return (time.perf_counter() - start) / calls
+
+
+class Worker:
+    def __init__(self) -> None:
+        import unimem
+        self.unimem = unimem
+        from unimem import accelerator
+        self.accelerator = accelerator
+        self.device_type = self._current_type_name()
+        self.namespace = importlib.import_module(f"unimem.{self.device_type}")
+        self._dpnp: Optional[Any] = None
+        self._matrix: Optional[Any] = None
+
+    def _current_type_name(self) -> str:
+        for module in ("unimem._runtime.devices", "unimem._devices"):
+            try:
+                devices = importlib.import_module(module)
+            except ImportError:
+                continue
+            return str(devices.current_type().name)
+        raise RuntimeError("cannot tell this tree's current device type")
+
+    # -- the hot path ---------------------------------------------------------
+    def accelerator_pair(self, quick: bool) -> float:
+        return _pair_time(self.accelerator.caching_allocator_alloc, self.accelerator.caching_allocator_delete,
+                          PAIRS_QUICK if quick else PAIRS)
+
+    def namespace_pair(self, quick: bool) -> float:
+        return _pair_time(self.namespace.caching_allocator_alloc, self.namespace.caching_allocator_delete,
+                          PAIRS_QUICK if quick else PAIRS)
+
+    def core_pair(self, quick: bool) -> float:
+        devices = importlib.import_module(
+            "unimem._runtime.devices" if _has_module("unimem._runtime.devices") else "unimem._devices")
+        dtype = devices.current_type()
+        allocator = dtype.allocator(dtype.current_index())
+        pairs = 4 * (PAIRS_QUICK if quick else PAIRS)
+        try:
+            from benchmarks._timing import time_hot_path  # this tree's loop, built in place
+            return float(time_hot_path(allocator, SIZE, pairs)) * 1e-9
+        except ImportError:
+            if not hasattr(allocator, "_time_hot_path"):
+                raise Skip("this tree has no typed timing loop") from None
+            return float(allocator._time_hot_path(SIZE, pairs)) * 1e-9
+
+    def memory_allocated(self, quick: bool) -> float:
+        memory_allocated = self.accelerator.memory_allocated
+        return _call_time(lambda: memory_allocated(0), PAIRS_QUICK if quick else PAIRS)
+
+    def dict_get_pair(self, quick: bool) -> float:
+        """Two ``dict.get`` calls in the pair's loop: the Python floor the API pair is judged against."""
+        table: Dict[int, int] = {SIZE: 1}
+        get = table.get
+        return _pair_time(get, get, PAIRS_QUICK if quick else PAIRS)
+
+    # -- arrays, and an allocation while a kernel runs -------------------------
+    def _xpu(self) -> Any:
+        if self.device_type != "xpu":
+            raise Skip(f"the default device is {self.device_type}, not a SYCL device")
+        if self._dpnp is None:
+            import dpnp
+            self._dpnp = dpnp
+            self._matrix = dpnp.ones((MATMUL_N, MATMUL_N), dtype="f4")
+        return self._dpnp
+
+    def xpu_empty(self, quick: bool) -> float:
+        self._xpu()
+        empty = self.unimem.xpu.empty
+        return _call_time(lambda: empty(ARRAY_ITEMS, dtype="f4"), PAIRS_QUICK // 20 if quick else PAIRS // 20)
+
+    def _in_flight(self, allocate: Callable[[], Any], quick: bool) -> float:
+        """The mean time of an ``allocate()`` made while a matmul runs, each
+        followed by an asynchronous reduction (dpctl keeps its temporaries
+        alive with host tasks), IN_FLIGHT_TRIES times without waiting, as a
+        program queues work ahead of the device; then the queue is drained."""
+        self._xpu()
+        x = self._matrix
+        kept = []
+        elapsed = 0.0
+        for _ in range(IN_FLIGHT_TRIES):
+            y = x @ x                      # a kernel in flight
+            start = time.perf_counter()
+            a = allocate()
+            elapsed += time.perf_counter() - start
+            kept.append(y.sum())
+            del a, y
+        kept[-1].sycl_queue.wait()
+        return elapsed / IN_FLIGHT_TRIES
+
+    def in_flight_xpu_empty(self, quick: bool) -> float:
+        empty = self.unimem.xpu.empty
+        return self._in_flight(lambda: empty(ARRAY_ITEMS, dtype="f4"), quick)
+
+    def in_flight_dpnp_empty(self, quick: bool) -> float:
+        dpnp = self._xpu()
+        return self._in_flight(lambda: dpnp.empty(ARRAY_ITEMS, dtype="f4"), quick)
+
+    def in_flight_dpnp_empty_pooled(self, quick: bool) -> float:
+        dpnp = self._xpu()
+        xpu = self.unimem.xpu
+        if not hasattr(xpu, "using_allocator"):
+            raise Skip("this tree has no unimem.xpu.using_allocator")
+        with xpu.using_allocator():
+            return self._in_flight(lambda: dpnp.empty(ARRAY_ITEMS, dtype="f4"), quick)
+
+
+def _has_module(name: str) -> bool:
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        return False
+    return True
+
+
+class Case(NamedTuple):
+    method: str        # the Worker method measuring one sample
+    statistic: str     # how a round's samples are summed up: "min" (noise only adds time) or "median"
+    samples: int       # samples per side and round (quick: half as many, at least 3)
+
+
+#: The cases, in the order benchmarks/compare.py lists them.
+CASES = {
+    "accelerator pair": Case("accelerator_pair", "min", 7),
+    "namespace pair": Case("namespace_pair", "min", 7),
+    "typed core pair": Case("core_pair", "min", 7),
+    "memory_allocated(0)": Case("memory_allocated", "min", 7),
+    "dict.get pair (floor)": Case("dict_get_pair", "min", 7),
+    "unimem.xpu.empty": Case("xpu_empty", "min", 5),
+    "in flight: unimem.xpu.empty": Case("in_flight_xpu_empty", "median", 5),
+    "in flight: dpnp.empty pooled": Case("in_flight_dpnp_empty_pooled", "median", 5),
+    "in flight: dpnp.empty (peer)": Case("in_flight_dpnp_empty", "median", 5),
+}
+
+
+def _forget_editable_install() -> None:
+    """Drop the import finder of an editable install (``pip install -e``) of
+    another checkout: it would answer for submodules this tree lacks (an old
+    tree without ``unimem._runtime`` would import the checkout's)."""
+    sys.meta_path[:] = [f for f in sys.meta_path
+                        if not getattr(f, "__module__", "").startswith("__editable__")]
+
+
+def main() -> int:
+    _forget_editable_install()
+    worker = Worker()
+    print(json.dumps({"ready": True, "unimem": worker.unimem.__file__, "device": worker.device_type}),
+          flush=True)
+    for line in sys.stdin:
+        request = json.loads(line)
+        method = getattr(worker, CASES[request["case"]].method)
+        gc.collect()
+        try:
+            answer: Dict[str, Any] = {"seconds": method(bool(request.get("quick")))}
+        except Skip as exc:
+            answer = {"skipped": str(exc)}
+        print(json.dumps(answer), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

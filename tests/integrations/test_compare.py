@@ -1,0 +1,112 @@
+"""``python -m benchmarks compare``: the A/B guard finds a slowdown injected
+on purpose, and calls two identical trees the same.
+
+Both trees are copies of this checkout with its built extensions; the slow
+one has one extra list built on every free in the registry's delete (the
+regression that once reached main unseen), so only that module is rebuilt.
+The guard's verdict is read from its JSON, not from timings of this test.
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks.compare import CaseResult
+from tests.helpers import REPO_ROOT
+
+ROOT = str(REPO_ROOT)
+REGISTRY = os.path.join("unimem", "_runtime", "registry.pyx")
+FREE_LOOP = "        cdef int current = self._default_index() if self.device_count else 0\n"
+EXTRA_LIST = "        extra = [None] + self._allocators            # injected: a list per free\n"
+
+pytest.importorskip("Cython", reason="the compare command builds trees in place with Cython")
+
+
+def copy_checkout(destination):
+    """The tracked files of this checkout and its build outputs (mtimes kept,
+    so that nothing up to date is rebuilt)."""
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    files = [f for f in listed.decode().split("\0") if f]
+    for folder, _, names in os.walk(os.path.join(ROOT, "unimem")):
+        files += [os.path.relpath(os.path.join(folder, n), ROOT) for n in names if n.endswith((".so", ".cpp"))]
+    for name in os.listdir(os.path.join(ROOT, "benchmarks")):
+        if name.endswith((".so", ".cpp")):
+            files.append(os.path.join("benchmarks", name))
+    for relative in files:
+        source = os.path.join(ROOT, relative)
+        if os.path.isfile(source):
+            target = os.path.join(destination, relative)
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            shutil.copy2(source, target)
+    return str(destination)
+
+
+def compare(tmp_path, base, new, name):
+    out = tmp_path / name
+    out.mkdir()
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "compare", "--base-tree", base, "--new-tree", new,
+         "--cases", "accelerator pair", "dict.get pair (floor)", "--device", "cpu", "--rounds", "5", "--quick"],
+        cwd=ROOT, capture_output=True, text=True, timeout=900,
+        env=dict(os.environ, UNIMEM_BENCHMARK_RESULTS=str(out)))
+    assert done.returncode == 0, done.stdout + done.stderr
+    with open(out / "compare.json") as f:
+        result = json.load(f)
+    return {case["case"]: case for case in result["cases"]}, done.stdout
+
+
+@pytest.fixture(scope="module")
+def trees(tmp_path_factory):
+    base = copy_checkout(tmp_path_factory.mktemp("base"))
+    slow = copy_checkout(tmp_path_factory.mktemp("slow"))
+    path = os.path.join(slow, REGISTRY)
+    with open(path) as f:
+        source = f.read()
+    assert FREE_LOOP in source, "the registry's delete changed: update the injected regression"
+    with open(path, "w") as f:
+        f.write(source.replace(FREE_LOOP, FREE_LOOP + EXTRA_LIST, 1))
+    return base, slow
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_an_extra_list_per_free_is_reported(trees, tmp_path):
+    base, slow = trees
+    cases, stdout = compare(tmp_path, base, slow, "injected")
+    assert cases["accelerator pair"]["verdict"] == "slower", stdout
+    assert all(r > 1 for r in cases["accelerator pair"]["ratios"]), stdout
+    assert len(cases["accelerator pair"]["ratios"]) == 5
+    assert cases["dict.get pair (floor)"]["verdict"] == "same", stdout   # the same code on both sides
+    assert "slower than" in stdout and "| accelerator pair" in stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_noise_alone_is_not_reported(trees, tmp_path):
+    base, _ = trees
+    cases, stdout = compare(tmp_path, base, base, "noise")
+    assert {case["verdict"] for case in cases.values()} == {"same"}, stdout
+    assert "slower than" not in stdout
+
+
+def test_verdicts_need_every_round_to_agree():
+    def result(base, new):
+        return CaseResult("case", base=list(base), new=list(new))
+    assert result([1.0] * 5, [1.2] * 5).verdict(1.10) == "slower"
+    assert result([1.0] * 5, [1.2, 1.2, 1.2, 1.2, 0.99]).verdict(1.10) == "same"   # one round disagrees
+    assert result([1.0] * 5, [1.05] * 5).verdict(1.10) == "same"                    # within the threshold
+    assert result([1.0] * 5, [0.8] * 5).verdict(1.10) == "faster"
+    assert result([], []).verdict(1.10) == "-"
+
+
+def test_a_base_must_be_named_once(tmp_path):
+    for arguments in ([], ["HEAD", "--base-tree", str(tmp_path)]):
+        done = subprocess.run([sys.executable, "-m", "benchmarks", "compare", *arguments], cwd=ROOT,
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and "REV or as --base-tree" in done.stderr
+    done = subprocess.run([sys.executable, "-m", "benchmarks", "compare", "no-such-revision-xyz",
+                           "--cache", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "no-such-revision-xyz" in done.stderr
