@@ -879,7 +879,7 @@ cdef class CachingAllocator:
                 self._unlock()
         else:
             self._unlock()
-        if not from_finalizer:
+        if not from_finalizer and (self.recording or not self.dropped_streams.empty()):
             self._after_free()
         return rc
 

@@ -27,27 +27,41 @@ cdef inline object check_size(object size):
     return n
 
 
+cdef extern from *:
+    """
+    /* An exact int that fits a size_t, read straight from the object: no
+       Python-level operation and no try block (whose saving and restoring
+       of the exception state the hot path would pay on every call). */
+    static inline int um_exact_size_t(PyObject* o, size_t* out) {
+        if (Py_TYPE(o) != &PyLong_Type)
+            return 0;
+        size_t v = PyLong_AsSize_t(o);
+        if (v == (size_t)-1 && PyErr_Occurred()) {
+            PyErr_Clear();             /* negative, or beyond 2**64 */
+            return 0;
+        }
+        *out = v;
+        return 1;
+    }
+    """
+    bint um_exact_size_t(object o, size_t* out)
+
+
 cdef inline bint exact_size(object size, size_t* out):
     """The hot path's test: ``size`` is an int that fits a size_t (written
     to ``out``), read without any Python-level operation. False for
-    anything else, which then goes through _check_size."""
-    if type(size) is not int:
-        return False
-    try:
-        out[0] = <size_t>size
-    except OverflowError:          # negative, or beyond 2**64: the slow path explains
-        return False
-    return True
+    anything else, which then goes through check_size."""
+    return um_exact_size_t(size, out)
 
 
 cdef inline uintptr_t check_pointer(object ptr) except? 0:
     """An address as a pointer, or a clear error: TypeError for what is not
     an integer, ValueError for an integer that is no address."""
+    cdef size_t address
+    if um_exact_size_t(ptr, &address):
+        return address
     if type(ptr) is int:
-        try:
-            return <uintptr_t>ptr
-        except OverflowError:
-            raise ValueError(f"invalid pointer {ptr!r}: not an address") from None
+        raise ValueError(f"invalid pointer {ptr!r}: not an address")
     ptr = as_integer(ptr, "an address")
     if ptr < 0 or ptr >= (1 << 64):
         raise ValueError(f"invalid pointer {ptr!r}: not an address")

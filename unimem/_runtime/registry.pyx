@@ -114,6 +114,14 @@ cdef class DeviceRegistry:
             return 0                   # not set in this thread (by this registry)
         return um_current_device[self.slot]
 
+    cdef inline int _default_index(self) except -1:
+        """The index a request without a device goes to: the current one, or
+        0 without asking when there is a single device (the only valid
+        index: the per-thread table is not read on the hot path then)."""
+        if self.device_count == 1:
+            return 0
+        return self.current_index()
+
     def set_current_index(self, int index):
         self.check_index(index)
         if self.slot < 0:
@@ -184,7 +192,7 @@ cdef class DeviceRegistry:
         cdef object checked = None
         if not exact_size(size, &n):
             checked = check_size(size)            # raises for what is no size
-        cdef int index = self.current_index() if device is None else _device_int(device)
+        cdef int index = self._default_index() if device is None else _device_int(device)
         cdef CachingAllocator a = self.get(index)
         if checked is not None:
             if checked > MAX_REQUEST:
@@ -202,18 +210,20 @@ cdef class DeviceRegistry:
         cdef uintptr_t p = check_pointer(ptr)
         if p == 0:
             return 0
-        cdef int current = self.current_index() if self.device_count else 0
-        cdef CachingAllocator a
-        cdef int rc
-        # The current device's allocator first: the block is most likely there.
-        first = self._allocators[current] if 0 <= current < self.device_count else None
-        for a in [first] + self._allocators:
-            if a is not None:
-                rc = a._try_free(p, False, False)
-                if rc == 0:
-                    return 0
-                if rc == 4:
-                    raise ValueError(HANDLE_OWNED_MESSAGE.format(p))
+        # The current device's allocator first: the block is most likely
+        # there; then the others (no list is built: this runs on every free).
+        cdef int current = self._default_index() if self.device_count else 0
+        cdef int rc = _free_on(self._allocators[current], p) if current < self.device_count else 1
+        cdef Py_ssize_t i
+        for i in range(len(self._allocators)):
+            if rc != 1:
+                break
+            if i != current:
+                rc = _free_on(self._allocators[i], p)
+        if rc == 0:
+            return 0
+        if rc == 4:
+            raise ValueError(HANDLE_OWNED_MESSAGE.format(p))
         raise ValueError(f"pointer {p:#x} was not allocated by the unimem "
                          f"{self.device_type} allocator, or was already freed")
 
@@ -229,6 +239,14 @@ cdef class DeviceRegistry:
         self.check_index(index)
         cdef CachingAllocator a = <CachingAllocator>self._allocators[index]
         return 0 if a is None else a.stats.core[S_ALLOCATED_BYTES][POOL_ALL].current
+
+
+cdef inline int _free_on(object allocator, uintptr_t p) except -1:
+    """CachingAllocator._try_free on ``allocator`` (1, as for an unknown
+    address, when that device's allocator was never made)."""
+    if allocator is None:
+        return 1
+    return (<CachingAllocator>allocator)._try_free(p, False, False)
 
 
 cdef int _device_int(object device) except? -1:
@@ -307,17 +325,32 @@ def namespace_alloc_functions(dict types, str type_name, slow_alloc, slow_delete
     not set up yet, goes to ``slow_alloc`` / ``slow_delete`` (the front's
     checked methods). Typed here because the lookups through Python methods
     cost more than the allocation itself."""
+    # The registry of the device type last looked up, kept with that type:
+    # an identity test instead of reading ``dtype.registry`` (an attribute
+    # lookup) on every call. A replaced type is a new object, so it is seen
+    # at once; the one replaced stays referenced until the next call here.
+    cdef object cached_type = None
+    cdef DeviceRegistry cached_registry = None
+
     def caching_allocator_alloc(size, device=None, stream=None):
+        nonlocal cached_type, cached_registry
         dtype = types.get(type_name)
         if dtype is None or device is not None:
             return slow_alloc(size, device, stream)
-        return (<DeviceRegistry?>dtype.registry)._alloc(size, None, stream)
+        if dtype is not cached_type:
+            cached_registry = <DeviceRegistry?>dtype.registry
+            cached_type = dtype
+        return cached_registry._alloc(size, None, stream)
 
     def caching_allocator_delete(mem_ptr):
+        nonlocal cached_type, cached_registry
         dtype = types.get(type_name)
         if dtype is None:
             return slow_delete(mem_ptr)
-        (<DeviceRegistry?>dtype.registry)._delete(mem_ptr)
+        if dtype is not cached_type:
+            cached_registry = <DeviceRegistry?>dtype.registry
+            cached_type = dtype
+        cached_registry._delete(mem_ptr)
 
     return caching_allocator_alloc, caching_allocator_delete
 
