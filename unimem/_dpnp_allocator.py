@@ -38,7 +38,7 @@ from .backends import xpu as _xpu_backend
 #: or None when none does (``unimem.xpu`` provides it).
 PoolFor = Callable[[str, int, Any], Optional[CachingAllocator]]
 #: ``guard_for(device_index)``: what to run before each allocation on the
-#: device, or None (``unimem.xpu`` provides it: see its _bound_keep_alive_tasks).
+#: device, or None (``unimem.xpu`` provides it: see its _keep_alive_guard).
 GuardFor = Callable[[int], Optional[Callable[[Any], None]]]
 
 #: The oldest versions whose allocation path and memory layout the hook relies on.

@@ -28,7 +28,9 @@ objects dpctl made itself before anything is handed out.
 from cpython.object cimport PyObject, PyTypeObject
 from cpython.dict cimport PyDict_GetItem
 from cpython.ref cimport Py_INCREF
-from libc.stdint cimport uintptr_t
+from libc.stdint cimport int64_t, uintptr_t
+
+from unimem._native.provider cimport um_now_ns
 
 from unimem._core cimport CachingAllocator
 
@@ -326,6 +328,38 @@ cdef object _new_memory(UsmKind kind, uintptr_t ptr, Py_ssize_t nbytes, object q
     Py_INCREF(None)
     m.refobj = <PyObject*>None
     return memory
+
+
+cdef inline void _spin_ns(int64_t ns) noexcept nogil:
+    """Busy-wait: no system call, so the CPU is not given up (on a CPU device
+    busy with kernels, giving it up costs a scheduler time slice)."""
+    cdef int64_t end = um_now_ns() + ns
+    while um_now_ns() < end:
+        pass
+
+
+# How long yield_gil lets the GIL go: about what dpctl's own allocation
+# runs without it (a USM malloc of the OpenCL CPU device: 1-3 us), and at
+# most how often (a busy allocation loop then pays a few percent, not the
+# whole moment on every array).
+cdef int64_t GIL_YIELD_NS = 2000
+cdef int64_t GIL_YIELD_INTERVAL_NS = 50000
+cdef int64_t _last_gil_yield_ns = 0
+
+
+def yield_gil(queue=None):
+    """Let the GIL go for about GIL_YIELD_NS, busy (the CPU is kept), and take
+    it back, at most once every GIL_YIELD_INTERVAL_NS: threads waiting for
+    it (dpctl's keep-alive host tasks) can take it meanwhile, as they do
+    while dpctl's own allocator runs. Nothing is waited for. ``queue`` is
+    ignored (the signature of an allocation guard)."""
+    global _last_gil_yield_ns
+    cdef int64_t now = um_now_ns()
+    if now - _last_gil_yield_ns < GIL_YIELD_INTERVAL_NS:
+        return
+    with nogil:
+        _spin_ns(GIL_YIELD_NS)
+    _last_gil_yield_ns = um_now_ns()
 
 
 # The allocator pooled_memory pinned last (pinning is a list search).

@@ -75,41 +75,10 @@ class _Context:
         self.dtypes: Dict[Tuple[Any, int], numpy.dtype] = {}
         from dpctl.utils import SequentialOrderManager
         self.order_managers = SequentialOrderManager
-        self.running = self.dpctl.event_status_type.running
-        # How many of dpctl's keep-alive host tasks may be pending when the
-        # pool hands out an array (see _bound_keep_alive_tasks).
-        self.keep_alive_limit = [KEEP_ALIVE_LIMIT_CPU if d.has_aspect_cpu else None
-                                 for d in self.runtime.devices]
-
-
-KEEP_ALIVE_LIMIT_CPU = 2
-
-
-def _bound_keep_alive_tasks(ctx: "_Context", queue: Any, index: int) -> None:
-    """Let dpctl's keep-alive host tasks through before handing out an array.
-
-    dpctl keeps arrays alive until their kernels finish with host tasks that
-    need the GIL to let go of them; they run in the SYCL runtime's small pool
-    of host-task threads. dpnp sometimes waits on an event while holding the
-    GIL (oneMKL's vector functions on a CPU device wait for their inputs that
-    way), and oneMKL runs its CPU work as host tasks in that same pool: if
-    keep-alive tasks waiting for the GIL fill the pool, nothing moves again.
-    dpctl's own allocator releases the GIL for microseconds at every
-    allocation, which lets them through; the pool's fast path is far too
-    short for that. So before each array: the tasks already running (their
-    kernels are done, they only need the GIL) are waited for without the GIL,
-    and on a CPU device (where oneMKL uses host tasks) no more than
-    KEEP_ALIVE_LIMIT_CPU may stay pending - the oldest are waited for.
-    """
-    pending = ctx.order_managers[queue].host_task_events
-    if not pending:
-        return
-    limit = ctx.keep_alive_limit[index]
-    excess = len(pending) - limit if limit is not None else 0
-    running = ctx.running
-    for position, event in enumerate(pending):
-        if position < excess or event.execution_status == running:
-            event.wait()        # releases the GIL
+        # Whether an array handed out on device N first lets dpctl's
+        # keep-alive host tasks take the GIL (see _keep_alive_guard: on CPU
+        # devices, where oneMKL's work shares their threads).
+        self.yields_to_host_tasks = [bool(d.has_aspect_cpu) for d in self.runtime.devices]
 
 
 _context: Optional[_Context] = None
@@ -215,17 +184,26 @@ def _pool_for(usm_type: str, index: int, queue: Any) -> Optional[_core.CachingAl
 
 
 def _keep_alive_guard(index: int) -> Optional[Any]:
-    """What the dpnp allocator runs before each allocation on device
-    ``index``: on a CPU device, _bound_keep_alive_tasks. Some of dpnp's
-    extensions (oneMKL's vector functions) still keep their arguments alive
-    with host tasks that need the GIL, and wait for oneMKL's host tasks with
-    the GIL held; dpctl's allocator lets the former through by releasing the
-    GIL at every allocation, the pool's does not, so without this a CPU
-    device's host-task threads fill up and dpnp hangs."""
-    ctx = _ctx()
-    if ctx.keep_alive_limit[index] is None:
-        return None
-    return lambda queue: _bound_keep_alive_tasks(ctx, queue, index)
+    """What runs before each array the pool hands out on device ``index``
+    (unimem.xpu.empty and the dpnp allocator): on a CPU device,
+    _usm_memory.yield_gil, which lets dpctl's keep-alive host tasks take the
+    GIL without waiting for any of them; None elsewhere.
+
+    dpctl keeps arrays alive until their kernels finish with host tasks that
+    need the GIL to let go of them; they run in the SYCL runtime's small pool
+    of host-task threads. On a CPU device oneMKL runs its own work as host
+    tasks in that pool, and dpnp sometimes waits for it holding the GIL: if
+    keep-alive tasks waiting for the GIL fill the pool first, nothing moves
+    again. dpctl's own allocator lets the GIL go for a moment at every
+    allocation (its malloc runs without it), which lets waiting tasks
+    through; the pool's hit path never lets it go, so it does the same (a
+    busy moment without the GIL: a sleep would give the CPU up to the
+    device's kernels for a whole time slice). Nothing is waited for: tasks
+    behind a kernel still running would make the allocation wait for the
+    device (tens of milliseconds behind a matmul), and one blocked for good
+    would block it for good.
+    """
+    return _usm_memory.yield_gil if _ctx().yields_to_host_tasks[index] else None
 
 
 def _host_pool_for(queue) -> _core.CachingAllocator:
@@ -311,7 +289,8 @@ def empty(shape: ShapeLike, dtype: Any = None, *, order: str = "C", device: Any 
     pool = _pool(usm_type, index, queue)
     if nbytes == 0:     # nothing to allocate
         return ctx.dpnp.empty(dims, dtype=dt, order=order, usm_type=usm_type, sycl_queue=queue)
-    _bound_keep_alive_tasks(ctx, queue, index)
+    if ctx.yields_to_host_tasks[index]:     # see _keep_alive_guard
+        _usm_memory.yield_gil()
     # dpctl's own memory object, holding the block with a smart pointer as
     # dpctl holds what it allocates: the same memory the dpnp allocator
     # (set_allocator) hands out, so dpnp's kernels keep it alive without

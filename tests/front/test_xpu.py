@@ -279,19 +279,54 @@ def test_zero_size_arrays(xpu):
 # of its host-task threads (dpctl's keep-alive tasks), while dpnp may wait on
 # an event holding the GIL. These tests pin the rules that keep that from
 # deadlocking (see CachingAllocator's locking notes and
-# unimem.xpu._bound_keep_alive_tasks).
+# unimem.xpu._keep_alive_guard).
 # ---------------------------------------------------------------------------
-def test_keep_alive_tasks_are_bounded_when_arrays_are_handed_out(xpu, dpnp):
-    from dpctl.utils import SequentialOrderManager
-    queue = xpu.default_queue()
-    if not queue.sycl_device.has_aspect_cpu:
-        pytest.skip("the bound applies to CPU devices")
-    a = xpu.ones((256, 256), dtype="f4")
-    outs = [xpu.empty((256, 256), dtype="f4") for _ in range(8)]
-    for out in outs:                       # eight kernels, eight keep-alive tasks in flight
-        dpnp.matmul(a, a, out=out)
-    xpu.empty(16)
-    assert len(SequentialOrderManager[queue].host_task_events) <= xpu.KEEP_ALIVE_LIMIT_CPU
+BLOCKED_HOST_TASKS = """
+import threading, time
+import dpnp
+from dpctl.utils import SequentialOrderManager
+import unimem
+
+queue = unimem.xpu.default_queue()
+release, entered = threading.Event(), threading.Event()
+
+class Blocker:
+    def __del__(self):              # runs in the keep-alive host task, which then stays busy
+        entered.set()
+        release.wait(60)            # lets the GIL go
+
+events = []
+for _ in range(4):                  # more than any bound on pending keep-alive tasks
+    event = queue._submit_keep_args_alive((Blocker(),), [])
+    SequentialOrderManager[queue].add_event_pair(event, event)
+    events.append(event)
+assert entered.wait(30), "the keep-alive host task did not start"
+start = time.perf_counter()
+for _ in range(3):
+    array = unimem.xpu.empty(1024, dtype="f4")
+with unimem.xpu.using_allocator():
+    for _ in range(3):
+        array = dpnp.empty(1024, dtype="f4")
+print("allocated in", time.perf_counter() - start)
+release.set()
+for event in events:
+    event.wait()
+"""
+
+
+def test_an_allocation_does_not_wait_for_keep_alive_host_tasks(tmp_path):
+    """Host tasks that keep arrays alive run after their kernels: waiting for
+    any of them on the allocation path makes an allocation wait for the
+    device. Here they are blocked on purpose (until the script lets them go,
+    after its allocations): unimem.xpu.empty and dpnp.empty through the pool
+    must return at once; waiting for them blocked for the full 60 s."""
+    import subprocess
+    import sys
+    script = tmp_path / "blocked.py"
+    script.write_text(BLOCKED_HOST_TASKS)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=45)
+    assert done.returncode == 0 and "allocated in" in done.stdout, done.stdout + done.stderr[-3000:]
+    assert float(done.stdout.split("allocated in")[1]) < 10, done.stdout
 
 
 def test_a_finalizers_free_runs_no_python(xpu):
