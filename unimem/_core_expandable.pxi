@@ -334,12 +334,24 @@ cdef Block* _free_piece(CachingAllocator self, Block* like, uintptr_t ptr, size_
     return piece
 
 
+cdef inline bint _holds_whole_page(Block* b) noexcept nogil:
+    cdef Segment* seg = b.segment
+    return _round_up(b.ptr - seg.base, seg.page) + seg.page <= b.ptr + b.size - seg.base
+
+
 cdef int _unmap_block(CachingAllocator self, Block* b) except -1:
     """Unmap the whole pages inside the free block ``b`` (PyTorch's
     unmap_block): what is left before and after them stays a free block.
     An unmap that raises may or may not have given the memory back: the
     span is then lost (never mapped or reserved again), counted in
-    lost_segments, and the error raised once the state is consistent."""
+    lost_segments, and the error raised once the state is consistent.
+
+    The backend's unmap may run Python with the lock held (this thread's
+    lock is recursive): a finalizer run by garbage collection may free a
+    neighbouring block, which merges with its free neighbours, or allocate.
+    So ``b`` is off the free index and marked as handed out meanwhile
+    (neither merged away nor handed out), and the pieces left before and
+    after it are merged with whatever is beside them only afterwards."""
     cdef Segment* seg = b.segment
     cdef FreeIndex* fi = b.index
     cdef uintptr_t begin = seg.base + _round_up(b.ptr - seg.base, seg.page)
@@ -363,14 +375,19 @@ cdef int _unmap_block(CachingAllocator self, Block* b) except -1:
         if after != NULL:
             block_delete(&self.slab, after)
         raise MemoryError("host memory for the allocator's bookkeeping ran out")
+    fi_remove(fi, b)
+    b.allocated = True                 # while the backend runs: see above
     error = None
     t0 = um_now_ns()
     try:
         self._vm_unmap(begin, n, self.device)
     except BaseException as exc:
         error = exc
+    b.allocated = False
     duration_add(&self.stats.device_free_time, (um_now_ns() - t0) // 1000)
-    fi_remove(fi, b)
+    # The pieces go back to the free index (room for their size classes was
+    # reserved above; should a re-entered call have used it, fi_insert makes
+    # more, which only a machine out of host memory could refuse).
     if before != NULL:
         before.prev = b.prev
         before.next = b
@@ -379,9 +396,11 @@ cdef int _unmap_block(CachingAllocator self, Block* b) except -1:
         else:
             seg.head = before
         b.prev = before
+        self._try_merge(before, before.prev, fi)
         fi_insert(fi, before)
     if after != NULL:
         _splice_after(b, after)
+        self._try_merge(after, after.next, fi)
         fi_insert(fi, after)
     b.ptr = begin
     b.size = n
@@ -402,11 +421,10 @@ cdef int _unmap_block(CachingAllocator self, Block* b) except -1:
     return 0
 
 
-cdef int _unmap_free_pages(CachingAllocator self, bint has_stream, uintptr_t stream) except -1:
-    """Unmap every whole free page of the expandable segments (of ``stream``
-    only, when given): PyTorch's release_blocks for expandable segments.
-    The first backend error is raised after the other blocks were tried."""
-    cdef vector[Block*] victims
+cdef Block* _next_to_unmap(CachingAllocator self, bint has_stream, uintptr_t stream,
+                           vector[uintptr_t]* refused) noexcept nogil:
+    """A mapped free block holding a whole page (of ``stream``'s segments,
+    when given) whose unmap was not refused for want of host memory, or NULL."""
     cdef Segment* seg = self.segments
     cdef Block* b
     cdef size_t i
@@ -414,17 +432,40 @@ cdef int _unmap_free_pages(CachingAllocator self, bint has_stream, uintptr_t str
         if seg.expandable and not (has_stream and seg.stream != stream):
             b = seg.head
             while b != NULL:
-                if not b.unmapped and _allocatable(b):
-                    victims.push_back(b)
+                if not b.unmapped and _allocatable(b) and _holds_whole_page(b):
+                    for i in range(refused.size()):
+                        if refused[0][i] == b.ptr:
+                            break
+                    else:
+                        return b
                 b = b.next
         seg = seg.next_seg
+    return NULL
+
+
+cdef int _unmap_free_pages(CachingAllocator self, bint has_stream, uintptr_t stream) except -1:
+    """Unmap every whole free page of the expandable segments (of ``stream``
+    only, when given): PyTorch's release_blocks for expandable segments.
+    The first backend error is raised after the other blocks were tried.
+    The blocks are looked up afresh after each unmap: a free re-entered from
+    the backend's unmap may have merged a block found before it away."""
+    cdef vector[uintptr_t] refused
+    cdef Block* b = _next_to_unmap(self, has_stream, stream, &refused)
     first_error = None
-    for i in range(victims.size()):
+    while b != NULL:
         try:
-            _unmap_block(self, victims[i])
+            _unmap_block(self, b)
+        except MemoryError as exc:
+            # b is either left as it was (no host memory for the pieces) or
+            # lost and unmapped (the backend raised): never tried twice.
+            if not b.unmapped:
+                refused.push_back(b.ptr)
+            if first_error is None:
+                first_error = exc
         except BaseException as exc:
             if first_error is None:
                 first_error = exc
+        b = _next_to_unmap(self, has_stream, stream, &refused)
     if first_error is not None:
         raise first_error
     return 0
