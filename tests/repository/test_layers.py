@@ -52,6 +52,7 @@ LAYER_OF_PREFIX = (                 # first match wins: more specific first
     ("unimem.xpu", 4),
     ("unimem.host", 4),
     ("unimem._memory_api", 4),
+    ("unimem._memory", 4),
     ("unimem._usm_memory", 4),
     ("unimem._sycl_interposer", 4),
     ("unimem._dpnp_allocator", 4),

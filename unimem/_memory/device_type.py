@@ -1,0 +1,64 @@
+"""The device type a :class:`unimem._memory_api.MemoryAPI` is bound to: its
+allocators, and the device functions (``is_available``, ``set_device``...)."""
+from __future__ import annotations
+
+from typing import List, Optional
+
+from .. import _core
+from .._runtime.devices import DEVICE_POOLS, DeviceLike, DeviceType, device_index, get_type
+
+
+class DeviceTypeAPI:
+    """The memory functions of one device type (``"cpu"``, ``"xpu"``, ``"cuda"``):
+    the plumbing every part of :class:`unimem._memory_api.MemoryAPI` shares."""
+
+    def __init__(self, type_name: str) -> None:
+        self.type_name = type_name
+        self.pool = DEVICE_POOLS[type_name]
+
+    # -- plumbing ---------------------------------------------------------
+    def _type(self) -> DeviceType:
+        return get_type(self.type_name)
+
+    def _index(self, device: DeviceLike) -> int:
+        return device_index(device, self._type())
+
+    def _existing(self, device: DeviceLike) -> Optional[_core.CachingAllocator]:
+        dtype = self._type()
+        return dtype.registry.peek(device_index(device, dtype))
+
+    def caching_allocator(self, device: DeviceLike = None) -> _core.CachingAllocator:
+        """The caching allocator of ``device`` (created if needed)."""
+        dtype = self._type()
+        return dtype.allocator(device_index(device, dtype))
+
+    def _initialized(self) -> List[_core.CachingAllocator]:
+        """The allocators made so far (none when the device type has none)."""
+        try:
+            return list(self._type().registry.initialized().values())
+        except RuntimeError:
+            return []
+
+    # -- devices ----------------------------------------------------------
+    def is_available(self) -> bool:
+        r"""Return a bool indicating if this device type is available."""
+        try:
+            return self._type().device_count > 0
+        except RuntimeError:
+            return False
+
+    def device_count(self) -> int:
+        r"""Return the number of devices of this type available (0 if none)."""
+        try:
+            return self._type().device_count
+        except RuntimeError:
+            return 0
+
+    def current_device(self) -> int:
+        r"""Return the index of the currently selected device."""
+        return self._type().current_index()
+
+    def set_device(self, device: DeviceLike) -> None:
+        r"""Set the current device."""
+        dtype = self._type()
+        dtype.set_current_index(device_index(device, dtype, optional=False))

@@ -1,0 +1,92 @@
+"""Snapshots and history: ``memory_snapshot``, ``_record_memory_history``,
+``_snapshot`` and ``_dump_snapshot``, in PyTorch's layout."""
+from __future__ import annotations
+
+import sys
+from typing import Any, Dict, List, Literal, Optional
+
+from .._observe import history as _history
+from .._runtime.devices import DeviceLike
+from .device_type import DeviceTypeAPI
+
+
+class HistoryAPI(DeviceTypeAPI):
+    """The state of a device type's caching allocators, and their history."""
+
+    def memory_snapshot(self) -> List[Dict[str, Any]]:
+        r"""Return a snapshot of the memory allocator state across all devices.
+
+        A list of segments, each with its blocks (``address``, ``size``,
+        ``requested_size``, ``state``: ``active_allocated``,
+        ``active_pending_free`` or ``inactive``, and the ``frames`` that
+        allocated it while history is recorded), in PyTorch's field names.
+        Interpreting the output of this function requires familiarity with the
+        memory allocator internals.
+        """
+        try:
+            registry = self._type().registry
+        except RuntimeError:
+            return []
+        return _history.snapshot(self.pool, registry)["segments"]
+
+    def _record_memory_history(self, enabled: Optional[Literal["state", "all"]] = "all",
+                               context: Optional[Literal["state", "alloc", "all"]] = "all",
+                               stacks: Literal["python", "all"] = "python", max_entries: int = sys.maxsize,
+                               device: DeviceLike = None, clear_history: bool = False,
+                               skip_actions: Optional[List[str]] = None) -> None:
+        r"""Enable recording of stack traces associated with memory
+        allocations, so you can tell what allocated any piece of memory in
+        :func:`_snapshot()`.
+
+        In addition to keeping stack traces with each current allocation and free,
+        this will also enable recording of a history of all alloc/free events.
+        Up to ``max_entries`` entries are kept: newer entries overwrite the oldest.
+
+        Args:
+            enabled (Literal[None, "state", "all"], optional):
+                `None`, disable recording memory history (the recorded
+                alloc/free history is dropped, as in PyTorch; the frames of
+                blocks still live stay until they are freed).
+                `"state"`, keep information for currently allocated memory
+                (and, as PyTorch, only the last alloc/free entry).
+                `"all"`, additionally keep a history of all alloc/free calls.
+                Defaults to "all".
+            context (Literal[None, "state", "alloc", "all"], optional):
+                `None`, Do not record any tracebacks.
+                `"state"`, Record tracebacks for currently allocated memory.
+                `"alloc"`, additionally keep tracebacks for alloc calls (the
+                history entry of a free carries the traceback that allocated
+                the memory).
+                `"all"`, additionally keep tracebacks for free calls.
+                Defaults to "all".
+            stacks (Literal["python", "all"], optional): Python frames are
+                recorded in both cases (there are no C++ frames to add).
+            max_entries (int, optional): Keep a maximum of `max_entries`
+                alloc/free events in the recorded history recorded.
+            device: ignored; recording applies to every device of this type, as in PyTorch.
+            clear_history (bool, optional): Clear history when enabling, defaults to False.
+            skip_actions (list[str], optional): action types not to record
+                (``"alloc"``, ``"free_requested"``, ``"free_completed"``,
+                ``"segment_alloc"``, ``"segment_free"``, ``"oom"``).
+        """
+        _history.record_memory_history(self.pool, self._type().registry, enabled, context,
+                                       stacks, max_entries, clear_history, skip_actions)
+
+    def _snapshot(self, device: DeviceLike = None) -> Dict[str, Any]:
+        r"""Save a snapshot of memory state at the time it was called: a dict
+        with ``segments`` and ``device_traces`` in PyTorch's layout (see
+        ``torch.cuda.memory._snapshot``), readable by ``torch.cuda._memory_viz``
+        and pytorch.org/memory_viz."""
+        return _history.snapshot(self.pool, self._type().registry)
+
+    def _dump_snapshot(self, filename: "_history.PathLike" = "dump_snapshot.pickle") -> None:
+        r"""Save a pickled version of the :func:`_snapshot` dictionary to a file.
+
+        This file can be opened by the interactive snapshot viewer at pytorch.org/memory_viz
+
+        Args:
+            filename (str or os.PathLike, optional): Name of the file to create.
+                Defaults to "dump_snapshot.pickle". Anything but a path (a file
+                descriptor, say) is a ``TypeError``.
+        """
+        _history.dump_snapshot(self.pool, self._type().registry, filename)

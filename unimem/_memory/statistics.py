@@ -1,0 +1,207 @@
+"""Statistics: ``memory_stats`` and the figures read from it, their resets,
+the device's memory information and ``memory_summary``."""
+from __future__ import annotations
+
+import collections
+import warnings
+from typing import Any, Dict, Tuple
+
+from .._observe.summary import memory_summary_table
+from .._runtime.devices import DeviceLike, device_index
+from .device_type import DeviceTypeAPI
+
+
+def nest_stats(flat: Dict[str, Any]) -> Dict[str, Any]:
+    """``{"a.b.c": v}`` -> ``{"a": {"b": {"c": v}}}``."""
+    nested: Dict[str, Any] = {}
+    for key, value in flat.items():
+        node = nested
+        *path, leaf = key.split(".")
+        for part in path:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return nested
+
+
+class StatisticsAPI(DeviceTypeAPI):
+    """What a device type's caching allocators report."""
+
+    def memory_stats(self, device: DeviceLike = None) -> "collections.OrderedDict[str, Any]":
+        r"""Return a dictionary of memory allocator statistics for a given device.
+
+        The return value of this function is a dictionary of statistics, each of
+        which is a non-negative integer.
+
+        Core statistics:
+
+        - ``"allocated.{all,large_pool,small_pool}.{current,peak,allocated,freed}"``:
+          number of allocation requests received by the memory allocator
+          (also served as ``"allocation.*"``, the name PyTorch's C++ core uses).
+        - ``"allocated_bytes.{all,large_pool,small_pool}.{current,peak,allocated,freed}"``:
+          amount of allocated memory.
+        - ``"segment.{all,large_pool,small_pool}.{current,peak,allocated,freed}"``:
+          number of reserved segments from device memory allocation.
+        - ``"reserved_bytes.{all,large_pool,small_pool}.{current,peak,allocated,freed}"``:
+          amount of reserved memory.
+        - ``"active.{all,large_pool,small_pool}.{current,peak,allocated,freed}"``:
+          number of active memory blocks.
+        - ``"active_bytes.{all,large_pool,small_pool}.{current,peak,allocated,freed}"``:
+          amount of active memory.
+        - ``"inactive_split.{all,large_pool,small_pool}.{current,peak,allocated,freed}"``:
+          number of inactive, non-releasable memory blocks.
+        - ``"inactive_split_bytes.{all,large_pool,small_pool}.{current,peak,allocated,freed}"``:
+          amount of inactive, non-releasable memory.
+        - ``"requested_bytes.{all,large_pool,small_pool}.{current,peak,allocated,freed}"``:
+          memory requested by client code (before rounding).
+
+        For these core statistics, values are broken down as follows.
+
+        Pool type:
+
+        - ``all``: combined statistics across all memory pools.
+        - ``large_pool``: statistics for the large allocation pool (> 1 MiB).
+        - ``small_pool``: statistics for the small allocation pool (<= 1 MiB).
+
+        Metric type:
+
+        - ``current``: current value of this metric.
+        - ``peak``: maximum value of this metric.
+        - ``allocated``: historical total increase in this metric.
+        - ``freed``: historical total decrease in this metric.
+
+        In addition to the core statistics, we also provide some simple event
+        counters:
+
+        - ``"num_alloc_retries"``: number of failed device memory allocation calls that
+          result in a cache flush and retry.
+        - ``"num_ooms"``: number of out-of-memory errors thrown.
+        - ``"num_sync_all_streams"``: number of ``synchronize_and_free_events`` calls.
+        - ``"num_device_alloc"``: number of device memory allocation calls.
+        - ``"num_device_free"``: number of device memory free calls.
+
+        And the oversize statistics (``"oversize_allocations.*"``,
+        ``"oversize_segments.*"``: blocks of at least ``max_split_size``) and
+        ``"max_split_size"`` itself (-1 when unlimited).
+
+        Returns an empty ``OrderedDict`` before the first allocation on the device.
+        """
+        allocator = self._existing(device)
+        if allocator is None:
+            return collections.OrderedDict()
+        return allocator.memory_stats()
+
+    def memory_stats_as_nested_dict(self, device: DeviceLike = None) -> Dict[str, Any]:
+        r"""Return the result of :func:`memory_stats` as a nested dictionary."""
+        return nest_stats(self.memory_stats(device))
+
+    def reset_accumulated_memory_stats(self, device: DeviceLike = None) -> None:
+        r"""Reset the "accumulated" (historical) stats tracked by the memory allocator.
+
+        Accumulated stats correspond to the `"allocated"` and `"freed"` keys in each
+        individual stat dict, as well as `"num_alloc_retries"` and `"num_ooms"`.
+        """
+        allocator = self._existing(device)
+        if allocator is not None:
+            allocator.reset_accumulated_stats()
+
+    def reset_peak_memory_stats(self, device: DeviceLike = None) -> None:
+        r"""Reset the "peak" stats tracked by the memory allocator.
+
+        Peak stats correspond to the `"peak"` key in each individual stat dict.
+        """
+        allocator = self._existing(device)
+        if allocator is not None:
+            allocator.reset_peak_stats()
+
+    def reset_max_memory_allocated(self, device: DeviceLike = None) -> None:
+        r"""Reset the starting point in tracking maximum memory occupied by tensors for a given device.
+
+        .. warning::
+            This function now calls :func:`reset_peak_memory_stats`, which resets
+            /all/ peak memory stats.
+        """
+        warnings.warn("reset_max_memory_allocated now calls reset_peak_memory_stats, "
+                      "which resets /all/ peak memory stats.", FutureWarning, stacklevel=2)
+        self.reset_peak_memory_stats(device)
+
+    def reset_max_memory_cached(self, device: DeviceLike = None) -> None:
+        r"""Reset the starting point in tracking maximum memory managed by the caching allocator.
+
+        .. warning::
+            This function now calls :func:`reset_peak_memory_stats`, which resets
+            /all/ peak memory stats.
+        """
+        warnings.warn("reset_max_memory_cached now calls reset_peak_memory_stats, "
+                      "which resets /all/ peak memory stats.", FutureWarning, stacklevel=2)
+        self.reset_peak_memory_stats(device)
+
+    def memory_allocated(self, device: DeviceLike = None) -> int:
+        r"""Return the current memory occupied by tensors in bytes for a given device."""
+        dtype = self._type()
+        return dtype.registry.memory_allocated(device_index(device, dtype))
+
+    def max_memory_allocated(self, device: DeviceLike = None) -> int:
+        r"""Return the maximum memory occupied by tensors in bytes for a given device.
+
+        By default, this returns the peak allocated memory since the beginning of
+        this program. :func:`reset_peak_memory_stats` can be used to
+        reset the starting point in tracking this metric.
+        """
+        allocator = self._existing(device)
+        return 0 if allocator is None else allocator.max_memory_allocated()
+
+    def memory_reserved(self, device: DeviceLike = None) -> int:
+        r"""Return the current memory managed by the caching allocator in bytes for a given device."""
+        allocator = self._existing(device)
+        return 0 if allocator is None else allocator.memory_reserved()
+
+    def max_memory_reserved(self, device: DeviceLike = None) -> int:
+        r"""Return the maximum memory managed by the caching allocator in bytes for a given device.
+
+        By default, this returns the peak cached memory since the beginning of this
+        program. :func:`reset_peak_memory_stats` can be used to reset
+        the starting point in tracking this metric.
+        """
+        allocator = self._existing(device)
+        return 0 if allocator is None else allocator.max_memory_reserved()
+
+    def memory_cached(self, device: DeviceLike = None) -> int:
+        r"""Deprecated; see :func:`memory_reserved`."""
+        warnings.warn("memory_cached has been renamed to memory_reserved", FutureWarning, stacklevel=2)
+        return self.memory_reserved(device)
+
+    def max_memory_cached(self, device: DeviceLike = None) -> int:
+        r"""Deprecated; see :func:`max_memory_reserved`."""
+        warnings.warn("max_memory_cached has been renamed to max_memory_reserved", FutureWarning, stacklevel=2)
+        return self.max_memory_reserved(device)
+
+    def get_memory_info(self, device: DeviceLike = None) -> Tuple[int, int]:
+        r"""Return the current device memory information for a given device.
+
+        Returns:
+            tuple[int, int]: a tuple of two integers (free_memory, total_memory) in bytes.
+            The first value is the free memory on the device (available across all
+            processes and applications), the second value is the device's total
+            hardware memory capacity.
+        """
+        dtype = self._type()
+        free, total = dtype.backend.memory_info(device_index(device, dtype))
+        return int(free), int(total)
+
+    mem_get_info = get_memory_info
+
+    def memory_summary(self, device: DeviceLike = None, abbreviated: bool = False) -> str:
+        r"""Return a human-readable printout of the current memory allocator statistics for a given device.
+
+        This can be useful to display periodically during training, or when
+        handling out-of-memory exceptions.
+
+        Args:
+            device (int, str or device, optional): selected device. Returns
+                printout for the current device if :attr:`device` is ``None`` (default).
+            abbreviated (bool, optional): whether to return an abbreviated summary
+                (default: False).
+        """
+        index = self._index(device)
+        return memory_summary_table(self.memory_stats(index), self.pool.display_name,
+                                    index, abbreviated)
