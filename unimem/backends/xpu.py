@@ -15,6 +15,7 @@ at it (``OCL_ICD_FILENAMES``) before dpctl is first imported.
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import sys
 import threading
@@ -105,6 +106,11 @@ class _SyclRuntime:
         self.free_handles: Dict[int, List[int]] = {}    # device index -> handles to reuse
         self.handle_devices: Dict[int, int] = {}        # handle -> its queue's device index
         self.released: Set[int] = set()                 # handles the core no longer uses
+        # A released queue someone else still held (dpctl's
+        # SequentialOrderManager, until its clear()) would stay here until
+        # the next queue unimem sees; dpctl's queues take no weak reference,
+        # so look again after each garbage collection instead.
+        gc.callbacks.append(self._sweep_after_collection)
 
     def c_functions(self, names: Tuple[str, ...]) -> Dict[str, int]:
         """The addresses of functions of dpctl's C interface (libDPCTLSyclInterface)."""
@@ -179,8 +185,18 @@ class _SyclRuntime:
         if handle <= 0:
             return
         self.released.add(handle)
-        # never wait here: the core may call this from a thread that holds
-        # the lock already (a finalizer), and whoever holds it sweeps later
+        self._sweep_unless_locked()
+
+    def _sweep_after_collection(self, phase: str, info: Dict[str, int]) -> None:
+        """``gc.callbacks``: drop the released queues nothing else holds any
+        more (the last other holder may have gone since their release)."""
+        if phase == "stop" and self.released:
+            self._sweep_unless_locked()
+
+    def _sweep_unless_locked(self) -> None:
+        # never wait here: the core may release from a thread that holds the
+        # lock already (a finalizer), a collection may run anywhere, and
+        # whoever holds the lock sweeps later
         if self._lock.acquire(blocking=False):
             try:
                 self._drop_released_queues()
@@ -245,8 +261,12 @@ class _SyclRuntime:
 
 def reset_after_fork_in_child() -> None:
     """Called by unimem's fork handler in a forked child: the thread that
-    held the runtime's lock in the parent does not exist in the child."""
+    held the runtime's lock in the parent does not exist in the child.
+    The child drops no queue either (no sweep after a garbage collection):
+    SYCL runtimes are not fork-safe."""
     _SyclRuntime._lock = threading.Lock()
+    if _SyclRuntime._instance is not None:
+        _SyclRuntime._instance.released.clear()
 
 
 class XPUBackend(Backend):
