@@ -83,12 +83,20 @@ class StatisticsAPI(DeviceTypeAPI):
         ``"oversize_segments.*"``: blocks of at least ``max_split_size``) and
         ``"max_split_size"`` itself (-1 when unlimited).
 
-        Returns an empty ``OrderedDict`` before the first allocation on the device.
+        Returns an empty ``OrderedDict`` before the device type's first
+        allocator is made (PyTorch: before CUDA is initialised); after that,
+        a device not used yet has every statistic at 0.
         """
         allocator = self._existing(device)
-        if allocator is None:
+        if allocator is not None:
+            return allocator.memory_stats()
+        made = self._initialized()
+        if not made:
             return collections.OrderedDict()
-        return allocator.memory_stats()
+        # PyTorch makes every device's allocator at initialisation: the same
+        # keys at 0 (max_split_size is the configuration, not a counter)
+        return collections.OrderedDict(
+            (key, value if key == "max_split_size" else 0) for key, value in made[0].memory_stats().items())
 
     def memory_stats_as_nested_dict(self, device: DeviceLike = None) -> Dict[str, Any]:
         r"""Return the result of :func:`memory_stats` as a nested dictionary."""
