@@ -181,3 +181,16 @@ def test_pytorch_options_are_validated_as_pytorch_does(text, message):
     with pytest.raises(ValueError, match=message) as info:
         parse_alloc_conf(text)
     assert "UNIMEM_ALLOC_CONF" in str(info.value)
+
+
+# ---------------------------------------------------------------------------
+# issue 26, item 9: PyTorch's wording for an out-of-range memory fraction
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("value", ["2", "1.0001", "-0.5", "-1"])
+def test_an_out_of_range_memory_fraction_is_refused_in_pytorchs_words(value):
+    """c10/cuda/CUDAAllocatorConfig.cpp, parsePerProcessMemoryFraction:
+    "per_process_memory_fraction is invalid, set it in [0.0, 1.0]"."""
+    with pytest.raises(ValueError) as info:
+        parse_alloc_conf(f"per_process_memory_fraction:{value}")
+    assert str(info.value).endswith("per_process_memory_fraction is invalid, set it in [0.0, 1.0]")
+    assert str(info.value).startswith("UNIMEM_ALLOC_CONF=")

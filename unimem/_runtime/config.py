@@ -14,7 +14,7 @@ Options (PyTorch's names and rules):
   interval from 1 MiB to 64 GiB.
 - ``garbage_collection_threshold`` in (0, 1): with a memory fraction set,
   reclaim old cached blocks once reserved memory passes this share of it.
-- ``per_process_memory_fraction`` in [0, 1] (unimem's addition): the share of
+- ``per_process_memory_fraction`` in [0, 1] (PyTorch's CUDA option too): the share of
   each device's memory this process may reserve, as
   ``set_per_process_memory_fraction`` sets it.
 - ``max_reserved_ratio`` >= 1 (unimem's addition, off by default): on a cache
@@ -277,7 +277,7 @@ def parse_alloc_conf(text: Optional[str]) -> AllocatorSettings:
         elif key == "per_process_memory_fraction":
             value = p.number(key)
             if not 0.0 <= value <= 1.0:
-                raise p.fail("per_process_memory_fraction must be in [0.0, 1.0]")
+                raise p.fail("per_process_memory_fraction is invalid, set it in [0.0, 1.0]")
             values[key] = value
         elif key == "max_reserved_ratio":
             value = p.number(key)
