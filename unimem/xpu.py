@@ -564,3 +564,50 @@ memory_summary.__doc__ = (_api.memory_summary.__doc__ or "") + """
     On an XPU device the tables of the shared USM pool of the device and of
     the host USM (pinned) pool follow the device's, once they have held memory.
     """
+
+
+# ---------------------------------------------------------------------------
+# torch.xpu.memory's XPUPluggableAllocator; torch.cuda's host statistics
+# (issue 28: names that need no change to the compiled core)
+# ---------------------------------------------------------------------------
+from .backends.shared_library import SharedLibraryAllocator  # noqa: E402
+from .host import (host_memory_stats, host_memory_stats_as_nested_dict,  # noqa: E402,F401
+                   reset_accumulated_host_memory_stats, reset_peak_host_memory_stats)
+
+__all__ += ["XPUPluggableAllocator", "host_memory_stats", "host_memory_stats_as_nested_dict",
+            "reset_accumulated_host_memory_stats", "reset_peak_host_memory_stats"]
+
+
+def _queue_pointer(stream: int, device: int) -> int:
+    """The ``sycl::queue*`` (dpctl's ``DPCTLSyclQueueRef``) of a pool's queue handle."""
+    runtime = _runtime()
+    queue = runtime.default_queues[device] if stream == 0 else runtime.queues[stream]
+    return int(queue.addressof_ref())
+
+
+class XPUPluggableAllocator(SharedLibraryAllocator):
+    r"""XPU memory allocator loaded from a so file.
+
+    Memory allocators are compiled in .so files and loaded dynamically using ctypes.
+    To change the active allocator use :func:`change_current_allocator`.
+
+    Args:
+        path_to_so_file(str): Path in the filesystem to the `.so` file containing
+            the allocator functions
+        alloc_fn_name(str): Name of the function to perform the memory allocation
+            in the so file. The signature must be:
+            void* alloc_fn_name(size_t size, int device, sycl::queue* queue);
+        free_fn_name(str): Name of the function to perform the memory release
+            in the so file. The signature must be:
+            void free_fn_name(void* ptr, size_t size, int device, sycl::queue* queue);
+
+    Unlike PyTorch's, the functions are called on a cache miss only: unimem's
+    caching allocator stays on top. ``queue`` is the ``dpctl.SyclQueue`` the
+    request named (its ``addressof_ref()``), else the device's default queue.
+    """
+
+    def __init__(self, path_to_so_file: str, alloc_fn_name: str, free_fn_name: str) -> None:
+        # mem_get_info keeps asking the device (global memory; free where it reports it)
+        device_backend = get_type("xpu").backend
+        super().__init__(path_to_so_file, alloc_fn_name, free_fn_name, stream_pointer=_queue_pointer,
+                         memory_info_fn=device_backend.memory_info)
