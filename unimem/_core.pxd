@@ -78,6 +78,7 @@ cdef class CachingAllocator:
     cdef bint recording
     cdef vector[TraceEvent] trace_buffer
     cdef object trace_hook
+    cdef object trace_delivery            # threading.RLock: batches reach the hook in the order taken
     cdef list oom_observers
     cdef bint poisoned
     cdef str poison_reason

@@ -761,20 +761,27 @@ cdef class CachingAllocator:
         """Hand recorded events to the history hook, outside the lock. An
         ordinary exception from the hook is reported as unraisable (the
         allocation it describes succeeded); a KeyboardInterrupt or SystemExit
-        reaches the caller, as a Ctrl-C must."""
+        reaches the caller, as a Ctrl-C must.
+
+        Taking the buffer and calling the hook happen under trace_delivery
+        (waited for without the GIL): with several threads, batches reach the
+        hook in the order they were taken, so the history keeps the order of
+        the allocator's own operations. Nothing of it runs while no hook is
+        installed (recording is False)."""
         if self.trace_buffer.empty():
             return 0
         cdef vector[TraceEvent] events
-        self._lock()
-        events.swap(self.trace_buffer)
-        hook = self.trace_hook
-        self._unlock()
-        if hook is None:
-            return 0
-        try:
-            hook([(TRACE_ACTIONS[e.action], e.addr, e.size, e.stream, e.time_ns) for e in events])
-        except Exception as exc:
-            _report_unraisable(exc, "unimem history hook")
+        with self.trace_delivery:
+            self._lock()
+            events.swap(self.trace_buffer)
+            hook = self.trace_hook
+            self._unlock()
+            if hook is None or events.empty():
+                return 0
+            try:
+                hook([(TRACE_ACTIONS[e.action], e.addr, e.size, e.stream, e.time_ns) for e in events])
+            except Exception as exc:
+                _report_unraisable(exc, "unimem history hook")
         return 0
 
     cdef object _out_of_memory(self, object requested, object tried=None):
@@ -1285,6 +1292,8 @@ cdef class CachingAllocator:
     def set_trace_hook(self, hook):
         """Install ``hook(events)`` to receive the allocator's actions as
         ``(action, address, size, stream, time_ns)`` tuples, or None to stop."""
+        if hook is not None and self.trace_delivery is None:
+            self.trace_delivery = threading.RLock()
         self._lock()
         self.trace_hook = hook
         self.recording = hook is not None
@@ -1323,6 +1332,8 @@ cdef class CachingAllocator:
         self.lock.reset_after_fork()
         self.lock_depth = 0
         self.trace_buffer.clear()
+        if self.trace_delivery is not None:     # another thread may have held it
+            self.trace_delivery = threading.RLock()
         if self.syncing_events:
             self.pending_events = self.syncing_events + self.pending_events
             self.syncing_events = []

@@ -1,0 +1,65 @@
+"""Memory history recorded while several threads allocate and free: the
+trace keeps the order of the allocator's own operations (issue 26, defect 4).
+
+Each thread hands its buffered events to the history after letting the
+allocator lock go; without an order kept between those hand-overs, two of
+them could swap: an address allocated twice with no free between, a
+free_requested after its free_completed, time going backwards.
+"""
+import random
+import threading
+
+import unimem
+
+THREADS = 4
+OPERATIONS = 1500
+SIZES = (512, 4096, 70_000, 1 << 20, 3 << 20)
+
+# What may follow each action for one address of the trace.
+NEXT = {None: {"alloc"}, "alloc": {"free_requested"}, "free_requested": {"free_completed"},
+        "free_completed": {"alloc"}}
+
+
+def churn(seed, barrier, errors):
+    rng = random.Random(seed)
+    live = []
+    try:
+        barrier.wait()
+        for _ in range(OPERATIONS):
+            if live and (len(live) > 8 or rng.random() < 0.5):
+                unimem.cpu.caching_allocator_delete(live.pop(rng.randrange(len(live))))
+            else:
+                live.append(unimem.cpu.caching_allocator_alloc(rng.choice(SIZES)))
+        for p in live:
+            unimem.cpu.caching_allocator_delete(p)
+    except BaseException as exc:          # reported by the test, not lost in the thread
+        errors.append(exc)
+
+
+def test_history_of_several_threads_is_in_the_allocators_order():
+    unimem.cpu._record_memory_history(max_entries=1_000_000, clear_history=True)
+    try:
+        barrier = threading.Barrier(THREADS)
+        errors = []
+        threads = [threading.Thread(target=churn, args=(seed, barrier, errors)) for seed in range(THREADS)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors, errors
+        trace = unimem.cpu._snapshot()["device_traces"][0]
+    finally:
+        unimem.cpu._record_memory_history(None, clear_history=True)
+        unimem.cpu.empty_cache()
+    blocks = [e for e in trace if e["action"] in ("alloc", "free_requested", "free_completed")]
+    assert len(blocks) >= THREADS * OPERATIONS
+    last = {}
+    wrong = []
+    for i, entry in enumerate(blocks):
+        before = last.get(entry["addr"])
+        if entry["action"] not in NEXT[before]:
+            wrong.append((i, hex(entry["addr"]), before, entry["action"]))
+        last[entry["addr"]] = entry["action"]
+    assert not wrong, f"{len(wrong)} impossible per-address sequences, the first: {wrong[:5]}"
+    backwards = [i for i in range(1, len(trace)) if trace[i]["time_us"] < trace[i - 1]["time_us"]]
+    assert not backwards, f"time_us goes backwards at {len(backwards)} entries, the first at {backwards[:5]}"
