@@ -8,7 +8,17 @@ page-aligned memory otherwise; :func:`backend_name` says which.
 
 Unlike PyTorch's and CuPy's pinned pools, which round every request up to a
 power of two and never split (a 10 GiB request holds 16 GiB), this pool uses
-the same best-fit, splitting policy as the device pools.
+the same best-fit, splitting policy as the device pools: a request is rounded
+to 512 bytes and carved from a 2 MiB segment (20 MiB for requests over
+1 MiB, the request rounded up to 2 MiB from 10 MiB), so several small pinned
+buffers cost one call to the pinning runtime (pinning is slow, and
+``cudaFreeHost`` synchronizes the device) and a request of 10 MiB or more
+reserves at most 2 MiB more than it asked for.
+:func:`host_memory_stats` therefore counts other figures than PyTorch for
+the same requests, each what this pool reserved or handed out: after pinned
+allocations of 40,960 and 81,920 bytes, PyTorch counts blocks of 65,536 and
+131,072 bytes, two blocks and two ``cudaHostAlloc`` calls; unimem counts
+40,960 + 81,920 bytes handed out, from one 2 MiB segment and one call.
 """
 from __future__ import annotations
 
@@ -156,6 +166,11 @@ def host_memory_stats() -> "collections.OrderedDict[str, Any]":
 
     Before the first pinned allocation every key is there, zero, as in
     PyTorch once CUDA is initialized.
+
+    The figures are what this pool reserved and handed out after its own
+    rounding (512 bytes, best fit, split from 2 MiB segments), not PyTorch's
+    (each request rounded up to a power of two, one block each): see
+    :mod:`unimem.host`.
     """
     pool = _existing()
     if pool is None:        # not created yet: nothing counted (and no runtime probed to create it)
