@@ -106,3 +106,26 @@ def test_beyond_the_largest_single_allocation_fails_at_once_keeping_the_cache():
     a.free(a.malloc(2 << 30))
     a.empty_cache()
     assert device.used == 0
+
+
+def test_a_request_larger_than_the_device_keeps_the_cache():
+    """A documented difference from PyTorch (README, "Differences from PyTorch
+    and CuPy"): a request no release can make fit fails at once, without
+    releasing the cache or counting a retry; one that may fit once the cache
+    is released does release it, and counts the retry, as PyTorch's."""
+    device = Refusing(64 * MiB)
+    a = _core.CachingAllocator(PluggableAllocator(device.malloc, device.free), 0)
+    a.set_capacity(device.capacity)                 # as new_allocator tells it the device's
+    a.free(a.malloc(30 * MiB))                      # a cached 30 MiB segment
+    before = a.memory_stats()
+    for huge in (800_000_000 << 30, 65 * MiB):
+        with pytest.raises(OutOfMemoryError):
+            a.malloc(huge)
+    after = a.memory_stats()
+    assert after["num_ooms"] == 2 and after.get("num_alloc_retries", 0) == 0
+    assert after["reserved_bytes.all.current"] == before["reserved_bytes.all.current"] == 30 * MiB
+    p = a.malloc(40 * MiB)                          # fits the device once the cache is let go
+    after = a.memory_stats()
+    assert after["num_alloc_retries"] == 1 and after["reserved_bytes.all.current"] == 40 * MiB
+    a.free(p)
+    a._check_invariants()
