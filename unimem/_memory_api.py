@@ -54,6 +54,7 @@ PUBLIC_FUNCTIONS = (
     "is_available", "device_count", "current_device", "set_device",
     "caching_allocator_alloc", "caching_allocator_delete", "record_stream",
     "set_per_process_memory_fraction", "get_per_process_memory_fraction", "empty_cache",
+    "change_current_allocator", "get_allocator_backend",
     "empty_virt_addr_cache",
     "memory_stats", "memory_stats_as_nested_dict", "reset_accumulated_memory_stats",
     "reset_peak_memory_stats", "reset_max_memory_allocated", "reset_max_memory_cached",

@@ -21,6 +21,7 @@ raise ``RuntimeError`` naming the cause (``device_count()`` is 0).
 from __future__ import annotations
 
 import functools
+import os
 import warnings
 import weakref
 from typing import Any, Callable, Dict, Optional, Tuple
@@ -32,12 +33,20 @@ from ._runtime.devices import get_type, new_allocator
 from ._runtime.pools import Pool, PoolKind
 from ._memory_api import PUBLIC_FUNCTIONS, MemoryAPI
 from .backends.base import Backend, forward_to_inner
-from .backends.cuda import CUDABackend, OnDevice, stream_key
+from .backends.cuda import CUDABackend, OnDevice, cuda_stream_of, stream_key
+from .backends.shared_library import SharedLibraryAllocator
+# torch.cuda's pinned (host) memory statistics: unimem.host's pool, the same functions
+from .host import (host_memory_stats, host_memory_stats_as_nested_dict, reset_accumulated_host_memory_stats,
+                   reset_peak_host_memory_stats)
 
 _api = MemoryAPI("cuda")
 globals().update(_api.functions())
 
-__all__ = list(PUBLIC_FUNCTIONS) + ["allocator", "MemoryPool", "OutOfMemoryError", "PooledMemory"]
+__all__ = list(PUBLIC_FUNCTIONS) + [
+    "allocator", "MemoryPool", "OutOfMemoryError", "PooledMemory", "CUDAPluggableAllocator",
+    "list_gpu_processes", "host_memory_stats", "host_memory_stats_as_nested_dict",
+    "reset_accumulated_host_memory_stats", "reset_peak_host_memory_stats",
+]
 
 
 def _cupy() -> Any:
@@ -330,3 +339,91 @@ class MemoryPool:
     def get_limit(self) -> int:
         """The limit in bytes on the current device (0: none)."""
         return self._current().get_memory_limit()
+
+
+# ---------------------------------------------------------------------------
+# torch.cuda.memory: CUDAPluggableAllocator, list_gpu_processes
+# ---------------------------------------------------------------------------
+def _cuda_memory_info(device: int) -> Tuple[int, int]:
+    """``cudaMemGetInfo`` on ``device``, through CuPy's runtime."""
+    runtime = _cupy().cuda.runtime
+    with OnDevice(runtime, device):
+        free, total = runtime.memGetInfo()
+    return int(free), int(total)
+
+
+class CUDAPluggableAllocator(SharedLibraryAllocator):
+    r"""CUDA memory allocator loaded from a so file.
+
+    Memory allocators are compiled in .so files and loaded dynamically using ctypes.
+    To change the active allocator use :func:`change_current_allocator`.
+
+    Args:
+        path_to_so_file(str): Path in the filesystem to the `.so` file containing
+            the allocator functions
+        alloc_fn_name(str): Name of the function to perform the memory allocation
+            in the so file. The signature must be:
+            void* alloc_fn_name(ssize_t size, int device, cudaStream_t stream);
+        free_fn_name(str): Name of the function to perform the memory release
+            in the so file. The signature must be:
+            void free_fn_name(void* ptr, size_t size, int device, cudaStream_t stream);
+
+    Unlike PyTorch's, the functions are called on a cache miss only: unimem's
+    caching allocator stays on top (blocks are reused, statistics kept). A
+    ``NULL`` return is out of memory: the cache is released and the request
+    retried once. ``mem_get_info`` still reads ``cudaMemGetInfo``.
+
+    .. warning::
+        This is currently supported only in unix OSs
+    """
+
+    def __init__(self, path_to_so_file: str, alloc_fn_name: str, free_fn_name: str) -> None:
+        super().__init__(path_to_so_file, alloc_fn_name, free_fn_name,
+                         stream_pointer=lambda stream, device: cuda_stream_of(stream),
+                         memory_info_fn=_cuda_memory_info)
+
+
+def _nvml_device_index(device: Any) -> int:
+    """The NVML index of a CUDA device: CUDA counts only the devices in
+    ``CUDA_VISIBLE_DEVICES`` (when it lists indices), NVML counts them all."""
+    index = _api._index(device)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return index
+    listed = [entry.strip() for entry in visible.split(",")]
+    try:
+        return int(listed[index])
+    except (IndexError, ValueError):    # UUIDs or a short list: the order CUDA sees
+        return index
+
+
+def list_gpu_processes(device: Any = None) -> str:
+    r"""Return a human-readable printout of the running processes and their GPU memory use for a given device.
+
+    This can be useful to display periodically during training, or when
+    handling out-of-memory exceptions. It reads NVML (the ``pynvml`` module
+    of ``nvidia-ml-py``); without it, a one-line message says so, as PyTorch's.
+
+    Args:
+        device (int, str or device, optional): selected device. Returns
+            printout for the current device, given by :func:`current_device`,
+            if :attr:`device` is ``None`` (default).
+    """
+    try:
+        import pynvml
+    except ImportError:
+        return "pynvml module not found, please install nvidia-ml-py"
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError_DriverNotLoaded:
+        return "cuda driver can't be loaded, is cuda enabled?"
+    index = _nvml_device_index(device)
+    handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+    processes = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+    lines = [f"GPU:{index}"]
+    if not processes:
+        lines.append("no processes are running")
+    for process in processes:
+        megabytes = process.usedGpuMemory / (1024 * 1024)
+        lines.append(f"process {process.pid:>10d} uses {megabytes:>12.3f} MB GPU memory")
+    return "\n".join(lines)

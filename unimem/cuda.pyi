@@ -6,17 +6,25 @@ from typing import Any, Optional
 from unimem import _core
 from unimem._memory_api import MemoryAPI
 from unimem.backends.base import Backend
+from unimem.backends.shared_library import SharedLibraryAllocator
+from unimem.host import (host_memory_stats as host_memory_stats,  # unimem.host's functions
+                         host_memory_stats_as_nested_dict as host_memory_stats_as_nested_dict,
+                         reset_accumulated_host_memory_stats as reset_accumulated_host_memory_stats,
+                         reset_peak_host_memory_stats as reset_peak_host_memory_stats)
 
 __all__ = [
     "is_available", "device_count", "current_device", "set_device", "caching_allocator_alloc",
     "caching_allocator_delete", "record_stream", "set_per_process_memory_fraction",
-    "get_per_process_memory_fraction", "empty_cache", "empty_virt_addr_cache", "memory_stats", "memory_stats_as_nested_dict",
+    "get_per_process_memory_fraction", "empty_cache", "change_current_allocator", "get_allocator_backend",
+    "empty_virt_addr_cache", "memory_stats", "memory_stats_as_nested_dict",
     "reset_accumulated_memory_stats", "reset_peak_memory_stats", "reset_max_memory_allocated",
     "reset_max_memory_cached", "memory_allocated", "max_memory_allocated", "memory_reserved",
     "max_memory_reserved", "memory_cached", "max_memory_cached", "get_memory_info", "mem_get_info",
     "memory_snapshot", "memory_summary", "caching_allocator", "_record_memory_history", "_snapshot",
     "_dump_snapshot",
-    "allocator", "MemoryPool", "OutOfMemoryError", "PooledMemory",
+    "allocator", "MemoryPool", "OutOfMemoryError", "PooledMemory", "CUDAPluggableAllocator",
+    "list_gpu_processes", "host_memory_stats", "host_memory_stats_as_nested_dict",
+    "reset_accumulated_host_memory_stats", "reset_peak_host_memory_stats",
 ]
 
 _api: MemoryAPI
@@ -31,6 +39,8 @@ record_stream = _api.record_stream
 set_per_process_memory_fraction = _api.set_per_process_memory_fraction
 get_per_process_memory_fraction = _api.get_per_process_memory_fraction
 empty_cache = _api.empty_cache
+change_current_allocator = _api.change_current_allocator
+get_allocator_backend = _api.get_allocator_backend
 empty_virt_addr_cache = _api.empty_virt_addr_cache
 memory_stats = _api.memory_stats
 memory_stats_as_nested_dict = _api.memory_stats_as_nested_dict
@@ -79,3 +89,10 @@ class MemoryPool:
     def total_bytes(self) -> int: ...
     def set_limit(self, size: Optional[int] = ..., fraction: Optional[float] = ...) -> None: ...
     def get_limit(self) -> int: ...
+
+
+# Backend is a Protocol: its optional members keep their defaults (mypy calls them abstract here)
+class CUDAPluggableAllocator(SharedLibraryAllocator):  # type: ignore[misc]
+    def __init__(self, path_to_so_file: str, alloc_fn_name: str, free_fn_name: str) -> None: ...
+
+def list_gpu_processes(device: Any = ...) -> str: ...

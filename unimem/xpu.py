@@ -586,28 +586,36 @@ def _queue_pointer(stream: int, device: int) -> int:
 
 
 class XPUPluggableAllocator(SharedLibraryAllocator):
-    r"""XPU memory allocator loaded from a so file.
+    r"""
+    XPU memory allocator loaded dynamically from a shared library.
 
-    Memory allocators are compiled in .so files and loaded dynamically using ctypes.
-    To change the active allocator use :func:`change_current_allocator`.
+    This lets users provide custom allocation and free functions implemented
+    in a separate shared library. The allocator is registered and could become
+    available for use via :func:`change_current_allocator`.
 
-    Args:
-        path_to_so_file(str): Path in the filesystem to the `.so` file containing
-            the allocator functions
-        alloc_fn_name(str): Name of the function to perform the memory allocation
-            in the so file. The signature must be:
-            void* alloc_fn_name(size_t size, int device, sycl::queue* queue);
-        free_fn_name(str): Name of the function to perform the memory release
-            in the so file. The signature must be:
-            void free_fn_name(void* ptr, size_t size, int device, sycl::queue* queue);
+    Arguments:
+        path_to_lib_file (str):
+            Filesystem path to the shared library file containing the allocation
+            and free functions.
+        alloc_fn_name (str):
+            Name of the allocation function exported from the shared library.
+            The function must have the signature:
+
+                ``void* alloc_fn(size_t size, int device, sycl::queue* queue);``
+
+        free_fn_name (str):
+            Name of the free function exported from the shared library.
+            The function must have the signature:
+
+                ``void free_fn(void* ptr, size_t size, int device, sycl::queue* queue);``
 
     Unlike PyTorch's, the functions are called on a cache miss only: unimem's
     caching allocator stays on top. ``queue`` is the ``dpctl.SyclQueue`` the
     request named (its ``addressof_ref()``), else the device's default queue.
     """
 
-    def __init__(self, path_to_so_file: str, alloc_fn_name: str, free_fn_name: str) -> None:
+    def __init__(self, path_to_lib_file: str, alloc_fn_name: str, free_fn_name: str) -> None:
         # mem_get_info keeps asking the device (global memory; free where it reports it)
         device_backend = get_type("xpu").backend
-        super().__init__(path_to_so_file, alloc_fn_name, free_fn_name, stream_pointer=_queue_pointer,
+        super().__init__(path_to_lib_file, alloc_fn_name, free_fn_name, stream_pointer=_queue_pointer,
                          memory_info_fn=device_backend.memory_info)

@@ -8,11 +8,17 @@ from typing import Any, Dict, Literal, Optional, Sequence, Union
 from unimem import _core
 from unimem._memory_api import MemoryAPI, MemoryLike
 from unimem._runtime.devices import DeviceLike
+from unimem.backends.shared_library import SharedLibraryAllocator
+from unimem.host import (host_memory_stats as host_memory_stats,  # unimem.host's functions
+                         host_memory_stats_as_nested_dict as host_memory_stats_as_nested_dict,
+                         reset_accumulated_host_memory_stats as reset_accumulated_host_memory_stats,
+                         reset_peak_host_memory_stats as reset_peak_host_memory_stats)
 
 __all__ = [
     "is_available", "device_count", "current_device", "set_device", "caching_allocator_alloc",
     "caching_allocator_delete", "record_stream", "set_per_process_memory_fraction",
-    "get_per_process_memory_fraction", "empty_cache", "empty_virt_addr_cache", "memory_stats", "memory_stats_as_nested_dict",
+    "get_per_process_memory_fraction", "empty_cache", "change_current_allocator", "get_allocator_backend",
+    "empty_virt_addr_cache", "memory_stats", "memory_stats_as_nested_dict",
     "reset_accumulated_memory_stats", "reset_peak_memory_stats", "reset_max_memory_allocated",
     "reset_max_memory_cached", "memory_allocated", "max_memory_allocated", "memory_reserved",
     "max_memory_reserved", "memory_cached", "max_memory_cached", "get_memory_info", "mem_get_info",
@@ -21,6 +27,8 @@ __all__ = [
     "empty", "zeros", "ones", "full", "empty_like", "zeros_like", "ones_like", "full_like",
     "asarray", "default_queue", "stream_handle", "allocator_for", "synchronize",
     "set_allocator", "reset_allocator", "using_allocator", "allocator_installed", "allocator_counters",
+    "XPUPluggableAllocator", "host_memory_stats", "host_memory_stats_as_nested_dict",
+    "reset_accumulated_host_memory_stats", "reset_peak_host_memory_stats",
 ]
 
 _api: MemoryAPI
@@ -34,6 +42,8 @@ caching_allocator_delete = _api.caching_allocator_delete
 set_per_process_memory_fraction = _api.set_per_process_memory_fraction
 get_per_process_memory_fraction = _api.get_per_process_memory_fraction
 empty_cache = _api.empty_cache
+change_current_allocator = _api.change_current_allocator
+get_allocator_backend = _api.get_allocator_backend
 empty_virt_addr_cache = _api.empty_virt_addr_cache
 memory_stats_as_nested_dict = _api.memory_stats_as_nested_dict
 reset_accumulated_memory_stats = _api.reset_accumulated_memory_stats
@@ -82,3 +92,8 @@ def allocator_counters() -> Dict[str, int]: ...
 SHARED_STATS_PREFIX: str
 def memory_stats(device: DeviceLike = ...) -> collections.OrderedDict[str, Any]: ...
 def memory_summary(device: DeviceLike = ..., abbreviated: bool = ...) -> str: ...
+
+
+# Backend is a Protocol: its optional members keep their defaults (mypy calls them abstract here)
+class XPUPluggableAllocator(SharedLibraryAllocator):  # type: ignore[misc]
+    def __init__(self, path_to_lib_file: str, alloc_fn_name: str, free_fn_name: str) -> None: ...

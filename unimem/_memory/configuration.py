@@ -1,8 +1,13 @@
-"""Configuration: the per-process memory fraction."""
+"""Configuration: the per-process memory fraction, and the raw memory source
+under the caching allocator (``change_current_allocator``,
+``get_allocator_backend``)."""
 from __future__ import annotations
 
+from .._runtime import devices as _devices
 from .._runtime.config import settings_from_env
 from .._runtime.devices import DeviceLike, device_index
+from ..backends.base import Backend
+from ..backends.pluggable import PluggableAllocator
 from .arguments import check_fraction
 from .device_type import DeviceTypeAPI
 
@@ -48,3 +53,44 @@ class ConfigurationAPI(DeviceTypeAPI):
             return allocator.get_memory_fraction()
         configured = settings_from_env().per_process_memory_fraction
         return 1.0 if configured is None else configured
+
+    def change_current_allocator(self, allocator: Backend) -> None:
+        r"""Change the currently used memory allocator to be the one provided.
+
+        If the current allocator has already been used/initialized, this function will error.
+
+        Args:
+            allocator: the raw memory source to use from now on: a
+                :class:`unimem.PluggableAllocator` (Python callables), a
+                ``CUDAPluggableAllocator`` / ``XPUPluggableAllocator`` (C
+                functions in a shared library, as PyTorch's), or any
+                :class:`unimem.Backend`. Unlike PyTorch, the caching allocator
+                stays on top: ``allocator`` is asked for memory on a cache
+                miss only, and statistics, snapshots and the out-of-memory
+                retry keep working.
+
+        Raises ``TypeError`` for what is no allocator and ``RuntimeError``
+        ("Can't swap an already initialized allocator") after the first
+        allocation on this device type, as PyTorch does.
+        """
+        if not callable(getattr(allocator, "malloc", None)) or not callable(getattr(allocator, "free", None)):
+            raise TypeError("change_current_allocator expects an allocator such as unimem.PluggableAllocator, "
+                            f"got {type(allocator).__name__}")
+        _devices.replace_backend(self.type_name, allocator)
+
+    def get_allocator_backend(self) -> str:
+        r"""Return a string describing the active allocator backend. It is
+        ``native`` (unimem's caching allocator over the device's own memory
+        functions) unless :func:`change_current_allocator` installed a
+        pluggable allocator: then ``pluggable``, as PyTorch names a
+        ``CUDAPluggableAllocator``, or the ``name`` given to
+        :class:`unimem.PluggableAllocator`.
+        """
+        try:
+            backend = self._type().backend
+        except RuntimeError:        # no device of this type: nothing was plugged in
+            return "native"
+        if not isinstance(backend, PluggableAllocator):
+            return "native"
+        # Backend.name is a class default ("device"); only a name given to this one counts.
+        return str(vars(backend).get("name", "pluggable"))

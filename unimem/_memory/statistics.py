@@ -191,6 +191,18 @@ class StatisticsAPI(DeviceTypeAPI):
             The first value is the free memory on the device (available across all
             processes and applications), the second value is the device's total
             hardware memory capacity.
+
+        Where the figures come from, by backend:
+
+        - CUDA: ``cudaMemGetInfo`` on the device.
+        - XPU: the device's global memory (``SyclDevice.global_mem_size``) and
+          its free memory where the device reports it (``free_memory``);
+          else the total less what unimem holds on the device, and on a CPU
+          device no more than the host's available memory.
+        - ``cpu``: the system's available and total physical memory
+          (``MemAvailable`` of ``/proc/meminfo``, ``os.sysconf``).
+        - a :class:`unimem.PluggableAllocator`: its ``memory_info_fn``
+          (``NotImplementedError`` without one).
         """
         dtype = self._type()
         free, total = dtype.backend.memory_info(device_index(device, dtype))

@@ -14,7 +14,9 @@ accelerator is a ``ValueError``.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional
+from typing import Any, Dict, Iterator, Optional
+
+import numpy
 
 from .._runtime.devices import DeviceLike, current_type, device, device_index as _device_index
 from . import memory
@@ -25,6 +27,7 @@ from .memory import *  # noqa: F401,F403
 __all__ = [
     "current_accelerator", "device_count", "is_available", "current_device_index",
     "set_device_index", "device_index", "synchronize", "memory",
+    "current_device_idx", "set_device_idx", "current_stream", "set_stream", "get_device_capability",
 ] + memory.__all__
 
 
@@ -111,3 +114,104 @@ def synchronize(device: DeviceLike = None, /) -> None:
     device_synchronize = getattr(dtype.backend, "synchronize", None)
     if device_synchronize is not None:
         device_synchronize(index)
+
+
+# torch.accelerator's older names, the same functions
+current_device_idx = current_device_index
+set_device_idx = set_device_index
+
+
+# ---------------------------------------------------------------------------
+# streams: the backend's own (a CuPy stream, a dpctl.SyclQueue)
+# ---------------------------------------------------------------------------
+def current_stream(device: DeviceLike = None, /) -> Any:
+    r"""Return the currently selected stream for a given device.
+
+    Args:
+        device (:class:`unimem.device`, str, int, optional): a given device that must match the current
+            accelerator device type. If not given,
+            use :func:`current_device_index` by default.
+
+    Returns:
+        the currently selected stream for a given device, the backend's own:
+        on CUDA, CuPy's current stream (``cupy.cuda.get_current_stream``,
+        which unimem.cuda's pools key blocks by); on XPU, the device's
+        default ``dpctl.SyclQueue`` (the queue dpnp and ``unimem.xpu`` use
+        when a call names none); on ``cpu``, ``None`` (no streams: host
+        memory is used in program order).
+    """
+    dtype = current_type()
+    index = _device_index(device, dtype)
+    if dtype.name == "cuda":
+        import cupy
+        return cupy.cuda.get_current_stream(index)
+    if dtype.name == "xpu":
+        from .. import xpu
+        return xpu.default_queue(index)
+    return None
+
+
+def set_stream(stream: Any) -> None:
+    r"""Set the current stream to a given stream.
+
+    Args:
+        stream: a given stream that must match the current accelerator device
+            type: a CuPy stream on CUDA (``stream.use()``, so that CuPy and
+            unimem.cuda allocate on it).
+
+    .. note:: This function will set the current device index to the device index of the given stream.
+
+    On XPU and ``cpu`` it raises ``NotImplementedError``: ``unimem.xpu`` has no
+    current queue to change (a call names its ``dpctl.SyclQueue``, else the
+    device's default queue is used), and the host has no streams.
+    """
+    dtype = current_type()
+    if dtype.name != "cuda":
+        raise NotImplementedError(
+            f"set_stream: the {dtype.name} accelerator has no current stream to set"
+            + (" (name the dpctl.SyclQueue in each call: sycl_queue=..., record_stream(..., queue); "
+               "the default is current_stream())" if dtype.name == "xpu" else " (the host has no streams)"))
+    stream_device = getattr(stream, "device_id", None)
+    if not callable(getattr(stream, "use", None)) or not isinstance(stream_device, int):
+        raise TypeError(f"expected a CuPy stream (cupy.cuda.Stream or ExternalStream), got {type(stream).__name__}")
+    dtype.set_current_index(_device_index(stream_device, dtype, optional=False))
+    stream.use()
+
+
+# ---------------------------------------------------------------------------
+# device capability
+# ---------------------------------------------------------------------------
+# The dtypes every backend's arrays hold (CuPy, dpnp, NumPy); half and double
+# precision depend on the device on XPU (SYCL's fp16 and fp64 aspects).
+_COMMON_DTYPES = ("?", "i1", "i2", "i4", "i8", "u1", "u2", "u4", "u8", "f4", "c8")
+_HALF_DTYPES = ("f2",)
+_DOUBLE_DTYPES = ("f8", "c16")
+
+
+def get_device_capability(device: DeviceLike = None, /) -> Dict[str, Any]:
+    r"""Return the capability of the currently selected device.
+
+    Args:
+        device (:class:`unimem.device`, str, int, optional): The device to query capabilities for
+            accelerator device type. If not given,
+            use :func:`current_device_index` by default.
+
+    Returns:
+        dict[str, Any]: A dictionary containing device capability information. The dictionary includes:
+            - ``supported_dtypes`` (set(numpy.dtype)): Set of data types for which
+              arrays can be allocated on the accelerator (NumPy dtypes, as
+              CuPy, dpnp and :mod:`unimem.cpu` take them). On XPU, ``float16``
+              and ``float64``/``complex128`` only where the device has SYCL's
+              ``fp16`` and ``fp64`` aspects.
+    """
+    dtype = current_type()
+    index = _device_index(device, dtype)
+    names = _COMMON_DTYPES
+    if dtype.name == "xpu":
+        from .. import xpu
+        sycl_device = xpu.default_queue(index).sycl_device
+        names += (_HALF_DTYPES if sycl_device.has_aspect_fp16 else ()) + \
+            (_DOUBLE_DTYPES if sycl_device.has_aspect_fp64 else ())
+    else:
+        names += _HALF_DTYPES + _DOUBLE_DTYPES
+    return {"supported_dtypes": {numpy.dtype(name) for name in names}}

@@ -17,14 +17,16 @@ if TYPE_CHECKING:
     from .._observe.history import PathLike
 
 __all__ = [
-    "empty_cache", "empty_virt_addr_cache", "empty_host_cache", "get_memory_info", "max_memory_allocated",
+    "empty_cache", "empty_virt_addr_cache", "empty_host_cache", "get_memory_info", "mem_get_info",
+    "max_memory_allocated",
     "max_memory_reserved", "memory_allocated", "memory_reserved", "memory_stats",
     "reset_accumulated_memory_stats", "reset_peak_memory_stats",
     "memory_stats_as_nested_dict", "caching_allocator_alloc", "caching_allocator_delete",
     "set_per_process_memory_fraction", "get_per_process_memory_fraction",
     "reset_max_memory_allocated", "reset_max_memory_cached", "memory_cached",
     "max_memory_cached", "memory_summary", "memory_snapshot", "record_stream",
-    "host_memory_stats", "reset_peak_host_memory_stats", "reset_accumulated_host_memory_stats",
+    "host_memory_stats", "host_memory_stats_as_nested_dict", "reset_peak_host_memory_stats",
+    "reset_accumulated_host_memory_stats",
     "_record_memory_history", "_snapshot", "_dump_snapshot",
 ]
 
@@ -179,6 +181,9 @@ def get_memory_info(device_index: DeviceLike = None, /) -> Tuple[int, int]:
     return _current()[1].get_memory_info(device_index)
 
 
+mem_get_info = get_memory_info     # torch.cuda.memory's name for it
+
+
 # ---------------------------------------------------------------------------
 # torch.cuda.memory names that users still call
 # ---------------------------------------------------------------------------
@@ -278,6 +283,7 @@ def record_stream(memory: MemoryLike, stream: Any) -> None:
 
 
 host_memory_stats = host.host_memory_stats
+host_memory_stats_as_nested_dict = host.host_memory_stats_as_nested_dict
 reset_peak_host_memory_stats = host.reset_peak_host_memory_stats
 reset_accumulated_host_memory_stats = host.reset_accumulated_host_memory_stats
 empty_host_cache = host.empty_host_cache
