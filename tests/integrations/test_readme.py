@@ -8,6 +8,7 @@ README's commands name (``train.py``, ``snapshot.pickle``), so that one block
 neither sees nor disturbs another's allocator state, and a Python block runs as
 a script (``__name__ == "__main__"``), as a reader would run it.
 """
+import functools
 import os
 import subprocess
 import sys
@@ -111,3 +112,82 @@ def test_readme_block(block, workdir):
         for name in ("stats.json",):
             view = json.loads((workdir / name).read_text())
             assert view["memory_stats"]["allocation.all.allocated"] >= 1
+
+
+# ---------------------------------------------------------------------------
+# The options section's claims, run (issue 26, item 10: it said
+# `expandable_segments:True` was refused long after the option worked)
+# ---------------------------------------------------------------------------
+def options_section():
+    """The text of the README's ``### Options`` section."""
+    with open(README, encoding="utf-8") as f:
+        text = f.read()
+    start = text.index("\n### Options\n")
+    return text[start:text.index("\n### ", start + 1)]
+
+
+def options_table():
+    """``(option, example, what it does)`` for each row of the section's
+    table. (A pipe table without nested pipes: splitting its lines is all the
+    parsing it needs, and the test extra has no Markdown parser.)"""
+    rows = [[cell.strip() for cell in line.strip().strip("|").split("|")]
+            for line in options_section().splitlines() if line.startswith("|")]
+    assert rows and rows[0] == ["Option", "Example", "What it does"], rows[:1]
+    return [tuple(cell.strip("`") if i < 2 else cell for i, cell in enumerate(row)) for row in rows[2:]]
+
+
+def quoted_settings(text):
+    """``(setting, said to be refused)`` for every `name:value` quoted in ``text``."""
+    import re
+    refused = set(re.findall(r"`([a-z0-9_]+:[^`\s]+)`\s+is\s+refused", text))
+    return [(setting, setting in refused) for setting in re.findall(r"`([a-z0-9_]+:[^`\s]+)`", text)]
+
+
+def test_the_options_table_lists_every_option_that_changes_something():
+    from unimem._runtime.config import INERT_KEYS, SUPPORTED_KEYS
+    listed = [option for option, _, _ in options_table()]
+    assert sorted(listed) == sorted(set(SUPPORTED_KEYS) - set(INERT_KEYS))
+    for option, example, _ in options_table():
+        assert example.split(":", 1)[0] == option, (option, example)
+
+
+def test_what_the_options_section_quotes_is_parsed_as_it_says():
+    """Every `name:value` in the section parses, unless the section says it
+    is refused: then it is a ValueError naming the option."""
+    from unimem._runtime.config import parse_alloc_conf
+    quoted = quoted_settings(options_section())
+    for setting, said_refused in quoted:
+        if said_refused:
+            with pytest.raises(ValueError, match=setting.split(":", 1)[0]):
+                parse_alloc_conf(setting)
+        else:
+            parse_alloc_conf(setting)
+    assert len(quoted) >= 2
+
+
+SETTINGS_OF_A_CPU_ALLOCATOR = textwrap.dedent("""
+    import json, unimem
+    p = unimem.cpu.caching_allocator_alloc(3 << 20)
+    unimem.cpu.caching_allocator_delete(p)
+    print(json.dumps(unimem.cpu.caching_allocator(0).settings))
+""")
+
+
+@functools.lru_cache(maxsize=None)
+def allocator_settings(conf):
+    """The settings of a cpu allocator made in a fresh process under ``conf``."""
+    import json
+    env = dict(os.environ, UNIMEM_ALLOC_CONF=conf)
+    done = subprocess.run([sys.executable, "-c", SETTINGS_OF_A_CPU_ALLOCATOR], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=BLOCK_TIMEOUT)
+    assert done.returncode == 0, f"UNIMEM_ALLOC_CONF={conf}: {done.stderr[-2000:]}"
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("option, example, what", options_table())
+def test_each_example_of_the_options_table_works(option, example, what):
+    """A program run with the example allocates and frees, and the option is
+    in force (all but the two that only name what unimem does anyway)."""
+    settings = allocator_settings(example)
+    if option not in ("backend", "large_segment_size_mb"):
+        assert settings != allocator_settings(""), f"{example} changed nothing"
