@@ -66,6 +66,10 @@ cdef class DeviceRegistry:
     cdef readonly int device_count
     cdef object _factory
     cdef list _allocators
+    # The allocator of a registry with one device, once made: the fast
+    # functions' common case (no device, no stream, an exact int) goes
+    # straight to it.
+    cdef CachingAllocator only
     cdef object _create_lock
     cdef object _thread_current         # threading.local, when no C table slot was free
     cdef object __weakref__
@@ -146,6 +150,8 @@ cdef class DeviceRegistry:
                 if not isinstance(allocator, CachingAllocator):
                     raise TypeError("the registry's factory must return a CachingAllocator")
                 self._allocators[index] = allocator
+                if self.device_count == 1:
+                    self.only = allocator
             return self._allocators[index]
 
     def _reset_after_fork(self):
@@ -188,7 +194,7 @@ cdef class DeviceRegistry:
         return self._alloc(size, device, stream)
 
     cdef object _alloc(self, object size, object device, object stream):
-        cdef size_t n
+        cdef size_t n = 0
         cdef object checked = None
         if not exact_size(size, &n):
             checked = check_size(size)            # raises for what is no size
@@ -283,6 +289,29 @@ cdef DeviceRegistry _current():
     return _current_registry
 
 
+cdef inline object _fast_alloc(DeviceRegistry registry, object size):
+    """The common request straight to a one-device registry's allocator: no
+    device, no stream (when the registry has no current-stream function), an
+    exact int size. None when it is not that case (the caller takes the
+    checked path)."""
+    cdef size_t n = 0
+    cdef CachingAllocator a = registry.only
+    if a is None or registry.current_stream_fn is not None or not exact_size(size, &n) or n > MAX_REQUEST:
+        return None
+    return a.c_malloc(n, 0)
+
+
+cdef inline bint _fast_delete(DeviceRegistry registry, object ptr) except -1:
+    """Free ``ptr`` on a one-device registry's allocator; False (nothing
+    done) when it is not that case or the address is not there, for the
+    checked path to say why."""
+    cdef size_t p = 0
+    cdef CachingAllocator a = registry.only
+    if a is None or not exact_size(ptr, &p) or p == 0:
+        return False
+    return a._try_free(p, False, False) == 0
+
+
 def caching_allocator_alloc(size, device=None, stream=None):
     r"""Perform a memory allocation using the current accelerator's caching allocator.
 
@@ -301,7 +330,12 @@ def caching_allocator_alloc(size, device=None, stream=None):
     Returns:
         int: the address of the allocated memory (0 when ``size`` is 0).
     """
-    return _current()._alloc(size, device, stream)
+    cdef DeviceRegistry registry = _current()
+    if device is None and stream is None:
+        p = _fast_alloc(registry, size)
+        if p is not None:
+            return p
+    return registry._alloc(size, device, stream)
 
 
 def caching_allocator_delete(mem_ptr):
@@ -314,7 +348,9 @@ def caching_allocator_delete(mem_ptr):
     Args:
         mem_ptr (int): memory address to be freed by the allocator.
     """
-    _current()._delete(mem_ptr)
+    cdef DeviceRegistry registry = _current()
+    if not _fast_delete(registry, mem_ptr):
+        registry._delete(mem_ptr)
 
 
 def namespace_alloc_functions(dict types, str type_name, slow_alloc, slow_delete):
@@ -340,6 +376,10 @@ def namespace_alloc_functions(dict types, str type_name, slow_alloc, slow_delete
         if dtype is not cached_type:
             cached_registry = <DeviceRegistry?>dtype.registry
             cached_type = dtype
+        if stream is None:
+            p = _fast_alloc(cached_registry, size)
+            if p is not None:
+                return p
         return cached_registry._alloc(size, None, stream)
 
     def caching_allocator_delete(mem_ptr):
@@ -350,7 +390,8 @@ def namespace_alloc_functions(dict types, str type_name, slow_alloc, slow_delete
         if dtype is not cached_type:
             cached_registry = <DeviceRegistry?>dtype.registry
             cached_type = dtype
-        cached_registry._delete(mem_ptr)
+        if not _fast_delete(cached_registry, mem_ptr):
+            cached_registry._delete(mem_ptr)
 
     return caching_allocator_alloc, caching_allocator_delete
 
