@@ -52,7 +52,7 @@ def test_demo_trains_reports_and_writes_files(demo_output):
     for needed in ("unimem demo: a 512-1024-256-10 MLP, 12 training steps", "the same training code twice",
                    "memory summary", "served from the pool:", "cache hit rate:", "training:",
                    "allocation alone", "out of memory", "where the training times differ", "page faults",
-                   "snapshot.pickle", "timeline.png", "12/12 steps"):
+                   "snapshot.pickle", "timeline.png", "memory.html", "12/12 steps"):
         assert needed in text, needed
     losses = re.search(r"\(losses (\S+) / (\S+)\)", text)
     assert losses and losses[1] == losses[2], "the same code and seed with either allocator: the same loss"
@@ -60,6 +60,8 @@ def test_demo_trains_reports_and_writes_files(demo_output):
         snapshot = pickle.load(f)
     assert any(e["action"] == "oom" for trace in snapshot["device_traces"] for e in trace)
     check_png(out / "timeline.png")
+    page = (out / "memory.html").read_text(encoding="utf-8")
+    assert "Plotly" in page and "<script src=" not in page, "the report's JavaScript is inline"
 
 
 def test_demo_pooled_run_takes_every_array_from_the_pool(demo_output):

@@ -16,8 +16,9 @@ the pool did:
   sequence of allocations replayed through the raw backend and the pool;
 * the page faults and operating-system time of each training (memory the
   device maps afresh is faulted in on first touch; the pool's is already mapped);
-* the snapshot (``snapshot.pickle``, readable by pytorch.org/memory_viz) and
-  the timeline picture (``timeline.png``) in the output folder.
+* the snapshot (``snapshot.pickle``, readable by pytorch.org/memory_viz), the
+  timeline picture (``timeline.png``) and the interactive report
+  (``memory.html``, self-contained: it opens offline) in the output folder.
 
 NumPy has no allocator hook: on that fallback only the arrays the demo copies
 its data into (parameters and batches) come from the cpu pool, and the output
@@ -242,6 +243,7 @@ def run(steps: int = 300, out_dir: str = "unimem-demo", out: Optional[TextIO] = 
         show_oom: bool = True) -> Dict[str, Any]:
     """Run the demo; print to ``out`` (stdout by default) and return the figures."""
     from .._observe.plot import plot_snapshot
+    from .._observe.report import write_report
 
     out = out or sys.stdout
     work = default_workload()
@@ -317,17 +319,19 @@ def run(steps: int = 300, out_dir: str = "unimem-demo", out: Optional[TextIO] = 
     os.makedirs(out_dir, exist_ok=True)
     snapshot_path = os.path.join(out_dir, "snapshot.pickle")
     picture_path = os.path.join(out_dir, "timeline.png")
+    report_path = os.path.join(out_dir, "memory.html")
     import pickle
     with open(snapshot_path, "wb") as f:
         pickle.dump(snapshot, f)
     plot_snapshot(snapshot, picture_path, device=index,
                   title=f"unimem demo: {work.description}")
-    print(f"wrote {snapshot_path} (open it at https://pytorch.org/memory_viz) and {picture_path}",
-          file=out, flush=True)
+    write_report(snapshot, report_path, device=index, stats=stats, title=f"unimem demo: {work.description}")
+    print(f"wrote {snapshot_path} (open it at https://pytorch.org/memory_viz), {picture_path} and "
+          f"{report_path} (an interactive report that opens offline)", file=out, flush=True)
     return {"device": f"{dtype.name}:{index}", "steps": steps, "hit_rate": hit_rate,
             "pool_seconds": pool_seconds, "own_seconds": own_seconds,
             "pool_alloc_seconds": pool_alloc_seconds, "raw_alloc_seconds": raw_alloc_seconds,
-            "snapshot": snapshot_path, "picture": picture_path, "loss": pool_loss, "own_loss": own_loss,
+            "snapshot": snapshot_path, "picture": picture_path, "report": report_path, "loss": pool_loss, "own_loss": own_loss,
             "allocator_counters": counted,
             "pool_faults_and_system_seconds": pool_costs, "own_faults_and_system_seconds": own_costs}
 
