@@ -344,14 +344,6 @@ class MemoryPool:
 # ---------------------------------------------------------------------------
 # torch.cuda.memory: CUDAPluggableAllocator, list_gpu_processes
 # ---------------------------------------------------------------------------
-def _cuda_memory_info(device: int) -> Tuple[int, int]:
-    """``cudaMemGetInfo`` on ``device``, through CuPy's runtime."""
-    runtime = _cupy().cuda.runtime
-    with OnDevice(runtime, device):
-        free, total = runtime.memGetInfo()
-    return int(free), int(total)
-
-
 class CUDAPluggableAllocator(SharedLibraryAllocator):
     r"""CUDA memory allocator loaded from a so file.
 
@@ -378,9 +370,14 @@ class CUDAPluggableAllocator(SharedLibraryAllocator):
     """
 
     def __init__(self, path_to_so_file: str, alloc_fn_name: str, free_fn_name: str) -> None:
+        # mem_get_info keeps asking the device (cudaMemGetInfo), where there is one
+        try:
+            memory_info_fn = get_type("cuda").backend.memory_info
+        except RuntimeError:
+            memory_info_fn = None
         super().__init__(path_to_so_file, alloc_fn_name, free_fn_name,
                          stream_pointer=lambda stream, device: cuda_stream_of(stream),
-                         memory_info_fn=_cuda_memory_info)
+                         memory_info_fn=memory_info_fn)
 
 
 def _nvml_device_index(device: Any) -> int:
