@@ -16,7 +16,6 @@ import sys
 import textwrap
 import types
 
-import numpy
 import pytest
 
 import unimem
@@ -24,8 +23,8 @@ import unimem.accelerator as acc
 import unimem.cpu
 import unimem.cuda
 import unimem.host
-from unimem._runtime import devices as _devices
 
+from tests.helpers import REPO_ROOT
 from tests.helpers.fake_cuda import fake  # noqa: F401  (fixture)
 
 ALLOCATOR_SOURCE = r"""
@@ -62,7 +61,7 @@ def library_counters(path):
 
 def run_fresh(code, **env):
     result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=dict(os.environ, **env),
-                            capture_output=True, text=True, timeout=300)
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stderr, result.stderr
     return result.stdout.split()
@@ -162,10 +161,9 @@ def test_host_statistics_are_unimem_hosts(name, xpu):
 # ---------------------------------------------------------------------------
 # pluggable allocators
 # ---------------------------------------------------------------------------
-@pytest.mark.parametrize("namespace", [unimem.cpu, unimem.cuda, acc.memory])
+@pytest.mark.parametrize("namespace", [unimem.cpu, unimem.cuda, acc])
 def test_the_allocator_backend_is_native_by_default(namespace):
-    api = getattr(namespace, "get_allocator_backend", None) or unimem.cpu.get_allocator_backend
-    assert api() == "native"
+    assert namespace.get_allocator_backend() == "native"
 
 
 def test_cuda_pluggable_allocator_serves_cache_misses_with_the_stream(fake, allocator_library):
@@ -229,9 +227,9 @@ def test_a_named_pluggable_allocator_is_its_backend_name():
     out = run_fresh("""
         import unimem, unimem.cpu
         unimem.cpu.change_current_allocator(unimem.PluggableAllocator(lambda *a: 0, lambda *a: None, name="arena"))
-        print(unimem.cpu.get_allocator_backend())
-    """)
-    assert out == ["arena"]
+        print(unimem.cpu.get_allocator_backend(), unimem.accelerator.get_allocator_backend())
+    """, UNIMEM_DEVICE="cpu")
+    assert out == ["arena", "arena"]
 
 
 # ---------------------------------------------------------------------------
@@ -242,66 +240,75 @@ def test_device_idx_names_are_the_device_index_functions():
     assert acc.set_device_idx is acc.set_device_index
 
 
-@pytest.fixture
-def cuda_accelerator(fake, monkeypatch):
-    """The simulated CUDA runtime as the current accelerator, with CuPy's
-    streams stood in for (CuPy makes none without a GPU)."""
-    monkeypatch.setattr(_devices, "_current", "cuda")
-    cupy = pytest.importorskip("cupy")
-    current = {}
+# The current accelerator is decided once per process (and what it decided is
+# cached on the way to the pools): each kind is tried in a fresh interpreter.
+def test_cuda_streams_are_cupys():
+    out = run_fresh("""
+        import cupy, unimem, unimem.accelerator as acc
+        from unimem._runtime import devices
+        from tests.helpers.fake_cuda import FakeCudaRuntime, serving_cuda
+        current = {}
 
-    class Stream:
-        def __init__(self, device_id, ptr):
-            self.device_id, self.ptr = device_id, ptr
+        class Stream:                      # CuPy makes no stream without a GPU: one standing in
+            def __init__(self, device_id, ptr):
+                self.device_id, self.ptr = device_id, ptr
 
-        def use(self):
-            current[fake.getDevice()] = self
-            fake.set_stream(self.ptr)
+            def use(self):
+                current[fake.getDevice()] = self
+                fake.set_stream(self.ptr)
 
-    monkeypatch.setattr(cupy.cuda, "get_current_stream",
-                        lambda device_id=None: current.get(device_id, Stream(device_id, 0)))
-    yield Stream
-    fake.set_stream(0)
-    fake.setDevice(0)
-
-
-def test_cuda_streams_are_cupys(cuda_accelerator, fake):
-    stream = cuda_accelerator(1, 0x7000)
-    acc.set_stream(stream)
-    assert acc.current_device_index() == 1                     # set_stream moves to the stream's device
-    assert acc.current_stream() is stream
-    assert acc.current_stream(0).ptr == 0
-    pointer = acc.caching_allocator_alloc(512)
-    try:
-        assert acc.memory_snapshot()[0]["stream"] == 0x7000       # the pool keys the block by that stream
-    finally:
-        acc.caching_allocator_delete(pointer)
-    with pytest.raises(TypeError, match="expected a CuPy stream"):
-        acc.set_stream(0x7000)
+        cupy.cuda.get_current_stream = lambda device_id=None: current.get(device_id, Stream(device_id, 0))
+        with serving_cuda(FakeCudaRuntime(devices=2)) as fake:
+            devices._current = "cuda"
+            stream = Stream(1, 0x7000)
+            acc.set_stream(stream)
+            print(acc.current_device_index(), acc.current_stream() is stream, acc.current_stream(0).ptr)
+            pointer = acc.caching_allocator_alloc(512)
+            print(acc.memory_snapshot()[0]["stream"] == 0x7000)      # the pool keys the block by that stream
+            acc.caching_allocator_delete(pointer)
+            try:
+                acc.set_stream(0x7000)
+            except TypeError as error:
+                print(type(error).__name__, "expected a CuPy stream" in str(error))
+    """)
+    assert out == ["1", "True", "0", "True", "TypeError", "True"]
 
 
-def test_xpu_current_stream_is_the_default_queue_and_set_stream_says_why_not(xpu, monkeypatch):
-    monkeypatch.setattr(_devices, "_current", "xpu")
-    assert acc.current_stream() is xpu.default_queue(0)
-    assert acc.current_stream("xpu:0") is xpu.default_queue(0)
-    with pytest.raises(NotImplementedError, match="no current stream to set"):
-        acc.set_stream(xpu.default_queue(0))
+def test_xpu_current_stream_is_the_default_queue_and_set_stream_says_why_not(xpu):
+    out = run_fresh("""
+        import unimem.accelerator as acc, unimem.xpu as xpu
+        print(acc.current_stream() is xpu.default_queue(0), acc.current_stream("xpu:0") is xpu.default_queue(0))
+        try:
+            acc.set_stream(xpu.default_queue(0))
+        except NotImplementedError as error:
+            print("no current stream to set" in str(error))
+    """, UNIMEM_DEVICE="xpu")
+    assert out == ["True", "True", "True"]
 
 
-def test_cpu_has_no_streams(monkeypatch):
-    monkeypatch.setattr(_devices, "_current", "cpu")
-    assert acc.current_stream() is None
-    with pytest.raises(NotImplementedError, match="the host has no streams"):
-        acc.set_stream(None)
+def test_cpu_has_no_streams():
+    out = run_fresh("""
+        import unimem.accelerator as acc
+        print(acc.current_stream())
+        try:
+            acc.set_stream(None)
+        except NotImplementedError as error:
+            print("the host has no streams" in str(error))
+    """, UNIMEM_DEVICE="cpu")
+    assert out == ["None", "True"]
 
 
-def test_device_capability_lists_numpy_dtypes(xpu, monkeypatch):
-    monkeypatch.setattr(_devices, "_current", "cpu")
-    everything = acc.get_device_capability()["supported_dtypes"]
-    assert {numpy.dtype("float16"), numpy.dtype("float64"), numpy.dtype("complex128"), numpy.dtype("bool")} <= everything
-    monkeypatch.setattr(_devices, "_current", "xpu")
+CAPABILITY = """
+    import unimem.accelerator as acc
+    print(" ".join(sorted(str(t) for t in acc.get_device_capability(0)["supported_dtypes"])))
+"""
+
+
+def test_device_capability_lists_numpy_dtypes(xpu):
+    on_cpu = run_fresh(CAPABILITY, UNIMEM_DEVICE="cpu")
+    assert {"bool", "float16", "float32", "float64", "complex128", "int64", "uint8"} <= set(on_cpu)
     sycl_device = xpu.default_queue(0).sycl_device
-    on_xpu = acc.get_device_capability(0)["supported_dtypes"]
-    assert (numpy.dtype("float64") in on_xpu) == sycl_device.has_aspect_fp64
-    assert (numpy.dtype("float16") in on_xpu) == sycl_device.has_aspect_fp16
-    assert numpy.dtype("float32") in on_xpu
+    on_xpu = run_fresh(CAPABILITY, UNIMEM_DEVICE="xpu")
+    assert ("float64" in on_xpu) == sycl_device.has_aspect_fp64
+    assert ("float16" in on_xpu) == sycl_device.has_aspect_fp16
+    assert "float32" in on_xpu

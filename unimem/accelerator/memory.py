@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "empty_cache", "empty_virt_addr_cache", "empty_host_cache", "get_memory_info", "mem_get_info",
+    "get_allocator_backend",
     "max_memory_allocated",
     "max_memory_reserved", "memory_allocated", "memory_reserved", "memory_stats",
     "reset_accumulated_memory_stats", "reset_peak_memory_stats",
@@ -182,6 +183,14 @@ def get_memory_info(device_index: DeviceLike = None, /) -> Tuple[int, int]:
 
 
 mem_get_info = get_memory_info     # torch.cuda.memory's name for it
+
+
+def get_allocator_backend() -> str:
+    r"""Return a string describing the active allocator backend of the
+    current accelerator: ``native``, or the pluggable allocator's name once
+    :func:`unimem.change_current_allocator` installed one (see
+    :func:`unimem.cuda.get_allocator_backend`)."""
+    return _current()[1].get_allocator_backend()
 
 
 # ---------------------------------------------------------------------------
