@@ -29,7 +29,10 @@ Options (PyTorch's names and rules):
   free pages, ``empty_virt_addr_cache`` releases ranges with none mapped.
   The device's backend must offer virtual memory (CUDA through
   ``cuda-bindings``, the ``cpu`` pool, the simulated backend); an allocator
-  made on one that does not raises NotImplementedError naming it.
+  made on one that does not raises NotImplementedError naming it. Before
+  mapping more pages, free whole pages in holes of the range are unmapped
+  while the mapped total would pass ``max_reserved_ratio`` (default 1.09
+  with expandable segments) times the memory in use.
 - ``backend:native`` is accepted (it is what unimem does);
   ``backend:cudaMallocAsync`` is refused (not supported yet).
   ``large_segment_size_mb`` is accepted at its only value here, 20.
@@ -54,6 +57,10 @@ from .._core import MAX_REQUEST_SIZE
 ENV_VAR = "UNIMEM_ALLOC_CONF"
 MiB = 1 << 20
 ROUNDUP_INTERVALS = 16           # 1 MiB, 2 MiB, ... 32 GiB and above
+#: max_reserved_ratio with expandable_segments:True when none is given: free
+#: whole pages in the holes of a range are unmapped before more are mapped
+#: (issue 27; chosen from python -m benchmarks memory, see the README).
+EXPANDABLE_RESERVED_RATIO = 1.09
 MIN_SPLIT_SIZE_MB = 20           # kLargeBuffer / 1 MiB
 
 SIZE_T_MAX = (1 << 64) - 1       # what PyTorch parses integers into (std::stoull)
@@ -112,7 +119,8 @@ class AllocatorSettings:
             "max_non_split_rounding": self.max_non_split_rounding,
             "roundup_power2_divisions": list(self.roundup_power2_divisions),
             "garbage_collection_threshold": self.garbage_collection_threshold,
-            "max_reserved_ratio": self.max_reserved_ratio,
+            "max_reserved_ratio": self.max_reserved_ratio or (
+                EXPANDABLE_RESERVED_RATIO if self.expandable_segments else 0.0),
             "expandable_segments": self.expandable_segments,
         }
 
