@@ -13,6 +13,12 @@ reserved memory against the peak requested memory (the live sizes asked for).
   temporaries: ever larger sizes, the hard case for a caching allocator.
 * :func:`random_mix` - log-uniform sizes from 512 B to 64 MiB with random
   lifetimes.
+* :func:`creeping_sizes` - requests of about 1 MB whose sizes creep upward,
+  random older ones freed to keep about 96 MiB live (issue 27): every freed
+  block leaves a hole that the next, larger, request does not fit.
+* :func:`random_frees` - a pool of mixed sizes (64 KiB to 8 MiB) filled,
+  then phases that free a random share of it and refill it with sizes drawn
+  from a shifting range: holes of every size all over the address range.
 """
 from __future__ import annotations
 
@@ -159,10 +165,57 @@ def random_mix(operations: int = 20_000, seed: int = 0, max_live: int = 400) -> 
     return r.events
 
 
+def creeping_sizes(steps: int = 3000, live_bytes: int = 96 * MiB, seed: int = 1) -> List[Event]:
+    """About 1 MB requests growing by half over the run (with 5% jitter);
+    while more than ``live_bytes`` are live, a random older one is freed."""
+    rng = random.Random(seed)
+    r = _Recorder()
+    live: List[Tuple[int, int]] = []
+    held = 0
+    for step in range(steps):
+        size = int(1_000_000 * (1 + 0.5 * step / steps) * rng.uniform(0.95, 1.05))
+        live.append((r.alloc(size), size))
+        held += size
+        while held > live_bytes:
+            key, freed = live.pop(rng.randrange(len(live) - 1))   # never the newest
+            r.free(key)
+            held -= freed
+    for key, _ in live:
+        r.free(key)
+    return r.events
+
+
+def random_frees(phases: int = 40, live_bytes: int = 256 * MiB, share: float = 0.3,
+                 seed: int = 2) -> List[Event]:
+    """Fill ``live_bytes`` with log-uniform sizes, then in each phase free a
+    random ``share`` of the live blocks and refill with sizes from a range
+    that drifts between 64 KiB-1 MiB and 1-8 MiB."""
+    rng = random.Random(seed)
+    r = _Recorder()
+    live: List[Tuple[int, int]] = []
+    held = 0
+    for phase in range(phases + 1):
+        low = 16 + 4 * (phase % 8) / 7                                # log2 of the smallest size
+        while held < live_bytes:
+            size = int(2 ** rng.uniform(low, low + 4))
+            live.append((r.alloc(size), size))
+            held += size
+        rng.shuffle(live)
+        for key, size in live[:int(len(live) * share)]:
+            r.free(key)
+            held -= size
+        del live[:int(len(live) * share)]
+    for key, _ in live:
+        r.free(key)
+    return r.events
+
+
 TRACES: Dict[str, Callable[[], List[Event]]] = {
     "transformer training": transformer_training,
     "KV-cache inference": kv_cache_inference,
     "random mix": random_mix,
+    "creeping sizes": creeping_sizes,
+    "random frees": random_frees,
 }
 
 

@@ -69,8 +69,8 @@ def _check_invariants(CachingAllocator self):
                 if b.unmapped or b.lost:
                     assert seg.expandable and b.unmapped and not b.allocated and b.event_count == 0, \
                         "only expandable segments have unmapped spans, never in use"
-                    assert (b.ptr - seg.base) % seg.page == 0 and b.size % seg.page == 0, \
-                        "unmapped spans are whole pages"
+                    assert (b.ptr - seg.base) % self.vm_granularity == 0 and b.size % self.vm_granularity == 0, \
+                        "unmapped spans are whole backend pages"
                     if not b.lost:
                         assert b.prev == NULL or not b.prev.unmapped or b.prev.lost, "unmapped spans merge"
                     b = b.next
@@ -78,9 +78,9 @@ def _check_invariants(CachingAllocator self):
                 if seg.expandable:
                     mapped += b.size
                     if b.prev == NULL or b.prev.unmapped:
-                        assert (b.ptr - seg.base) % seg.page == 0, "mapped memory starts at a page"
+                        assert (b.ptr - seg.base) % self.vm_granularity == 0, "mapped memory starts at a page"
                     if b.next == NULL or b.next.unmapped:
-                        assert (b.ptr + b.size - seg.base) % seg.page == 0, "mapped memory ends at a page"
+                        assert (b.ptr + b.size - seg.base) % self.vm_granularity == 0, "mapped memory ends at a page"
                     for pool in (POOL_ALL, p):
                         expect["reserved_bytes"][pool] += b.size
                 split = seg.head.next != NULL and not seg.expandable

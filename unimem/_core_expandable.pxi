@@ -226,6 +226,8 @@ cdef int _map_block(CachingAllocator self, Block* b, size_t size) except -1:
     cdef Segment* seg = b.segment
     cdef size_t n = _round_up(size, seg.page)
     cdef FreeIndex* fi = b.index
+    if n > b.size:        # a span left in a hole is whole backend pages only
+        n = b.size
     cdef Block* rest = NULL
     cdef int64_t t0
     if self.set_fraction and self.total_allocated_memory + n > self.allowed_memory_maximum:
@@ -334,14 +336,19 @@ cdef Block* _free_piece(CachingAllocator self, Block* like, uintptr_t ptr, size_
     return piece
 
 
-cdef inline bint _holds_whole_page(Block* b) noexcept nogil:
+cdef inline size_t _whole_pages(Block* b, size_t page) noexcept nogil:
+    """Bytes of the whole ``page``-sized pages inside ``b``."""
     cdef Segment* seg = b.segment
-    return _round_up(b.ptr - seg.base, seg.page) + seg.page <= b.ptr + b.size - seg.base
+    cdef size_t begin = _round_up(b.ptr - seg.base, page)
+    cdef size_t end = (b.ptr + b.size - seg.base) // page * page
+    return end - begin if end > begin else 0
 
 
-cdef int _unmap_block(CachingAllocator self, Block* b) except -1:
-    """Unmap the whole pages inside the free block ``b`` (PyTorch's
-    unmap_block): what is left before and after them stays a free block.
+cdef int _unmap_block(CachingAllocator self, Block* b, size_t page) except -1:
+    """Unmap the whole ``page``-sized pages inside the free block ``b``
+    (PyTorch's unmap_block, by the segment's page; the hole reclaim unmaps
+    by the backend's granularity): what is left before and after them
+    stays a free block.
     An unmap that raises may or may not have given the memory back: the
     span is then lost (never mapped or reserved again), counted in
     lost_segments, and the error raised once the state is consistent.
@@ -354,8 +361,8 @@ cdef int _unmap_block(CachingAllocator self, Block* b) except -1:
     after it are merged with whatever is beside them only afterwards."""
     cdef Segment* seg = b.segment
     cdef FreeIndex* fi = b.index
-    cdef uintptr_t begin = seg.base + _round_up(b.ptr - seg.base, seg.page)
-    cdef uintptr_t end = seg.base + (b.ptr + b.size - seg.base) // seg.page * seg.page
+    cdef uintptr_t begin = seg.base + _round_up(b.ptr - seg.base, page)
+    cdef uintptr_t end = seg.base + (b.ptr + b.size - seg.base) // page * page
     cdef Block* before = NULL
     cdef Block* after = NULL
     cdef size_t n
@@ -421,6 +428,13 @@ cdef int _unmap_block(CachingAllocator self, Block* b) except -1:
     return 0
 
 
+cdef inline size_t _unmap_page(CachingAllocator self, Segment* seg) noexcept nogil:
+    """What empty_cache unmaps by: the segment's page, as PyTorch; with a
+    max_reserved_ratio, whose hole reclaim unmaps by the backend's page
+    (so a range's mapped spans need not be whole large pages), that."""
+    return self.vm_granularity if self.max_reserved_ratio else seg.page
+
+
 cdef Block* _next_to_unmap(CachingAllocator self, bint has_stream, uintptr_t stream,
                            vector[uintptr_t]* refused) noexcept nogil:
     """A mapped free block holding a whole page (of ``stream``'s segments,
@@ -432,7 +446,7 @@ cdef Block* _next_to_unmap(CachingAllocator self, bint has_stream, uintptr_t str
         if seg.expandable and not (has_stream and seg.stream != stream):
             b = seg.head
             while b != NULL:
-                if not b.unmapped and _allocatable(b) and _holds_whole_page(b):
+                if not b.unmapped and _allocatable(b) and _whole_pages(b, _unmap_page(self, seg)):
                     for i in range(refused.size()):
                         if refused[0][i] == b.ptr:
                             break
@@ -454,7 +468,7 @@ cdef int _unmap_free_pages(CachingAllocator self, bint has_stream, uintptr_t str
     first_error = None
     while b != NULL:
         try:
-            _unmap_block(self, b)
+            _unmap_block(self, b, _unmap_page(self, b.segment))
         except MemoryError as exc:
             # b is either left as it was (no host memory for the pieces) or
             # lost and unmapped (the backend raised): never tried twice.
@@ -468,6 +482,49 @@ cdef int _unmap_free_pages(CachingAllocator self, bint has_stream, uintptr_t str
         b = _next_to_unmap(self, has_stream, stream, &refused)
     if first_error is not None:
         raise first_error
+    return 0
+
+
+cdef Block* _largest_hole(CachingAllocator self) noexcept nogil:
+    """The mapped free block with the most whole backend pages, NULL when
+    none holds one. The free block at the end of what a range has mapped
+    is left alone: it is where the range grows, so the next request that
+    maps pages there uses it (unmapping it would cost a call and map it
+    again)."""
+    cdef Segment* seg = self.segments
+    cdef Block* b
+    cdef Block* best = NULL
+    cdef size_t best_bytes = 0
+    cdef size_t n
+    while seg != NULL:
+        if seg.expandable:
+            b = seg.head
+            while b != NULL:
+                if (not b.unmapped and _allocatable(b)
+                        and not (b.next != NULL and b.next.unmapped and b.next.next == NULL)):
+                    n = _whole_pages(b, self.vm_granularity)
+                    if n > best_bytes:
+                        best, best_bytes = b, n
+                b = b.next
+        seg = seg.next_seg
+    return best
+
+
+cdef int _unmap_to_ratio(CachingAllocator self, double ratio, size_t size, size_t alloc_size) except -1:
+    """Before mapping ``alloc_size`` more bytes for a request of ``size``:
+    while the mapped total would pass ``ratio`` times the memory in use
+    (the request included), unmap the free whole pages of a hole, largest
+    first. The memory in the holes is given back instead of more being
+    mapped; a later request may be placed in a hole again (the range is
+    virtual: what costs is what is mapped). Each block is looked up afresh
+    after an unmap, which can run Python (see _unmap_block)."""
+    cdef Block* b
+    while (<double>(self.total_allocated_memory + alloc_size)
+           > ratio * <double>(self.stats.core[S_ALLOCATED_BYTES][POOL_ALL].current + size)):
+        b = _largest_hole(self)
+        if b == NULL:
+            break
+        _unmap_block(self, b, self.vm_granularity)
     return 0
 
 

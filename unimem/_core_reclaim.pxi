@@ -171,7 +171,11 @@ cdef int _release_to_reserved_ratio(CachingAllocator self, size_t size, size_t a
     policy): before growing, give back wholly free cached segments,
     largest first, while reserved memory would exceed the ratio times
     the memory in use. It bounds what the cache keeps beyond the live
-    data, at the cost of device calls when the working set shifts."""
+    data, at the cost of device calls when the working set shifts.
+    With expandable segments (never wholly free) the free whole pages in
+    the holes of their ranges are unmapped instead."""
+    if self.expandable:
+        return _unmap_to_ratio(self, self.max_reserved_ratio, size, alloc_size)
     cdef double in_use = <double>(self.stats.core[S_ALLOCATED_BYTES][POOL_ALL].current + size)
     cdef double limit = self.max_reserved_ratio * in_use
     cdef double reserved = <double>(self.total_allocated_memory + alloc_size)
