@@ -1351,6 +1351,7 @@ cdef class CachingAllocator:
 # ---------------------------------------------------------------------------
 # Allocation handles: a block that frees itself when its last user lets go
 # ---------------------------------------------------------------------------
+@cython.no_gc_clear     # __dealloc__ frees through self.allocator: a collected cycle must not clear it first
 cdef class Allocation:
     """A live block, freed when this object is garbage collected (or at
     :meth:`release`). Array libraries keep one alive for as long as any array
