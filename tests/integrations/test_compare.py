@@ -2,7 +2,7 @@
 on purpose, and calls two identical trees the same.
 
 Both trees are copies of this checkout with its built extensions; the slow
-one has one extra list built on every free in the registry's delete (the
+one has one extra list built on every free on the registry's free path (the
 regression that once reached main unseen), so only that module is rebuilt.
 The guard's verdict is read from its JSON, not from timings of this test.
 """
@@ -19,8 +19,11 @@ from tests.helpers import REPO_ROOT
 
 ROOT = str(REPO_ROOT)
 REGISTRY = os.path.join("unimem", "_runtime", "registry.pyx")
-FREE_LOOP = "        cdef int current = self._default_index() if self.device_count else 0\n"
-EXTRA_LIST = "        extra = [None] + self._allocators            # injected: a list per free\n"
+# The free path the facade's common call takes (_fast_delete), and the
+# regression injected there: one list built per free.
+FREE_PATH = ("    cdef CachingAllocator a = registry.only\n"
+             "    if a is None or not exact_size(ptr, &p) or p == 0:\n")
+EXTRA_LIST = "    extra = [None] + registry._allocators          # injected: a list per free\n"
 
 pytest.importorskip("Cython", reason="the compare command builds trees in place with Cython")
 
@@ -65,9 +68,10 @@ def trees(tmp_path_factory):
     path = os.path.join(slow, REGISTRY)
     with open(path) as f:
         source = f.read()
-    assert FREE_LOOP in source, "the registry's delete changed: update the injected regression"
+    assert source.count(FREE_PATH) == 1, "the registry's free path changed: update the injected regression"
+    first_line = FREE_PATH.splitlines(keepends=True)[0]
     with open(path, "w") as f:
-        f.write(source.replace(FREE_LOOP, FREE_LOOP + EXTRA_LIST, 1))
+        f.write(source.replace(FREE_PATH, first_line + EXTRA_LIST + FREE_PATH[len(first_line):], 1))
     return base, slow
 
 
