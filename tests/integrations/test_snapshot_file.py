@@ -10,13 +10,10 @@ import io
 import math
 import os
 import pickle
-import resource
 import stat
 import struct
 import subprocess
 import sys
-import tempfile
-import threading
 from contextlib import redirect_stderr, redirect_stdout
 
 import pytest
@@ -79,28 +76,42 @@ def write(tmp_path, snapshot, name="snapshot.pickle", protocol=pickle.HIGHEST_PR
     return path
 
 
-def _limit_memory():
-    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
+# A small process between the test and the command: Linux carries a process's
+# peak resident memory across fork and exec (the forked copy starts with its
+# parent's), so the command is forked from this small one, not from pytest
+# (hundreds of MiB by then), and its own peak is what wait4 reports.
+MEASURE = r"""
+import os, resource, signal, sys
+limit, args = int(sys.argv[1]), sys.argv[2:]
+pid = os.fork()
+if pid == 0:
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    os.execv(sys.executable, [sys.executable] + args)
+_, status, usage = os.wait4(pid, 0)
+sys.stderr.write(f"\nPEAK_KIB={usage.ru_maxrss}\n")
+code = os.waitstatus_to_exitcode(status)
+if code < 0:
+    signal.signal(-code, signal.SIG_DFL)
+    os.kill(os.getpid(), -code)
+sys.exit(code)
+"""
 
 
 def plot_cli(*args):
     """``python -m unimem plot ARGS`` with a memory limit and a timeout (a
     regression fails the test instead of eating memory or hanging); the
     result has the command's peak resident memory as ``peak_mib``."""
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        child = subprocess.Popen([sys.executable, "-m", "unimem", "plot", *map(str, args)], stdout=out,
-                                 stderr=err, cwd=str(REPO_ROOT), preexec_fn=_limit_memory)
-        killer = threading.Timer(TIMEOUT_S, child.kill)
-        killer.start()
-        try:
-            _, status, usage = os.wait4(child.pid, 0)       # the child's own rusage, unlike communicate()
-        finally:
-            killer.cancel()
-        child.returncode = os.waitstatus_to_exitcode(status)
-        out.seek(0)
-        err.seek(0)
-        done = subprocess.CompletedProcess(child.args, child.returncode, out.read().decode(), err.read().decode())
-    done.peak_mib = usage.ru_maxrss / 1024                  # Linux: KiB
+    child = subprocess.Popen([sys.executable, "-c", MEASURE, str(MEMORY_LIMIT), "-m", "unimem", "plot",
+                              *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             cwd=str(REPO_ROOT), start_new_session=True, text=True)
+    try:
+        out, err = child.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, 9)                 # the measuring process and the command
+        out, err = child.communicate()
+    err, _, peak = err.rpartition("\nPEAK_KIB=")
+    done = subprocess.CompletedProcess(child.args, child.returncode, out, err)
+    done.peak_mib = int(peak) / 1024 if peak.strip().isdigit() else float("inf")
     return done
 
 
