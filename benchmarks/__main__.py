@@ -1,7 +1,7 @@
 """Run unimem's benchmarks and summarise their targets.
 
     python -m benchmarks                 # all of them (a few minutes)
-    python -m benchmarks --quick         # fewer repeats: about 10 s on 2 cores without a GPU
+    python -m benchmarks --quick         # fewer repeats: about 1.5 minutes on 2 cores without a GPU
     python -m benchmarks memory threads  # some of them, by name
     python -m benchmarks soak            # the long run (not in the default set)
     python -m benchmarks compare REV     # the working tree against REV, A/B interleaved (compare.py)
@@ -43,7 +43,7 @@ def main(argv: List[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description="run unimem's benchmarks")
     parser.add_argument("names", nargs="*", metavar="name",
                         help=f"benchmarks to run (default: {' '.join(DEFAULT)}); also: soak")
-    parser.add_argument("--quick", action="store_true", help="fewer repeats (about 10 s on 2 cores without a GPU)")
+    parser.add_argument("--quick", action="store_true", help="fewer repeats (about 1.5 minutes on 2 cores without a GPU)")
     parser.add_argument("--strict", action="store_true", help="exit with status 1 when a target is missed")
     arguments = parser.parse_args(argv)
     unknown = [name for name in arguments.names if name not in BENCHMARKS]
