@@ -27,242 +27,21 @@ interrupt leaves each operation done or not done; at the end everything can
 be freed.
 
 The bugs the machine found are reproduced by the tests at the end (each
-failed before its fix), and the machine injects all of their triggers.
+failed before its fix), and the machine injects all of their triggers. The
+backend, the plain rules and the checks every allocator passes are shared
+with the expandable-segments machine (test_misbehaving_expandable.py) in
+tests/helpers/misbehaving.py.
 """
 import functools
 import sys
-from contextlib import contextmanager
 
-import hypothesis
 import pytest
 from hypothesis import HealthCheck, settings, strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import invariant, precondition, rule
 
+from tests.helpers.misbehaving import EVENT_CHAOS, STREAMS, AllocatorMachine, MisbehavingBackend, sizes, streams
 from unimem import OutOfMemoryError, _core
-from unimem.backends.base import Backend
-from unimem.backends.faults import InjectedFault
 from unimem.backends.simulated import SimulatedBackend
-
-MiB = 1 << 20
-CAPACITY = 1 << 30
-STREAMS = (0, 1, 2, 3)
-
-sizes = st.one_of(st.integers(1, 4096), st.integers(4097, MiB), st.integers(MiB + 1, 12 * MiB),
-                  st.integers(12 * MiB, 80 * MiB))
-streams = st.sampled_from(STREAMS)
-
-
-class HookError(Exception):
-    """An ordinary error from the history hook: reported as unraisable, not raised."""
-
-
-# --------------------------------------------------------------------------------------
-# the backend
-# --------------------------------------------------------------------------------------
-class MisbehavingBackend(Backend):
-    """A simulated device whose callbacks misbehave as planned.
-
-    ``plans[callback]`` is a queue of actions; each call of ``callback`` made
-    directly by the core (not from inside another callback, such as a
-    finalizer run by a garbage collection in one) takes the next action.
-    """
-
-    name = "SIM"
-    CALLBACKS = ("malloc", "free", "record_event", "event_done", "event_synchronize",
-                 "release_event", "release_stream", "history")
-
-    def __init__(self, collect):
-        self.inner = SimulatedBackend(capacity=CAPACITY)
-        self.collect = collect          # collect(count, offset, callback): drop Allocations (a GC)
-        self.plans = {name: [] for name in self.CALLBACKS}
-        self.depth = 0                  # > 0: inside one of our callbacks
-        self.suspended = 0              # > 0: no plan is taken
-        self.paused = set()             # callbacks whose plans wait
-        self.fired = []                 # every exception injected
-        self.stranded = {}              # address -> size: still held by the device, unknown to the core
-        self.failed_frees = []          # sizes of the segments whose free raised
-        self.malloc_log = []            # top-level malloc outcomes: "refused" or "address"
-        self.free_log = []              # top-level frees: (address, size, action)
-        self.top_events = []            # events recorded by top-level record_event calls
-        self.recorded = {}              # id -> every event recorded
-        self.released = []              # events given back by the core
-        self.violations = []            # misuse of the backend by the core
-
-    def disarm(self):
-        for plan in self.plans.values():
-            plan.clear()
-
-    @contextmanager
-    def isolated(self):
-        """Plans made before wait: only those made inside apply meanwhile."""
-        saved = {name: list(plan) for name, plan in self.plans.items()}
-        self.disarm()
-        try:
-            yield
-        finally:
-            self.plans = saved
-
-    @contextmanager
-    def quiet(self, *callbacks):
-        """No plan is taken meanwhile (of ``callbacks`` only, if named)."""
-        if callbacks:
-            saved = set(self.paused)
-            self.paused |= set(callbacks)
-        else:
-            self.suspended += 1
-        try:
-            yield
-        finally:
-            if callbacks:
-                self.paused = saved
-            else:
-                self.suspended -= 1
-
-    @contextmanager
-    def _inside(self):
-        self.depth += 1
-        try:
-            yield
-        finally:
-            self.depth -= 1
-
-    def _action(self, callback):
-        if self.depth or self.suspended or callback in self.paused or not self.plans[callback]:
-            return ("ok",)
-        action = self.plans[callback].pop(0)
-        hypothesis.event(f"{callback}: {action[0]}")
-        return action
-
-    def _fire(self, exc):
-        self.fired.append(exc)
-        return exc
-
-    def _common(self, callback, action):
-        """The actions every callback knows, before it does its work."""
-        if action[0] == "gc":
-            self.collect(action[1], action[2], callback)
-        elif action[0] == "interrupt":
-            raise self._fire(KeyboardInterrupt(f"injected in {callback}"))
-        elif action[0] == "raise":
-            raise self._fire(InjectedFault(f"injected failure in {callback}"))
-
-    # raw memory ---------------------------------------------------------------------
-    def malloc(self, size, device, stream):
-        top = self.depth == 0
-        action = self._action("malloc")
-        with self._inside():
-            self._common("malloc", action)
-            kind = action[0]
-            if kind == "refuse":
-                if top:
-                    self.malloc_log.append("refused")
-                if action[1] == "memory_error":
-                    raise MemoryError("injected: the device is full")
-                return 0 if action[1] == "zero" else None
-            if kind == "return":                       # a bad answer; nothing was allocated
-                if top:
-                    self.malloc_log.append("address")
-                return action[1]
-            ptr = self.inner.malloc(size, device, stream)
-            if top:
-                self.malloc_log.append("address" if ptr else "refused")
-            if kind == "interrupt_after":              # taken, and the address never told
-                if ptr:
-                    self.stranded[ptr] = size
-                raise self._fire(KeyboardInterrupt("injected in malloc, after allocating"))
-            return ptr
-
-    def free(self, ptr, size, device, stream):
-        action = self._action("free")
-        with self._inside():
-            if self.depth == 1:
-                self.free_log.append((ptr, size, action[0]))
-            if action[0] == "gc":
-                self.collect(action[1], action[2], "free")
-            kind = action[0]
-            if kind in ("raise_before", "interrupt_before"):
-                self.stranded[ptr] = size
-                self.failed_frees.append(size)
-                raise self._fire(KeyboardInterrupt("injected in free, before freeing")
-                                 if kind == "interrupt_before" else
-                                 InjectedFault(f"injected failure freeing {ptr:#x}, not freed"))
-            try:
-                self.inner.free(ptr, size, device, stream)
-            except Exception as exc:
-                self.violations.append(f"the core freed {ptr:#x} ({size} bytes): {exc}")
-                raise
-            if kind in ("raise_after", "interrupt_after"):
-                self.failed_frees.append(size)
-                raise self._fire(KeyboardInterrupt("injected in free, after freeing")
-                                 if kind == "interrupt_after" else
-                                 InjectedFault(f"injected failure freeing {ptr:#x}, after freeing"))
-
-    def memory_info(self, device):
-        return self.inner.memory_info(device)
-
-    def device_count(self):
-        return 1
-
-    # streams ------------------------------------------------------------------------
-    def check_stream(self, stream, device):
-        if stream not in STREAMS:
-            raise ValueError(f"no stream {stream}")
-
-    def record_event(self, stream, device):
-        top = self.depth == 0
-        action = self._action("record_event")
-        with self._inside():
-            self._common("record_event", action)
-            event = self.inner.record_event(stream, device)
-            self.recorded[id(event)] = event
-            if top:
-                self.top_events.append(event)
-            return event
-
-    def release_event(self, event):
-        action = self._action("release_event")
-        with self._inside():
-            if action[0] == "gc":
-                self.collect(action[1], action[2], "release_event")
-            if self.recorded.get(id(event)) is not event:
-                self.violations.append(f"release_event of {event!r}, never recorded")
-            if any(event is e for e in self.released):
-                self.violations.append(f"release_event of {event!r} twice")
-            self.released.append(event)
-            if action[0] in ("interrupt", "raise"):
-                self._common("release_event", action)
-
-    def _waited_on(self, event, what):
-        if any(event is e for e in self.released):
-            self.violations.append(f"{what} of {event!r}, which the core gave back")
-
-    def event_done(self, event):
-        action = self._action("event_done")
-        with self._inside():
-            self._waited_on(event, "event_done")
-            self._common("event_done", action)
-            return self.inner.event_done(event)
-
-    def event_synchronize(self, event):
-        action = self._action("event_synchronize")
-        with self._inside():
-            self._waited_on(event, "event_synchronize")
-            self._common("event_synchronize", action)
-            self.inner.event_synchronize(event)
-
-    def release_stream(self, stream, device):
-        action = self._action("release_stream")
-        with self._inside():
-            self._common("release_stream", action)
-
-    # the allocator's history hook ---------------------------------------------------
-    def history(self, events):
-        action = self._action("history")
-        with self._inside():
-            if action[0] == "error":
-                raise self._fire(HookError("injected error in the history hook"))
-            self._common("history", action)
-
 
 # --------------------------------------------------------------------------------------
 # the machine
@@ -283,11 +62,7 @@ BAD_ADDRESSES = {
 
 CHAOS = [("malloc", ("interrupt",)), ("malloc", ("interrupt_after",)),
          ("free", ("interrupt_before",)), ("free", ("interrupt_after",)),
-         ("free", ("raise_before",)), ("free", ("raise_after",)),
-         ("record_event", ("interrupt",)), ("record_event", ("raise",)),
-         ("event_done", ("interrupt",)), ("event_synchronize", ("interrupt",)),
-         ("history", ("interrupt",)), ("history", ("error",)),
-         ("release_event", ("interrupt",)), ("release_stream", ("interrupt",))]     # bugs B and C
+         ("free", ("raise_before",)), ("free", ("raise_after",))] + EVENT_CHAOS
 
 
 def no_allocated_block(segment):
@@ -306,70 +81,12 @@ def isolated(method):
     return run
 
 
-class MisbehavingBackendMachine(RuleBasedStateMachine):
+class MisbehavingBackendMachine(AllocatorMachine):
 
     def __init__(self):
-        super().__init__()
-        self.backend = MisbehavingBackend(self.collect)
-        self.device = self.backend.inner
-        self.core = _core.CachingAllocator(self.backend, 0)
-        self.core.set_capacity(CAPACITY)
-        self.core.set_trace_hook(self.backend.history)
-        self.raw = set()            # live addresses from malloc
-        self.handles = {}           # address -> the only reference to its Allocation
-        self.requests = {}          # address -> (requested size, stream)
-        self.uses = {}              # address -> streams record_stream named
-        self.pinned = set()         # handles a garbage collection must not drop now
-        self.unraisable = []
-        self._unraisablehook = sys.unraisablehook
-        # Only the type and text: a traceback would keep frames, and the
-        # Allocations in their variables, alive.
-        sys.unraisablehook = lambda info: self.unraisable.append((info.exc_type, str(info.exc_value)))
+        super().__init__(MisbehavingBackend(self.collect))
 
     # -- bookkeeping ------------------------------------------------------------------
-    def live(self):
-        return self.raw | set(self.handles)
-
-    def adopt(self, ptr, size, stream, handle=None):
-        assert ptr != 0
-        assert ptr not in self.live(), f"{ptr:#x} handed out while live"
-        if handle is None:
-            self.raw.add(ptr)
-        else:
-            self.handles[ptr] = handle
-        self.requests[ptr] = (size, stream)
-
-    def forget(self, ptr):
-        self.raw.discard(ptr)
-        self.handles.pop(ptr, None)
-        del self.requests[ptr]
-        self.uses.pop(ptr, None)
-
-    def collect(self, count, offset, callback):
-        """A garbage collection inside ``callback``: the last references to
-        ``count`` Allocations go, and their finalizers free the blocks."""
-        candidates = [p for p in sorted(self.handles) if p not in self.pinned]
-        chosen = (candidates[offset:] + candidates[:offset])[:count] if candidates else []
-        victims = [self.handles[p] for p in chosen]
-        for p in chosen:
-            self.forget(p)
-        if victims:
-            hypothesis.event(f"finalizers run inside {callback}")
-        del victims                                            # the finalizers run here
-
-    def attempt(self, call):
-        """``(result, None)``, or ``(None, error)`` for an error injected during the call."""
-        mark = len(self.backend.fired)
-        try:
-            return call(), None
-        except BaseException as exc:
-            if any(exc is e for e in self.backend.fired[mark:]):
-                return None, exc
-            raise
-        finally:
-            for exc in self.backend.fired[mark:]:
-                exc.__traceback__ = None       # its frames would keep Allocations alive
-
     def state(self):
         stats = dict(self.core.memory_stats())
         del stats["num_ooms"]
@@ -395,77 +112,6 @@ class MisbehavingBackendMachine(RuleBasedStateMachine):
             value = {"wraps": (1 << 64) - 4096, "float": 4096.5, "integral_float": float(1 << 40),
                      "true": True, "negative": -4096, "huge": 1 << 64, "string": "0x1000"}[kind]
         return kind, value
-
-    # -- plain use ------------------------------------------------------------------
-    @initialize(blocks=st.lists(st.tuples(st.integers(1, 3 * MiB), streams, st.booleans(),
-                                          st.sets(streams, max_size=2)), max_size=8))
-    def some_blocks(self, blocks):
-        """A few Allocations (and plain blocks) for the garbage collections to find."""
-        for size, stream, handle, used_on in blocks:
-            before = self.live()
-            self.malloc(size, stream, handle)
-            for ptr in self.live() - before:
-                for other in sorted(used_on - {stream}):
-                    self.core.record_stream(ptr, other)
-                    self.uses.setdefault(ptr, set()).add(other)
-
-    @rule(size=sizes, stream=streams, handle=st.booleans())
-    def malloc(self, size, stream, handle):
-        allocate = self.core.allocate if handle else self.core.malloc
-        try:
-            result, error = self.attempt(lambda: allocate(size, stream))
-        except OutOfMemoryError:
-            return
-        if error is None:
-            self.adopt(result.ptr if handle else result, size, stream, result if handle else None)
-
-    @precondition(lambda self: self.raw)
-    @rule(data=st.data())
-    def free(self, data):
-        ptr = data.draw(st.sampled_from(sorted(self.raw)), label="address")
-        _, error = self.attempt(lambda: self.core.free(ptr))
-        if error is None or not self.core.owns(ptr):        # an interrupt: done, or not done
-            self.forget(ptr)
-
-    @precondition(lambda self: self.handles)
-    @rule(data=st.data(), drop=st.booleans())
-    def release(self, data, drop):
-        ptr = data.draw(st.sampled_from(sorted(self.handles)), label="allocation")
-        if drop:
-            with self.backend.quiet():          # a finalizer cannot raise: nothing is injected in it
-                self.forget(ptr)
-            return
-        handle = self.handles[ptr]
-        self.pinned.add(ptr)
-        try:
-            _, error = self.attempt(handle.release)     # bug D was a Ctrl-C in the hook here
-        finally:
-            self.pinned.discard(ptr)
-        if error is not None and self.core.owns(ptr):
-            assert handle.ptr == ptr, "the free did not happen, but the handle let go of its block"
-        else:
-            assert handle.ptr == 0, "the block was freed, but its handle still holds the address"
-            self.forget(ptr)
-
-    @precondition(lambda self: self.live())
-    @rule(data=st.data(), stream=streams)
-    def record_stream(self, data, stream):
-        ptr = data.draw(st.sampled_from(sorted(self.live())), label="address")
-        self.core.record_stream(ptr, stream)
-        if stream != self.requests[ptr][1]:
-            self.uses.setdefault(ptr, set()).add(stream)
-
-    @rule(stream=streams)
-    def stream_work_completes(self, stream):
-        self.device.complete(stream)
-
-    @rule()
-    def process_events(self):
-        self.attempt(self.core.process_events)
-
-    @rule(stream=st.one_of(st.none(), streams))
-    def empty_cache(self, stream):
-        self.attempt(lambda: self.core.empty_cache(stream))
 
     # -- misbehaviour, at some later point --------------------------------------------
     @rule(callback=st.sampled_from(MisbehavingBackend.CALLBACKS), count=st.integers(1, 3),
@@ -633,26 +279,10 @@ class MisbehavingBackendMachine(RuleBasedStateMachine):
 
     # -- after every step -------------------------------------------------------------
     @invariant()
-    def statistics_consistent(self):
-        self.core._check_invariants()
-        stats = self.core.memory_stats()
-        for key, value in stats.items():
-            if key.endswith(".current"):
-                name = key[:-len(".current")]
-                assert value >= 0, f"{key} = {value}"
-                assert stats[name + ".allocated"] - stats[name + ".freed"] == value, name
-                assert stats[name + ".peak"] >= value, name
-
-    @invariant()
-    def nothing_handed_out_twice(self):
+    def segments_are_device_memory(self):
+        """Each segment is memory the backend holds, whole, and no two
+        overlap; the device holds nothing else but what failed calls stranded."""
         live = self.core.live_allocations()
-        assert set(live) == self.live(), "the live blocks are not those handed out and not freed"
-        for ptr, (size, requested, stream) in live.items():
-            assert (requested, stream) == self.requests[ptr]
-            assert size >= self.core.round_size(requested)
-        spans = sorted((p, size) for p, (size, _, _) in live.items())
-        for (a, size), (b, _) in zip(spans, spans[1:]):
-            assert a + size <= b, f"live blocks {a:#x} and {b:#x} overlap"
         segments = self.core.snapshot()
         on_device = dict(self.device.live[0])
         allocated = 0
@@ -671,32 +301,8 @@ class MisbehavingBackendMachine(RuleBasedStateMachine):
         assert self.core.lost_segments() == {"count": len(self.backend.failed_frees),
                                              "bytes": sum(self.backend.failed_frees)}
 
-    @invariant()
-    def backend_used_as_its_contract_says(self):
-        assert not self.backend.violations, self.backend.violations
-        unexpected = [e for e in self.unraisable if e[0] is not HookError]
-        assert not unexpected, f"unraisable errors: {unexpected!r}"
-
-    def teardown(self):
-        try:
-            self.backend.disarm()
-            handles = list(self.handles.values())
-            for handle in handles:
-                handle.release()
-            for ptr in list(self.raw):
-                self.core.free(ptr)
-            for stream in STREAMS:
-                self.device.complete(stream)
-            self.core.empty_cache()
-            self.core._check_invariants()
-            assert self.core.live_allocations() == {}
-            stats = self.core.memory_stats()
-            assert all(v == 0 for k, v in stats.items() if k.endswith(".current")), \
-                {k: v for k, v in stats.items() if k.endswith(".current") and v}
-            assert self.device.live[0] == self.backend.stranded
-            assert not self.backend.violations, self.backend.violations
-        finally:
-            sys.unraisablehook = self._unraisablehook
+    def check_drained(self):
+        assert self.device.live[0] == self.backend.stranded
 
 
 MisbehavingBackendMachine.TestCase.settings = settings(

@@ -7,12 +7,17 @@ run down with it and says nothing of what led there. Two guards:
 * :func:`run_python`: a script in a fresh interpreter at the repository's
   root (for environment variables read at import, ``UNIMEM_DEVICE``...);
   the test fails with the child's output and the signal that ended it.
-* :func:`guarded`: a hypothesis state-machine rule is first run, with the
-  machine's checks after it, in a forked copy of the test process. Only if
-  the copy survived does the rule run for real; if it died or hung, the rule
-  raises instead. Hypothesis then shrinks a crash like any other failure and
-  prints the smallest sequence of steps that causes it. The copy draws the
-  same data as the original would (it is a copy of the same generator state).
+* :func:`guarded` (rules), :func:`guarded_check` (invariants) and
+  :func:`guarded_teardown`, for a hypothesis state machine with
+  ``guard_steps = True``: at its first step, each example is run to its end
+  in a forked copy of the test process, which tells through a pipe which
+  step or check it is in. Then the original runs the example: if the copy
+  died or hung, the step it died in raises :class:`ChildCrashed` instead of
+  running (the steps before it are safe: the copy survived them). Hypothesis
+  then shrinks a crash like any other failure and prints the smallest
+  sequence of steps that causes it. The copy draws the same data as the
+  original (a copy of the same generator state), so it runs the same steps.
+  One fork per example: a fork costs milliseconds here.
 """
 import faulthandler
 import functools
@@ -22,12 +27,12 @@ import select
 import signal
 import subprocess
 import sys
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from . import REPO_ROOT
 
-#: A step still running after this many seconds in the forked copy is a hang.
-STEP_TIMEOUT = 30.0
+#: A copy that tells nothing new for this many seconds hangs.
+STEP_TIMEOUT = 10.0
 
 
 class ChildCrashed(AssertionError):
@@ -64,82 +69,124 @@ def run_python(code: str, *, env: Optional[Dict[str, str]] = None, marker: str =
     return done.stdout
 
 
-def _wait(pid: int, timeout: float) -> Optional[int]:
-    """The wait status of child ``pid``, or None when it is still running
-    after ``timeout`` seconds (it is then killed)."""
-    try:
-        fd = os.pidfd_open(pid)
-    except (AttributeError, OSError):            # no pidfd: wait without a limit
-        return os.waitpid(pid, 0)[1]
-    try:
-        ready, _, _ = select.select([fd], [], [], timeout)
-    finally:
-        os.close(fd)
-    if not ready:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        return None
-    return os.waitpid(pid, 0)[1]
+#: Machines whose copy failed: kept alive, so that no finalizer or
+#: deallocator ever walks a damaged allocator's bookkeeping in this process.
+QUARANTINE: list = []
+
+_COPY = "copy"          # the machine's _probe in the forked copy
+_in_a_copy = False      # true in a forked copy: it never forks again
 
 
-def survives(call: Callable[[], Any], timeout: float = STEP_TIMEOUT) -> Optional[str]:
-    """Run ``call()`` in a forked copy of this process. None when the copy
-    ended by itself, ``"raised"`` when ``call`` raised there (the original
-    will raise it again, with its traceback, when it runs the same code);
-    otherwise what ended it, e.g. ``"killed by SIGSEGV"`` or ``"hung for 30 s"``."""
+def _run_copy(machine: Any) -> Any:
+    """Fork. In the copy: return :data:`_COPY`, with the machine set to report
+    its steps through a pipe. In the original: wait for the
+    copy to end the example and return ``(where, how)``, the last step or
+    check it began and what ended it there, or ``("", "")`` if it ended by
+    itself; ``how`` is ``"raised"`` when something failed in it."""
+    global _in_a_copy
+    if _in_a_copy:
+        raise RuntimeError("a forked copy may not fork again")
     sys.stdout.flush()
     sys.stderr.flush()
+    read_end, write_end = os.pipe()
     pid = os.fork()
-    if pid == 0:                                 # the copy: run, and leave without cleaning up
-        status = 0
-        try:
-            faulthandler.disable()               # a crash here is reported by the original
-            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-            call()
-        except BaseException:
-            status = 1
-        finally:
-            os._exit(status)
-    status = _wait(pid, timeout)
-    if status is None:
-        return f"hung for {timeout:.0f} s"
+    if pid == 0:
+        _in_a_copy = True
+        os.close(read_end)
+        faulthandler.disable()                   # a crash here is reported by the original
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        machine._probe_pipe = write_end
+        return _COPY
+    os.close(write_end)
+    told, hung = b"", False
+    try:
+        while True:
+            ready, _, _ = select.select([read_end], [], [], STEP_TIMEOUT)
+            if not ready:
+                hung = True
+                os.kill(pid, signal.SIGKILL)
+                break
+            chunk = os.read(read_end, 65536)
+            if not chunk:
+                break
+            told += chunk
+    finally:
+        os.close(read_end)
+    status = os.waitpid(pid, 0)[1]
+    lines = told.decode().splitlines()
+    where = lines[-1] if lines else "the start of the example"
+    if hung:
+        return where, f"hung for {STEP_TIMEOUT:.0f} s"
     if os.WIFSIGNALED(status):
-        return exit_description(-os.WTERMSIG(status))
-    return "raised" if os.WEXITSTATUS(status) else None
+        return where, exit_description(-os.WTERMSIG(status))
+    return ("", "raised") if os.WEXITSTATUS(status) else ("", "")
 
 
-#: Machines whose allocator a crash guard found damaged: kept alive, so that
-#: no finalizer or deallocator ever walks their bookkeeping in this process.
-QUARANTINE: list = []
+def _checkpoint(machine: Any, where: str) -> None:
+    """In the copy: tell the original where it is. In the original: raise
+    if the copy died there."""
+    if machine._probe == _COPY:
+        os.write(machine._probe_pipe, f"{where}\n".encode())
+        return
+    died_at, how = machine._probe
+    if where == died_at:
+        raise ChildCrashed(f"{where}: {how} (in a forked copy of this example)")
+
+
+def _in_copy(machine: Any, where: str, call: Callable[[], Any]) -> Any:
+    """Run ``call``, part of the example, after a checkpoint at ``where``;
+    in the copy, remember a failure for the exit status."""
+    if getattr(machine, "_probe", None) is None:     # the example's first step: run it in a copy first
+        if _in_a_copy:                               # the copy went past its example's end
+            os._exit(1)
+        machine._probe = _run_copy(machine)
+        if machine._probe not in (_COPY, ("", "")):
+            QUARANTINE.append(machine)
+    _checkpoint(machine, where)
+    try:
+        return call()
+    except BaseException:
+        machine._copy_failed = True
+        raise
 
 
 def guarded(method: Callable[..., Any]) -> Callable[..., Any]:
-    """A state-machine rule that is first tried in a forked copy when
-    ``self.guard_steps`` is true, followed there (if it returned) by every
-    check the machine's ``check_all()`` lists (each one, even after another
-    failed, so that a check that would crash is found before the original
-    runs any). A copy
-    that crashes or hangs makes the rule raise :class:`ChildCrashed`; a copy
-    in which something failed lets the original run the rule, to fail the
-    same way with a traceback, and keeps the machine out of garbage collection."""
+    """A state-machine rule, checked by the copy first (see the module's
+    docstring) when ``self.guard_steps`` is true. A guarded rule called by
+    another runs as part of it."""
     @functools.wraps(method)
     def run(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if getattr(self, "guard_steps", False):
-            def trial() -> None:
-                method(self, *args, **kwargs)         # if it raises, hypothesis checks nothing after
-                failed = False
-                for check in getattr(self, "check_all", lambda: [])():
-                    try:
-                        check()
-                    except BaseException:
-                        failed = True
-                if failed:
-                    raise AssertionError("a check failed in the copy")
-            outcome = survives(trial)
-            if outcome is not None:
-                QUARANTINE.append(self)
-            if outcome not in (None, "raised"):
-                raise ChildCrashed(f"{method.__name__} {outcome} (tried in a forked copy, "
-                                   f"the machine's checks after it)")
-        return method(self, *args, **kwargs)
+        if not getattr(self, "guard_steps", False) or getattr(self, "_guarding", False):
+            return method(self, *args, **kwargs)
+        self._steps = getattr(self, "_steps", 0) + 1
+        self._guarding = True
+        try:
+            return _in_copy(self, f"step {self._steps}: {method.__name__}",
+                            lambda: method(self, *args, **kwargs))
+        finally:
+            self._guarding = False
     return run
+
+
+def guarded_check(method: Callable[..., Any]) -> Callable[..., Any]:
+    """An invariant, checked by the copy first once the example's first
+    step has begun (before it, nothing was done that could crash)."""
+    @functools.wraps(method)
+    def run(self: Any) -> Any:
+        if not getattr(self, "guard_steps", False) or getattr(self, "_probe", None) is None:
+            return method(self)
+        return _in_copy(self, f"after step {self._steps}: {method.__name__}", lambda: method(self))
+    return run
+
+
+def guarded_teardown(machine: Any, drain: Callable[[], Any]) -> None:
+    """The end of an example: ``drain()``, checked by the copy first; the copy
+    leaves here, with status 1 if anything failed in it."""
+    if not getattr(machine, "guard_steps", False):
+        drain()
+        return
+    try:
+        _in_copy(machine, "teardown", drain)
+    finally:
+        if _in_a_copy:
+            os._exit(1 if getattr(machine, "_copy_failed", False) else 0)
