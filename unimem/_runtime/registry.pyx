@@ -280,12 +280,18 @@ def set_current_registry_resolver(resolver):
     _current_registry = None
 
 
-cdef DeviceRegistry _current():
+cdef inline DeviceRegistry _current():
+    # Inlined into the fast functions: once resolved, one test and no call.
+    if _current_registry is not None:
+        return _current_registry
+    return _resolve_current()
+
+
+cdef DeviceRegistry _resolve_current():
     global _current_registry
-    if _current_registry is None:
-        if _registry_resolver is None:
-            raise RuntimeError("unimem's device registry is not set up (import unimem)")
-        _current_registry = _registry_resolver()
+    if _registry_resolver is None:
+        raise RuntimeError("unimem's device registry is not set up (import unimem)")
+    _current_registry = _registry_resolver()
     return _current_registry
 
 
