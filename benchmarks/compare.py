@@ -16,6 +16,10 @@ status 1.
     python -m benchmarks compare 53b0763                 # base: a revision; new: the working tree
     python -m benchmarks compare HEAD --rounds 7
     python -m benchmarks compare HEAD --new-tree /path/to/other/checkout --cases "accelerator pair"
+    python -m benchmarks compare HEAD --instructions      # the hot path in instructions (callgrind), not time
+
+``--instructions`` counts instead of timing (compare_instructions.py): noise
+free, so that a change of 2% on the hot path is seen on a loaded machine.
 """
 from __future__ import annotations
 
@@ -29,6 +33,8 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, IO, List, Optional, Sequence
 
 from ._common import format_time, print_table, write_json
+from .compare_instructions import (INSTRUCTION_THRESHOLD, CountedCase, InstructionCountError, count_cases,
+                                   table_rows)
 from .compare_worker import CASES
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -84,15 +90,18 @@ def checkout(revision: str, cache: str, log: IO[str]) -> str:
 # ---------------------------------------------------------------------------
 # the measuring interpreters
 # ---------------------------------------------------------------------------
+def tree_env(tree: str, env: Dict[str, str]) -> Dict[str, str]:
+    """``env`` with ``tree`` first on the path: its interpreter imports that tree's unimem."""
+    return dict(env, PYTHONPATH=os.pathsep.join([tree] + [p for p in [env.get("PYTHONPATH")] if p]))
+
+
 class Side:
     """One tree's measuring interpreter."""
 
     def __init__(self, label: str, tree: str, env: Dict[str, str]) -> None:
         self.label = label
         self.tree = tree
-        child_env = dict(env)
-        child_env["PYTHONPATH"] = os.pathsep.join([tree] + [p for p in [env.get("PYTHONPATH")] if p])
-        self.process = subprocess.Popen([sys.executable, WORKER], cwd=tree, env=child_env,
+        self.process = subprocess.Popen([sys.executable, WORKER], cwd=tree, env=tree_env(tree, env),
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         hello = self._read()
         expected = os.path.join(os.path.realpath(tree), "unimem", "__init__.py")
@@ -261,7 +270,11 @@ def main(argv: List[str]) -> int:
     parser.add_argument("--cache", default=os.environ.get(CACHE_ENV, DEFAULT_CACHE),
                         help=f"where base worktrees are kept (default {DEFAULT_CACHE}, or ${CACHE_ENV})")
     parser.add_argument("--device", choices=("cpu", "xpu", "cuda"),
-                        help="UNIMEM_DEVICE for both sides (default: this machine's default device)")
+                        help="UNIMEM_DEVICE for both sides (default: this machine's default device; "
+                             "cpu with --instructions)")
+    parser.add_argument("--instructions", action="store_true",
+                        help="count instructions per operation under callgrind (needs valgrind) instead of "
+                             "timing: the host-code cases only, noise free")
     arguments = parser.parse_args(argv)
     if (arguments.base is None) == (arguments.base_tree is None):
         parser.error("give the base as REV or as --base-tree, not both")
@@ -271,6 +284,8 @@ def main(argv: List[str]) -> int:
         parser.error("--threshold must be above 1")
     log = sys.stderr
     cases = arguments.cases or list(CASES)
+    if arguments.instructions:
+        return _main_instructions(arguments, [case for case in cases if CASES[case].counted], log)
     try:
         if arguments.base_tree:
             base_tree = os.path.abspath(arguments.base_tree)
@@ -308,4 +323,44 @@ def main(argv: List[str]) -> int:
     slower = [r.case for r in results if r.verdict(arguments.threshold) == "slower"]
     if slower:
         print(f"slower than {arguments.base or base_tree}: {', '.join(slower)}", flush=True)
+    return 1 if arguments.strict and slower else 0
+
+
+def _trees(arguments: argparse.Namespace, log: IO[str]) -> Dict[str, str]:
+    if arguments.base_tree:
+        base_tree = os.path.abspath(arguments.base_tree)
+        build_in_place(base_tree, log)
+    else:
+        base_tree = checkout(arguments.base, arguments.cache, log)
+    new_tree = os.path.abspath(arguments.new_tree)
+    build_in_place(new_tree, log)
+    return {"base": base_tree, "new": new_tree}
+
+
+def _main_instructions(arguments: argparse.Namespace, cases: List[str], log: IO[str]) -> int:
+    """``--instructions``: each counted case's instructions per operation on both trees."""
+    if not cases:
+        print("python -m benchmarks compare: --instructions counts only the host-code cases: "
+              + ", ".join(name for name, case in CASES.items() if case.counted), file=sys.stderr)
+        return 2
+    device = arguments.device or "cpu"
+    try:
+        trees = _trees(arguments, log)
+        envs = {side: tree_env(tree, dict(os.environ, UNIMEM_DEVICE=device)) for side, tree in trees.items()}
+        results: List[CountedCase] = count_cases(WORKER, trees, envs, cases, log)
+    except (CompareError, InstructionCountError) as exc:
+        print(f"python -m benchmarks compare: {exc}", file=sys.stderr)
+        return 2
+    base_label = trees["base"] if arguments.base_tree else f"{arguments.base} = {os.path.basename(trees['base'])[:10]}"
+    table = print_table(
+        f"new ({trees['new']}) against base ({base_label}) on {device}: instructions per operation (callgrind), "
+        f"ratio new/base; real past {INSTRUCTION_THRESHOLD:.2f}x (counts, not time: the timed rounds say how "
+        f"much they cost)", ["case", "base", "new", "ratio", "verdict"], table_rows(results))
+    write_json("compare", {"base": arguments.base or trees["base"], "base_tree": trees["base"],
+                           "new_tree": trees["new"], "device": device, "mode": "instructions",
+                           "threshold": INSTRUCTION_THRESHOLD, "table": table,
+                           "cases": [r.as_dict() for r in results]})
+    slower = [r.case for r in results if r.verdict() == "slower"]
+    if slower:
+        print(f"more instructions than {arguments.base or trees['base']}: {', '.join(slower)}", flush=True)
     return 1 if arguments.strict and slower else 0

@@ -11,6 +11,9 @@ Protocol: the worker prints ``{"ready": ...}`` once set up; then for each line
 ``{"case": NAME, "quick": BOOL}`` read from stdin it measures one sample and
 prints ``{"seconds": S}`` (time per operation) or ``{"skipped": REASON}``;
 EOF ends it. Samples are short so that the two sides can take turns often.
+
+``compare_worker.py --loop CASE N`` runs one loop of N operations of a hot-path
+case and exits: what ``compare --instructions`` runs under callgrind.
 """
 from __future__ import annotations
 
@@ -27,6 +30,14 @@ MATMUL_N = 1536           # a float32 matmul of this order keeps a CPU device bu
 IN_FLIGHT_TRIES = 3       # allocations behind queued matmuls and reductions per sample
 PAIRS = 50_000            # pairs per sample of a hot-path loop (--quick: PAIRS_QUICK)
 PAIRS_QUICK = 10_000
+#: Operations per loop when set (``--loop``): the instruction counter's runs.
+_loop_override: Optional[int] = None
+
+
+def _operations(quick: bool, factor: int = 1) -> int:
+    if _loop_override is not None:
+        return _loop_override
+    return factor * (PAIRS_QUICK if quick else PAIRS)
 
 
 class Skip(Exception):
@@ -73,18 +84,18 @@ class Worker:
     # -- the hot path ---------------------------------------------------------
     def accelerator_pair(self, quick: bool) -> float:
         return _pair_time(self.accelerator.caching_allocator_alloc, self.accelerator.caching_allocator_delete,
-                          PAIRS_QUICK if quick else PAIRS)
+                          _operations(quick))
 
     def namespace_pair(self, quick: bool) -> float:
         return _pair_time(self.namespace.caching_allocator_alloc, self.namespace.caching_allocator_delete,
-                          PAIRS_QUICK if quick else PAIRS)
+                          _operations(quick))
 
     def core_pair(self, quick: bool) -> float:
         devices = importlib.import_module(
             "unimem._runtime.devices" if _has_module("unimem._runtime.devices") else "unimem._devices")
         dtype = devices.current_type()
         allocator = dtype.allocator(dtype.current_index())
-        pairs = 4 * (PAIRS_QUICK if quick else PAIRS)
+        pairs = _operations(quick, factor=4)
         try:
             from benchmarks._timing import time_hot_path  # this tree's loop, built in place
             return float(time_hot_path(allocator, SIZE, pairs)) * 1e-9
@@ -95,13 +106,13 @@ class Worker:
 
     def memory_allocated(self, quick: bool) -> float:
         memory_allocated = self.accelerator.memory_allocated
-        return _call_time(lambda: memory_allocated(0), PAIRS_QUICK if quick else PAIRS)
+        return _call_time(lambda: memory_allocated(0), _operations(quick))
 
     def dict_get_pair(self, quick: bool) -> float:
         """Two ``dict.get`` calls in the pair's loop: the Python floor the API pair is judged against."""
         table: Dict[int, int] = {SIZE: 1}
         get = table.get
-        return _pair_time(get, get, PAIRS_QUICK if quick else PAIRS)
+        return _pair_time(get, get, _operations(quick))
 
     # -- arrays, and an allocation while a kernel runs -------------------------
     def _xpu(self) -> Any:
@@ -166,15 +177,16 @@ class Case(NamedTuple):
     method: str        # the Worker method measuring one sample
     statistic: str     # how a round's samples are summed up: "min" (noise only adds time) or "median"
     samples: int       # samples per side and round (quick: half as many, at least 3)
+    counted: bool = False  # a loop of host code only: ``compare --instructions`` counts it
 
 
 #: The cases, in the order benchmarks/compare.py lists them.
 CASES = {
-    "accelerator pair": Case("accelerator_pair", "min", 7),
-    "namespace pair": Case("namespace_pair", "min", 7),
-    "typed core pair": Case("core_pair", "min", 7),
-    "memory_allocated(0)": Case("memory_allocated", "min", 7),
-    "dict.get pair (floor)": Case("dict_get_pair", "min", 7),
+    "accelerator pair": Case("accelerator_pair", "min", 7, counted=True),
+    "namespace pair": Case("namespace_pair", "min", 7, counted=True),
+    "typed core pair": Case("core_pair", "min", 7, counted=True),
+    "memory_allocated(0)": Case("memory_allocated", "min", 7, counted=True),
+    "dict.get pair (floor)": Case("dict_get_pair", "min", 7, counted=True),
     "unimem.xpu.empty": Case("xpu_empty", "min", 5),
     "in flight: unimem.xpu.empty": Case("in_flight_xpu_empty", "median", 5),
     "in flight: dpnp.empty pooled": Case("in_flight_dpnp_empty_pooled", "median", 5),
@@ -191,8 +203,18 @@ def _forget_editable_install() -> None:
 
 
 def main() -> int:
+    global _loop_override
     _forget_editable_install()
     worker = Worker()
+    if sys.argv[1:2] == ["--loop"]:                  # one loop, no protocol: compare --instructions
+        case, operations = sys.argv[2], int(sys.argv[3])
+        _loop_override = operations
+        try:
+            getattr(worker, CASES[case].method)(False)
+        except Skip as exc:
+            print(json.dumps({"skipped": str(exc)}), flush=True)
+            return 3
+        return 0
     print(json.dumps({"ready": True, "unimem": worker.unimem.__file__, "device": worker.device_type}),
           flush=True)
     for line in sys.stdin:

@@ -114,3 +114,33 @@ def test_a_base_must_be_named_once(tmp_path):
     done = subprocess.run([sys.executable, "-m", "benchmarks", "compare", "no-such-revision-xyz",
                            "--cache", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "no-such-revision-xyz" in done.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_instruction_counts_find_an_extra_list_per_free(trees, tmp_path):
+    """``--instructions``: callgrind's counts of the main thread, so the same
+    code counts the same on both sides (to a fraction of a percent) and the
+    injected list shows however loaded the machine is."""
+    if shutil.which("valgrind") is None:
+        pytest.skip("valgrind is not installed (.ci/run installs it)")
+    base, slow = trees
+    out = tmp_path / "instructions"
+    out.mkdir()
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "compare", "--base-tree", base, "--new-tree", slow, "--instructions",
+         "--cases", "accelerator pair", "dict.get pair (floor)", "in flight: unimem.xpu.empty"],
+        cwd=ROOT, capture_output=True, text=True, timeout=1200,
+        env=dict(os.environ, UNIMEM_BENCHMARK_RESULTS=str(out)))
+    assert done.returncode == 0, done.stdout + done.stderr
+    with open(out / "compare.json") as f:
+        result = json.load(f)
+    assert result["mode"] == "instructions"
+    cases = {case["case"]: case for case in result["cases"]}
+    assert set(cases) == {"accelerator pair", "dict.get pair (floor)"}   # only host-code cases are counted
+    extra = cases["accelerator pair"]
+    assert extra["verdict"] == "slower", done.stdout
+    assert extra["new_instructions"] - extra["base_instructions"] > 20, done.stdout   # a list costs dozens
+    floor = cases["dict.get pair (floor)"]
+    assert floor["verdict"] == "same" and abs(floor["ratio"] - 1) < 0.005, done.stdout
+    assert "more instructions than" in done.stdout and "| accelerator pair" in done.stdout
