@@ -44,8 +44,13 @@ def allocator(device=None):
     return _core.CachingAllocator(PluggableAllocator(device.malloc, device.free), 0), device
 
 
-def pools_of(a):
-    return {s["address"]: s["segment_pool_id"] for s in a.snapshot()}
+def in_pool(a, pool, size):
+    """Allocate ``size`` bytes with this thread routed to ``pool``."""
+    a.begin_pool(pool)
+    try:
+        return a.malloc(size)
+    finally:
+        a.end_pool(pool)
 
 
 def pool_of_block(a, ptr):
@@ -59,9 +64,7 @@ def test_routing_and_return_to_pool():
     a, _ = allocator()
     outside = a.malloc(MiB)
     a.create_pool(P1)
-    a.begin_pool(P1)
-    inside = a.malloc(MiB)
-    a.end_pool(P1)
+    inside = in_pool(a, P1, MiB)
     after = a.malloc(MiB)
     assert pool_of_block(a, inside) == P1
     assert pool_of_block(a, outside) == pool_of_block(a, after) == (0, 0)
@@ -70,9 +73,7 @@ def test_routing_and_return_to_pool():
     a.free(inside)
     other = a.malloc(MiB)
     assert pool_of_block(a, other) == (0, 0)
-    a.begin_pool(P1)
-    again = a.malloc(MiB)
-    a.end_pool(P1)
+    again = in_pool(a, P1, MiB)
     assert again == inside
     # the pool's blocks count in the device's statistics
     assert a.memory_allocated() == 4 * MiB
@@ -86,9 +87,7 @@ def test_nested_pools_restore_the_outer_one():
     a.create_pool(P2)
     a.begin_pool(P1)
     first = a.malloc(20 * MiB)
-    a.begin_pool(P2)
-    second = a.malloc(20 * MiB)
-    a.end_pool(P2)
+    second = in_pool(a, P2, 20 * MiB)
     third = a.malloc(20 * MiB)
     a.end_pool(P1)
     assert [pool_of_block(a, p) for p in (first, second, third)] == [P1, P2, P1]
@@ -150,9 +149,7 @@ def test_empty_cache_keeps_a_live_pool_and_releases_a_dead_one():
 def test_pool_memory_counts_against_the_device_limit():
     a, _ = allocator(Device(capacity=60 * MiB))
     a.create_pool(P1)
-    a.begin_pool(P1)
-    held = a.malloc(40 * MiB)
-    a.end_pool(P1)
+    held = in_pool(a, P1, 40 * MiB)
     with pytest.raises(OutOfMemoryError):
         a.malloc(40 * MiB)
     a.free(held)
@@ -167,12 +164,8 @@ def test_use_on_oom_pools_serve_a_request_about_to_fail():
     a, _ = allocator(Device(capacity=80 * MiB))
     a.create_pool(P1)                           # do not use
     a.create_pool(P2, use_on_oom=True)
-    a.begin_pool(P1)
-    x = a.malloc(40 * MiB)
-    a.end_pool(P1)
-    a.begin_pool(P2)
-    y = a.malloc(40 * MiB)
-    a.end_pool(P2)
+    x = in_pool(a, P1, 40 * MiB)
+    y = in_pool(a, P2, 40 * MiB)
     with pytest.raises(OutOfMemoryError):
         a.malloc(40 * MiB)
     a.free(x)
@@ -184,9 +177,7 @@ def test_use_on_oom_pools_serve_a_request_about_to_fail():
         a.malloc(30 * MiB)
     assert a.memory_stats()["num_ooms"] == ooms + 1
     a.free(c)
-    a.begin_pool(P2)
-    e = a.malloc(20 * MiB)
-    a.end_pool(P2)
+    e = in_pool(a, P2, 20 * MiB)
     assert e == y
     a.free(e)
     a.release_pool(P2)                          # a dead pool is no fallback any more
@@ -240,9 +231,7 @@ def test_a_pool_with_its_own_allocator():
     a, device = allocator()
     own = Device(start=1 << 44)
     a.create_pool(P1, PluggableAllocator(own.malloc, own.free))
-    a.begin_pool(P1)
-    p = a.malloc(MiB)
-    a.end_pool(P1)
+    p = in_pool(a, P1, MiB)
     assert own.mallocs == 1 and device.mallocs == 0 and p >= 1 << 44
     a.free(p)
     a.release_pool(P1)
@@ -261,9 +250,7 @@ def test_a_pool_allocator_that_allocates_from_the_allocator():
         return device.malloc(size, dev, stream)
 
     a.create_pool(P1, PluggableAllocator(malloc, device.free))
-    a.begin_pool(P1)
-    p = a.malloc(MiB)
-    a.end_pool(P1)
+    p = in_pool(a, P1, MiB)
     assert pool_of_block(a, p) == P1 and pool_of_block(a, inner[0]) == P1
     a._check_invariants()
 
@@ -354,9 +341,7 @@ def test_cache_off_uses_no_pool():
     a, device = allocator()
     a.create_pool(P1)
     a.set_caching(False)
-    a.begin_pool(P1)
-    p = a.malloc(1000)
-    a.end_pool(P1)
+    p = in_pool(a, P1, 1000)
     assert pool_of_block(a, p) == (0, 0)
     a.free(p)
     assert device.used == 0
