@@ -113,10 +113,14 @@ class MemPool:
             include_traces: accepted for PyTorch's signature; segments carry
                 no trace entries.
         """
-        return [s for s in self._core.snapshot(self._id)]
+        return self._core.snapshot(self._id)
 
     def __repr__(self) -> str:
         return f"<unimem.{self._device_type}.MemPool {self._id} on {self._device_type}:{self._device}>"
+
+
+# The class under another name, for PrivatePoolAPI, whose ``MemPool`` is its subclass.
+_PoolObject = MemPool
 
 
 def _release(core: _core.CachingAllocator, pool_id: Tuple[int, int]) -> None:
@@ -142,13 +146,13 @@ class PrivatePoolAPI(DeviceTypeAPI):
     def MemPool(self) -> type:
         """The MemPool class of this device type (pools of its current device)."""
         if self._mempool_class is None:
-            self._mempool_class = type("MemPool", (MemPool,), {
+            self._mempool_class = type("MemPool", (_PoolObject,), {
                 "_type_name": self.type_name, "__module__": f"unimem.{self.type_name}",
                 "__doc__": MemPool.__doc__})
         return self._mempool_class
 
     @contextlib.contextmanager
-    def use_mem_pool(self, pool: MemPool, device: DeviceLike = None) -> Iterator[None]:
+    def use_mem_pool(self, pool: _PoolObject, device: DeviceLike = None) -> Iterator[None]:
         r"""A context manager that routes allocations to a given pool.
 
         Args:
@@ -173,7 +177,7 @@ class PrivatePoolAPI(DeviceTypeAPI):
     def _pool_allocator(self, pool: Any, device: DeviceLike) -> _core.CachingAllocator:
         """The allocator ``pool`` lives in, after checking that it serves
         ``device`` of this device type."""
-        if not isinstance(pool, MemPool):
+        if not isinstance(pool, _PoolObject):
             raise TypeError(f"use_mem_pool expects a MemPool, got {type(pool).__name__}")
         dtype = self._type()
         if pool._device_type != dtype.name:
