@@ -2,13 +2,14 @@ cimport cython
 # The caching core's interface: what other Cython modules (the runtime's
 # device registry, benchmark loops) may cimport. The state machine itself is
 # in _core.pyx; its data structures in unimem/_native/.
-from libc.stdint cimport int64_t, uintptr_t
+from libc.stdint cimport int64_t, uint64_t, uintptr_t
 from libcpp.map cimport map as cmap
+from libcpp.unordered_map cimport unordered_map
 from libcpp.utility cimport pair
 from libcpp.vector cimport vector
 
 from unimem._native.addr_map cimport U64Map
-from unimem._native.blocks cimport Block, FreeIndex, Segment, BlockSlab, StreamPools, StreamTable
+from unimem._native.blocks cimport Block, FreeIndex, Segment, BlockSlab, PrivatePool, StreamPools, StreamTable
 from unimem._native.policy cimport K_ROUNDUP_INTERVALS
 from unimem._native.provider cimport RawAllocatorAPI
 from unimem._native.stats cimport DeviceStats, TraceEvent
@@ -74,6 +75,12 @@ cdef class CachingAllocator:
     cdef list syncing_events              # taken from pending_events, waited on outside the lock
     cdef size_t n_pending_events
 
+    # private pools (MemPool) and the cache switch: _core_pools.pxi
+    cdef cmap[uint64_t, PrivatePool*] private_pools   # by id (creation order)
+    cdef dict pool_backends               # pool id -> the allocator its segments come from
+    cdef unordered_map[unsigned long, vector[PrivatePool*]] routes   # thread -> pools in use, innermost last
+    cdef bint cache_off                   # caching_allocator_enable(False)
+
     # history and observers
     cdef bint recording
     cdef vector[TraceEvent] trace_buffer
@@ -116,12 +123,12 @@ cdef class CachingAllocator:
                                int* status) noexcept nogil
     cdef inline void _trace(self, int action, uintptr_t addr, size_t size, uintptr_t stream) noexcept nogil
     cdef Block* _alloc_block(self, size_t alloc_size, size_t size, uintptr_t stream, bint is_small,
-                             bint is_retry) except? NULL
+                             bint is_retry, PrivatePool* pool) except? NULL
     cdef inline void _link_segment(self, Segment* seg) noexcept nogil
     cdef inline void _unlink_segment(self, Segment* seg) noexcept nogil
     cdef inline size_t _segment_size(self, size_t size) noexcept nogil
     cdef Block* _malloc_slow(self, size_t orig_size, uintptr_t stream, bint by_handle,
-                             bint* oom, size_t* tried) except? NULL
+                             bint* oom, size_t* tried, PrivatePool* pool, bint uncached) except? NULL
     cdef size_t _try_merge(self, Block* dst, Block* src, FreeIndex* fi) noexcept nogil
     cdef void _free_block(self, Block* b) noexcept nogil
     cdef inline int _reserve_class(self, Block* b) noexcept nogil

@@ -92,6 +92,7 @@ include "_core_provider.pxi"
 include "_core_reclaim.pxi"
 include "_core_streams.pxi"
 include "_core_expandable.pxi"
+include "_core_pools.pxi"
 
 
 # Every allocator alive, so that fork handlers can repair their locks.
@@ -190,6 +191,7 @@ cdef class CachingAllocator:
         self.oom_observers = []
         self.debug_sites = {}
         self.debug_messages = []
+        self.pool_backends = {}
         _live_allocators.add(self)
 
     def __del__(self):
@@ -220,7 +222,7 @@ cdef class CachingAllocator:
             elif _segment_is_free(self, seg):
                 _detach_segment(self, seg)
                 try:
-                    _backend_free(self, seg.base, seg.size, seg.stream, False)
+                    _backend_free(self, seg.base, seg.size, seg.stream, False, _segment_free_fn(self, seg))
                 except BaseException as exc:
                     _report_unraisable(exc, "unimem allocator teardown")
                 block_delete(&self.slab, seg.head)
@@ -251,6 +253,7 @@ cdef class CachingAllocator:
             inc(it)
         self.streams.clear()
         self.last_pools = NULL
+        _delete_private_pools(self)
         um_destroy(&self.active)
         slab_destroy(&self.slab)
 
@@ -320,14 +323,8 @@ cdef class CachingAllocator:
         if it != self.streams.end():
             sp = deref(it).second
         else:
-            sp = <StreamPools*>calloc(1, sizeof(StreamPools))
+            sp = stream_pools_new(stream)
             if sp == NULL:
-                return NULL
-            sp.stream = stream
-            sp.small = fi_new(True)
-            sp.large = fi_new(False)
-            if sp.small == NULL or sp.large == NULL:
-                stream_pools_delete(sp)
                 return NULL
             self.streams[stream] = sp
         self.last_pools = sp
@@ -337,7 +334,7 @@ cdef class CachingAllocator:
         """Forget the pools of a stream that holds no segment (stream 0, the
         default, stays). Its handle is noted for the backend, which may then
         let go of what it keeps for the stream (a SYCL queue)."""
-        if sp.n_segments != 0 or sp.n_stream_uses != 0 or sp.stream == 0:
+        if sp.n_segments != 0 or sp.n_stream_uses != 0 or sp.n_private_segments != 0 or sp.stream == 0:
             return
         self.streams.erase(sp.stream)
         if self.last_pools == sp:
@@ -349,7 +346,8 @@ cdef class CachingAllocator:
         cdef vector[StreamPools*] unused
         cdef StreamTable.iterator it = self.streams.begin()
         while it != self.streams.end():
-            if deref(it).second.n_segments == 0 and deref(it).second.n_stream_uses == 0:
+            if (deref(it).second.n_segments == 0 and deref(it).second.n_stream_uses == 0
+                    and deref(it).second.n_private_segments == 0):
                 unused.push_back(deref(it).second)
             inc(it)
         for sp in unused:
@@ -489,10 +487,11 @@ cdef class CachingAllocator:
 
 
     cdef Block* _alloc_block(self, size_t alloc_size, size_t size, uintptr_t stream, bint is_small,
-                             bint is_retry) except? NULL:
+                             bint is_retry, PrivatePool* pool) except? NULL:
         """A new segment from the backend (PyTorch's alloc_block), or NULL.
         ``size`` is the rounded request: under a byte limit (CuPy's set_limit)
-        a segment that would pass the limit shrinks to it when it fits."""
+        a segment that would pass the limit shrinks to it when it fits.
+        ``pool``: the private pool it is for (its allocator's memory), or NULL."""
         if is_retry:
             self.stats.num_alloc_retries += 1
         if self.set_fraction and self.total_allocated_memory + alloc_size > self.allowed_memory_maximum:
@@ -511,7 +510,7 @@ cdef class CachingAllocator:
         cdef uintptr_t ptr = 0
         cdef int rc
         try:
-            rc = _backend_malloc(self, alloc_size, stream, &ptr)
+            rc = _backend_malloc(self, alloc_size, stream, &ptr, pool)
             if rc == 0:
                 _check_new_segment(self, ptr, alloc_size)
         except BaseException:
@@ -524,11 +523,11 @@ cdef class CachingAllocator:
             return NULL
         # Looked up only now: a Python backend may have run finalizers that
         # dropped the stream's (then empty) pools during the call.
-        cdef StreamPools* sp = self._stream_pools(stream)
+        cdef StreamPools* sp = self._stream_pools(stream) if pool == NULL else _pool_segment_tables(self, pool, stream)
         if sp == NULL:
             sys_free(seg)
             block_delete(&self.slab, b)
-            _backend_free(self, ptr, alloc_size, stream, False)
+            _backend_free(self, ptr, alloc_size, stream, False, _pool_free_fn(self, pool))
             raise MemoryError("host memory for the allocator's bookkeeping ran out")
         seg.base = ptr
         seg.size = alloc_size
@@ -536,8 +535,11 @@ cdef class CachingAllocator:
         seg.is_small = is_small
         seg.head = b
         seg.expandable = False
+        seg.pool = pool
         self._link_segment(seg)
         sp.n_segments += 1
+        if pool != NULL:
+            _count_pool_segment(self, pool, stream, 1)
         b.ptr = ptr
         b.size = alloc_size
         b.stream = stream
@@ -594,15 +596,18 @@ cdef class CachingAllocator:
         return (size + K_ROUND_LARGE - 1) // K_ROUND_LARGE * K_ROUND_LARGE
 
     cdef Block* _malloc_slow(self, size_t orig_size, uintptr_t stream, bint by_handle,
-                             bint* oom, size_t* tried) except? NULL:
+                             bint* oom, size_t* tried, PrivatePool* pool, bint uncached) except? NULL:
         """Everything after a cache miss, in PyTorch's order. Lock held.
-        ``tried`` receives the segment size asked for (the OOM message names it)."""
+        ``tried`` receives the segment size asked for (the OOM message names it).
+        ``pool``: a private pool's request (NULL: the device's own pools);
+        ``uncached``: the cache is off, the segment is the rounded request."""
         cdef size_t size = self._round_size(orig_size)
         cdef bint is_small = size <= K_SMALL_SIZE
-        cdef size_t alloc_size = (_round_up(size, _page_of(self, is_small)) if self.expandable
-                                  else self._segment_size(size))
+        cdef bint expandable = self.expandable and pool == NULL   # a private pool's segments are plain
+        cdef size_t alloc_size = (_round_up(size, _page_of(self, is_small)) if expandable
+                                  else size if uncached else self._segment_size(size))
         cdef size_t smallest = size if self.limit_in_bytes else alloc_size
-        cdef FreeIndex* fi = self._pool(stream, is_small)
+        cdef FreeIndex* fi = self._pool(stream, is_small) if pool == NULL else _pool_index(self, pool, stream, is_small)
         cdef Block* b
         oom[0] = False
         tried[0] = alloc_size
@@ -620,7 +625,7 @@ cdef class CachingAllocator:
             _garbage_collect(self)
         if self.max_reserved_ratio:
             _release_to_reserved_ratio(self, size, alloc_size)
-        if self.expandable:
+        if expandable:
             # PyTorch's order: grow; free everything cached (unmapping free
             # pages and, as its release_cached_blocks does, releasing ranges
             # left with no page) and grow again, counted as a retry.
@@ -631,13 +636,15 @@ cdef class CachingAllocator:
                 _release_empty_ranges(self, False, 0)
                 b = _expandable_alloc(self, size, stream, is_small, True)
         else:
-            b = self._alloc_block(alloc_size, size, stream, is_small, False)
-            if b == NULL and _release_available_cached_blocks(self, size, stream):
-                b = self._alloc_block(alloc_size, size, stream, is_small, False)
+            b = self._alloc_block(alloc_size, size, stream, is_small, False, pool)
+            if b == NULL and _release_available_cached_blocks(self, size, stream, pool):
+                b = self._alloc_block(alloc_size, size, stream, is_small, False, pool)
             if b == NULL:
                 _synchronize_and_free_events(self)
                 _release_segments(self, False, False, 0, 0)
-                b = self._alloc_block(alloc_size, size, stream, is_small, True)
+                b = self._alloc_block(alloc_size, size, stream, is_small, True, pool)
+        if b == NULL and pool == NULL and not uncached:
+            b = _take_from_oom_pools(self, size, stream)     # MemPool(use_on_oom=True)
         if b == NULL:
             oom[0] = True
             return NULL
@@ -648,7 +655,7 @@ cdef class CachingAllocator:
         if self._reserve_for_alloc(fi) != 0:
             fi_insert(fi, b)
             raise MemoryError("host memory for the allocator's bookkeeping ran out")
-        return self._alloc_found_block(b, fi, size, orig_size, by_handle)
+        return self._alloc_found_block(b, fi, _handed_size(b, size), orig_size, by_handle)
 
     # ------------------------------------------------------------------
     # freeing
@@ -793,7 +800,7 @@ cdef class CachingAllocator:
 
     cdef inline void _update_unusual(self) noexcept nogil:
         self.unusual = (self.poisoned or self.n_pending_events != 0 or self.recording
-                        or self.debug_on)
+                        or self.debug_on or self.cache_off or not self.routes.empty())
 
     cdef int _check_usable(self) except -1:
         if self.poisoned:
@@ -810,6 +817,7 @@ cdef class CachingAllocator:
         cdef int status
         cdef bint oom = False
         cdef size_t tried = 0
+        cdef uintptr_t ptr
         if size == 0:
             return 0
         if self.unusual:
@@ -817,6 +825,10 @@ cdef class CachingAllocator:
                 self._check_usable()
             if self.n_pending_events:
                 self.process_events()
+            if self.cache_off or not self.routes.empty():
+                ptr = _malloc_routed(self, size, stream, by_handle)   # 0: not routed
+                if ptr != 0:
+                    return ptr
         self._lock()
         b = self._malloc_cached(size, stream, by_handle, &status)
         if b != NULL:
@@ -827,7 +839,7 @@ cdef class CachingAllocator:
         try:
             if status != 0:
                 raise MemoryError("host memory for the allocator's bookkeeping ran out")
-            b = self._malloc_slow(size, stream, by_handle, &oom, &tried)
+            b = self._malloc_slow(size, stream, by_handle, &oom, &tried, NULL, False)
         finally:
             self._unlock()
         if oom:
@@ -888,6 +900,8 @@ cdef class CachingAllocator:
             self._unlock()
         if not from_finalizer and (self.recording or not self.dropped_streams.empty()):
             self._after_free()
+        if self.cache_off and rc == 0:
+            _give_back_segment_at(self, ptr)
         return rc
 
     cdef int _after_free(self) except -1:
@@ -935,7 +949,7 @@ cdef class CachingAllocator:
             self._free_fast(ptr, False)
             self._unlock()
             return
-        if PyGILState_Check():
+        if PyGILState_Check() or self.cache_off:
             _free_from_deleter(<void*>self, ptr)
             return
         self.lock.lock()
@@ -1047,6 +1061,7 @@ cdef class CachingAllocator:
                 _unmap_free_pages(self, one_stream, handle)
             _release_segments(self, False, one_stream, handle, 0)
             self._drop_unused_streams()
+            _reap_private_pools(self)
         finally:
             self._unlock()
         _tell_backend_dropped_streams(self)
@@ -1156,6 +1171,7 @@ cdef class CachingAllocator:
         while it != self.streams.end():
             n += deref(it).second.small.n_blocks + deref(it).second.large.n_blocks
             inc(it)
+        n += _private_free_block_count(self)
         self._unlock()
         return n
 
@@ -1252,9 +1268,45 @@ cdef class CachingAllocator:
         self._unlock()
 
     # state -------------------------------------------------------------
-    def snapshot(self):
-        """The segments and their blocks, in PyTorch's snapshot layout."""
-        return _snapshot_segments(self)
+    def snapshot(self, pool_id=None):
+        """The segments and their blocks, in PyTorch's snapshot layout; only
+        those of private pool ``pool_id`` (its ``MemPool.id``) when given."""
+        return _snapshot_segments(self, pool_id)
+
+    # private pools (MemPool) and the cache switch: _core_pools.pxi ------
+    def create_pool(self, pool_id, backend=None, use_on_oom=False, no_split=False):
+        """Make private pool ``pool_id`` (a ``(0, n)`` id) with use count 1;
+        its segments come from ``backend`` (an allocator with ``malloc`` and
+        ``free``) when given."""
+        _create_pool(self, pool_id, backend, use_on_oom, no_split)
+
+    def release_pool(self, pool_id):
+        """Drop one use of the pool (its MemPool died): at none left, its free
+        segments go back, and the rest once their blocks are freed and
+        :meth:`empty_cache` runs."""
+        _release_pool(self, pool_id)
+
+    def begin_pool(self, pool_id):
+        """Route this thread's allocations to the pool (one more use)."""
+        _begin_pool(self, pool_id)
+
+    def end_pool(self, pool_id):
+        """Stop routing this thread's allocations to the pool (one use less)."""
+        _end_pool(self, pool_id)
+
+    def pool_use_count(self, pool_id):
+        """The pool's use count (0 for a pool this allocator does not have)."""
+        return _pool_use_count(self, pool_id)
+
+    def set_caching(self, bint enabled):
+        """Turn the cache off (every allocation a segment of its own, given
+        back at its free) or on again."""
+        _set_caching(self, enabled)
+
+    @property
+    def caching(self):
+        """Whether the cache is on."""
+        return not self.cache_off
 
     def live_allocations(self):
         """``{address: (size, requested_size, stream)}`` of every live block."""

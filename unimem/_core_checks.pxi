@@ -48,7 +48,7 @@ def _check_invariants(CachingAllocator self):
         reserved = 0
         while seg != NULL:
             assert seg.head.prev == NULL and seg.head.ptr == seg.base, "segment head"
-            segment_streams.append(seg.stream)
+            segment_streams.append((seg.pool.id if seg.pool != NULL else 0, seg.stream))
             assert self.segments_by_base[seg.base] == seg, "segment indexed by its base"
             p = POOL_SMALL if seg.is_small else POOL_LARGE
             if not seg.expandable:      # a range is no segment; its mapped pages are reserved
@@ -124,10 +124,14 @@ def _check_invariants(CachingAllocator self):
             stream = deref(it).first
             assert deref(it).second.n_stream_uses == stream_use_count.get(stream, 0), \
                 "each stream's table entry counts the live blocks that record_stream named it on"
-            assert segments_of_stream == sum(1 for seg_stream in segment_streams if seg_stream == stream), \
+            assert segments_of_stream == segment_streams.count((0, stream)), \
                 "each stream's pools count its segments"
+            assert deref(it).second.n_private_segments == sum(
+                1 for pool, seg_stream in segment_streams if pool != 0 and seg_stream == stream), \
+                "each stream's entry counts the private pools' segments on it"
             inc(it)
-        for stream in set(segment_streams):
+        indexed += _check_private_pools(self, segment_streams)
+        for _, stream in set(segment_streams):
             assert self.streams.find(stream) != self.streams.end(), "every segment's stream has pools"
         assert self.segments_by_base.size() == len(segment_streams), "the segment index holds the segments"
         assert indexed == n_free_blocks, f"free index holds {indexed} blocks, segments {n_free_blocks}"
@@ -171,3 +175,24 @@ cdef int _set_policy(CachingAllocator self, object max_split_size, object max_no
     self.gc_threshold = garbage_collection_threshold
     self.max_reserved_ratio = max_reserved_ratio
     return 0
+
+
+cdef size_t _check_private_pools(CachingAllocator self, list segment_streams) except? 0:
+    """The private pools' part of _check_invariants: each pool's tables
+    count its segments; returns how many free blocks they index."""
+    cdef pair[uint64_t, PrivatePool*] entry
+    cdef pair[uintptr_t, StreamPools*] table
+    cdef size_t indexed = 0
+    for entry in self.private_pools:
+        pool_id = entry.first
+        assert entry.second.use_count >= 0, "a pool's use count is never negative"
+        assert entry.second.n_segments == sum(1 for pool, _ in segment_streams if pool == pool_id), \
+            "a private pool counts its segments"
+        for table in entry.second.streams:
+            indexed += table.second.small.n_blocks + table.second.large.n_blocks
+            assert table.second.n_segments == segment_streams.count((pool_id, table.first)) > 0, \
+                "a private pool's stream tables count its segments there, and go with the last"
+    for pool_id, stream in segment_streams:
+        if pool_id != 0:
+            assert self.private_pools.count(pool_id) == 1, "a segment's private pool exists"
+    return indexed

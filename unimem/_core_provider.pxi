@@ -2,12 +2,17 @@
 # (C, no GIL) when the backend publishes one of this version, else through its
 # Python methods; timed for backend_timing(). Cache misses and returns only.
 
-cdef int _backend_malloc(CachingAllocator self, size_t size, uintptr_t stream, uintptr_t* out) except -1:
-    """Ask the backend for ``size`` bytes. 0: got it; 1: out of memory."""
+cdef int _backend_malloc(CachingAllocator self, size_t size, uintptr_t stream, uintptr_t* out,
+                         PrivatePool* pool=NULL) except -1:
+    """Ask the backend (or the allocator of private pool ``pool``, when it
+    has one) for ``size`` bytes. 0: got it; 1: out of memory."""
     cdef int rc
     cdef int64_t t0 = um_now_ns()
+    py_malloc = self._py_malloc
     out[0] = 0
-    if self._has_raw:
+    if pool != NULL and pool.has_backend:
+        py_malloc = self.pool_backends[pool.id].malloc
+    elif self._has_raw:
         rc = self._raw.malloc(self._raw.ctx, size, self.device, stream, out)
         if rc == RAW_OK and out[0] != 0:
             duration_add(&self.stats.device_alloc_time, (um_now_ns() - t0) // 1000)
@@ -16,7 +21,7 @@ cdef int _backend_malloc(CachingAllocator self, size_t size, uintptr_t stream, u
             return 1
         # Anything else: let the Python method explain itself below.
     try:
-        ptr = self._py_malloc(size, self.device, stream)
+        ptr = py_malloc(size, self.device, stream)
     except MemoryError:
         return 1
     if ptr is None or ptr == 0:
@@ -31,10 +36,15 @@ cdef int _backend_malloc(CachingAllocator self, size_t size, uintptr_t stream, u
 
 
 cdef int _backend_free(CachingAllocator self, uintptr_t ptr, size_t size, uintptr_t stream,
-                       bint release_gil) except -1:
-    """Give memory back. ``release_gil`` only when the lock is not held."""
+                       bint release_gil, object free_fn=None) except -1:
+    """Give memory back. ``release_gil`` only when the lock is not held.
+    ``free_fn``: a private pool's allocator's free, for its segments."""
     cdef int rc
     cdef int64_t t0 = um_now_ns()
+    if free_fn is not None:
+        free_fn(ptr, size, self.device, stream)
+        duration_add(&self.stats.device_free_time, (um_now_ns() - t0) // 1000)
+        return 0
     if self._has_raw:
         if release_gil:
             with nogil:

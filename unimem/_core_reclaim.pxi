@@ -19,9 +19,11 @@ cdef int _release(CachingAllocator self, vector[Segment*]& victims) except -1:
     cdef vector[Segment*] detached
     cdef Segment* seg
     cdef size_t i
+    free_fns = []       # a private pool's allocator, read while its pool surely lives
     for i in range(victims.size()):
         seg = victims[i]
         if _segment_is_free(self, seg):   # it may have been reused meanwhile
+            free_fns.append(_segment_free_fn(self, seg))
             _detach_segment(self, seg)
             detached.push_back(seg)
     if detached.empty():
@@ -34,7 +36,7 @@ cdef int _release(CachingAllocator self, vector[Segment*]& victims) except -1:
         for i in range(detached.size()):
             seg = detached[i]
             try:
-                _backend_free(self, seg.base, seg.size, seg.stream, outside)
+                _backend_free(self, seg.base, seg.size, seg.stream, outside, free_fns[i])
             except BaseException as exc:
                 if first_error is None:
                     first_error = exc
@@ -65,6 +67,9 @@ cdef void _detach_segment(CachingAllocator self, Segment* seg) noexcept nogil:
         stat_decrease(&self.stats.oversize_segments, 1)
     if self.recording:
         self._trace(T_SEGMENT_FREE, seg.base, seg.size, seg.stream)
+    if seg.pool != NULL:
+        _forget_pool_segment(self, seg)
+        return
     sp = self._stream_pools(seg.stream)
     if sp != NULL:
         sp.n_segments -= 1
@@ -81,23 +86,25 @@ cdef inline bint _segment_is_free(CachingAllocator self, Segment* seg) noexcept 
 
 cdef int _release_segments(CachingAllocator self, bint only_large, bint has_stream, uintptr_t stream,
                            size_t min_size) except -1:
-    """Release every wholly free segment matching the filter. The first
-    backend error is raised after the others were tried."""
+    """Release every wholly free segment matching the filter (of the
+    device's own pools and of dead private pools: a live MemPool keeps its
+    memory). The first backend error is raised after the others were tried."""
     cdef vector[Segment*] victims
     cdef Segment* seg = self.segments
     while seg != NULL:
-        if (_segment_is_free(self, seg) and not (only_large and seg.is_small)
+        if (_segment_is_free(self, seg) and _releasable(seg) and not (only_large and seg.is_small)
                 and not (has_stream and seg.stream != stream) and seg.size >= min_size):
             victims.push_back(seg)
         seg = seg.next_seg
     return _release(self, victims)
 
 
-cdef bint _release_available_cached_blocks(CachingAllocator self, size_t size, uintptr_t stream) except -1:
+cdef bint _release_available_cached_blocks(CachingAllocator self, size_t size, uintptr_t stream,
+                                           PrivatePool* pool) except -1:
     """With max_split_size set (PyTorch's release_available_cached_blocks):
-    free the smallest cached oversize block of the stream that is big
-    enough, or else the stream's oversize blocks, largest first, until
-    as much as was asked has been released."""
+    free the smallest cached oversize block of the stream (and of the
+    request's pool) that is big enough, or else the stream's oversize
+    blocks, largest first, until as much as was asked has been released."""
     if self.max_split_size == SIZE_UNSET:
         return False
     cdef size_t key = size if size >= self.max_split_size else self.max_split_size
@@ -106,7 +113,7 @@ cdef bint _release_available_cached_blocks(CachingAllocator self, size_t size, u
     cdef vector[Segment*] victims
     candidates = []
     while seg != NULL:
-        if (not seg.is_small and seg.stream == stream and _segment_is_free(self, seg)
+        if (not seg.is_small and seg.stream == stream and seg.pool == pool and _segment_is_free(self, seg)
                 and seg.size >= self.max_split_size):
             candidates.append((seg.size, seg.base, <uintptr_t>seg))
             if seg.size >= key and (best == NULL or (seg.size, seg.base) < (best.size, best.base)):
@@ -140,7 +147,7 @@ cdef int _garbage_collect(CachingAllocator self) except -1:
     cdef Segment* seg = self.segments
     cdef vector[Segment*] freeable
     while seg != NULL:
-        if not seg.is_small and _segment_is_free(self, seg):
+        if not seg.is_small and seg.pool == NULL and _segment_is_free(self, seg):
             freeable.push_back(seg)
             total_age += <double>_gc_age(self, seg.head)
             count += 1
@@ -185,7 +192,7 @@ cdef int _release_to_reserved_ratio(CachingAllocator self, size_t size, size_t a
     cdef vector[Segment*] victims
     free_segments = []
     while seg != NULL:
-        if _segment_is_free(self, seg):
+        if _segment_is_free(self, seg) and _releasable(seg):
             free_segments.append((-<int64_t>seg.size, seg.base, <uintptr_t>seg))
         seg = seg.next_seg
     for negative_size, _, address in sorted(free_segments):

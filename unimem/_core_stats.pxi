@@ -89,15 +89,20 @@ cdef str _block_state(Block* b):
     return "inactive"
 
 
-def _snapshot_segments(CachingAllocator self):
-    """The segments and their blocks, in PyTorch's snapshot layout (sorted by address)."""
+def _snapshot_segments(CachingAllocator self, pool_id=None):
+    """The segments and their blocks, in PyTorch's snapshot layout (sorted by
+    address); only private pool ``pool_id``'s when given ((0, 0): all)."""
     cdef Segment* seg
     cdef Block* b
+    cdef uint64_t only = _pool_id_number(pool_id)
     segments = []
     self._lock()
     try:
         seg = self.segments
         while seg != NULL:
+            if only != 0 and (seg.pool == NULL or seg.pool.id != only):
+                seg = seg.next_seg
+                continue
             if seg.expandable:
                 segments.extend(_expandable_snapshot(self, seg))
                 seg = seg.next_seg
@@ -121,7 +126,8 @@ def _snapshot_segments(CachingAllocator self):
                 "allocated_size": allocated_size, "active_size": active_size,
                 "requested_size": requested_size, "stream": seg.stream,
                 "segment_type": "small" if seg.is_small else "large",
-                "segment_pool_id": (0, 0), "is_expandable": False,
+                "segment_pool_id": (0, seg.pool.id if seg.pool != NULL else 0),
+                "is_expandable": False,
                 "frames": [], "blocks": blocks,
             })
             seg = seg.next_seg

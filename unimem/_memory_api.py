@@ -19,22 +19,23 @@ from ._memory.arguments import (ADDRESS_LIMIT, HasArrayInterface, HasCudaArrayIn
                                 numpy_dtype, record_stream_on_pools)
 from ._memory.configuration import ConfigurationAPI
 from ._memory.history import HistoryAPI
+from ._memory.mempool import PrivatePoolAPI
 from ._memory.statistics import StatisticsAPI, nest_stats
 from ._runtime.devices import DeviceLike
 
 __all__ = [
-    "MemoryAPI", "PUBLIC_FUNCTIONS", "ADDRESS_LIMIT", "HasArrayInterface", "HasCudaArrayInterface",
+    "MemoryAPI", "PUBLIC_FUNCTIONS", "PUBLIC_CLASSES", "ADDRESS_LIMIT", "HasArrayInterface", "HasCudaArrayInterface",
     "HasPointer", "HasSyclUsmArrayInterface", "MemoryLike", "DeviceLike", "block_address",
     "check_fraction", "numpy_dtype", "record_stream_on_pools", "nest_stats",
 ]
 
 
-class MemoryAPI(AllocationAPI, ConfigurationAPI, StatisticsAPI, HistoryAPI):
+class MemoryAPI(AllocationAPI, ConfigurationAPI, StatisticsAPI, HistoryAPI, PrivatePoolAPI):
     """The memory functions of one device type (``"cpu"``, ``"xpu"``, ``"cuda"``)."""
 
     def functions(self) -> Dict[str, Any]:
         """The public functions, by name, for a namespace module to export."""
-        exported = {name: getattr(self, name) for name in PUBLIC_FUNCTIONS}
+        exported = {name: getattr(self, name) for name in PUBLIC_FUNCTIONS + PUBLIC_CLASSES}
         exported.update(self._hot_functions())
         return exported
 
@@ -55,6 +56,7 @@ PUBLIC_FUNCTIONS = (
     "caching_allocator_alloc", "caching_allocator_delete", "record_stream",
     "set_per_process_memory_fraction", "get_per_process_memory_fraction", "empty_cache",
     "change_current_allocator", "get_allocator_backend",
+    "use_mem_pool", "caching_allocator_enable", "caching_allocator_disabled",
     "empty_virt_addr_cache",
     "memory_stats", "memory_stats_as_nested_dict", "reset_accumulated_memory_stats",
     "reset_peak_memory_stats", "reset_max_memory_allocated", "reset_max_memory_cached",
@@ -63,3 +65,6 @@ PUBLIC_FUNCTIONS = (
     "memory_snapshot", "memory_summary", "caching_allocator",
     "_record_memory_history", "_snapshot", "_dump_snapshot",
 )
+
+# The classes every namespace has (bound to its device type).
+PUBLIC_CLASSES = ("MemPool",)

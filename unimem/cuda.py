@@ -31,7 +31,7 @@ from ._runtime.registry import DeviceRegistry
 from ._runtime import devices as _devices
 from ._runtime.devices import get_type, new_allocator
 from ._runtime.pools import Pool, PoolKind
-from ._memory_api import PUBLIC_FUNCTIONS, MemoryAPI
+from ._memory_api import PUBLIC_CLASSES, PUBLIC_FUNCTIONS, MemoryAPI
 from .backends.base import Backend, forward_to_inner
 from .backends.cuda import CUDABackend, OnDevice, cuda_stream_of, stream_key
 from .backends.shared_library import SharedLibraryAllocator
@@ -42,7 +42,7 @@ from .host import (host_memory_stats, host_memory_stats_as_nested_dict, reset_ac
 _api = MemoryAPI("cuda")
 globals().update(_api.functions())
 
-__all__ = list(PUBLIC_FUNCTIONS) + [
+__all__ = list(PUBLIC_FUNCTIONS) + list(PUBLIC_CLASSES) + [
     "allocator", "MemoryPool", "OutOfMemoryError", "PooledMemory", "CUDAPluggableAllocator",
     "list_gpu_processes", "host_memory_stats", "host_memory_stats_as_nested_dict",
     "reset_accumulated_host_memory_stats", "reset_peak_host_memory_stats",
@@ -339,6 +339,21 @@ class MemoryPool:
     def get_limit(self) -> int:
         """The limit in bytes on the current device (0: none)."""
         return self._current().get_memory_limit()
+
+
+def memory_snapshot(mempool_id: Optional[Tuple[int, int]] = None,
+                    include_traces: bool = True) -> "list[Dict[str, Any]]":
+    r"""Return a snapshot of the CUDA memory allocator state across all devices.
+
+    Interpreting the output of this function requires familiarity with the
+    memory allocator internals.
+
+    Args:
+        mempool_id: Optional memory pool ID to get snapshot for a specific pool
+        include_traces: accepted for PyTorch's signature: the segments of a
+            snapshot carry no trace entries (``_snapshot()`` has them).
+    """
+    return _api.memory_snapshot(mempool_id)
 
 
 # ---------------------------------------------------------------------------

@@ -1,9 +1,10 @@
 """Type stubs for unimem/cuda.py: the memory functions it builds at import
 (their signatures are :class:`unimem._memory_api.MemoryAPI`'s), CuPy's
 allocator hook and its memory pool."""
-from typing import Any, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from unimem import _core
+from unimem._memory.mempool import MemPool as _MemPool
 from unimem._memory_api import MemoryAPI
 from unimem.backends.base import Backend
 from unimem.backends.shared_library import SharedLibraryAllocator
@@ -16,6 +17,7 @@ __all__ = [
     "is_available", "device_count", "current_device", "set_device", "caching_allocator_alloc",
     "caching_allocator_delete", "record_stream", "set_per_process_memory_fraction",
     "get_per_process_memory_fraction", "empty_cache", "change_current_allocator", "get_allocator_backend",
+    "MemPool", "use_mem_pool", "caching_allocator_enable", "caching_allocator_disabled",
     "empty_virt_addr_cache", "memory_stats", "memory_stats_as_nested_dict",
     "reset_accumulated_memory_stats", "reset_peak_memory_stats", "reset_max_memory_allocated",
     "reset_max_memory_cached", "memory_allocated", "max_memory_allocated", "memory_reserved",
@@ -41,6 +43,12 @@ get_per_process_memory_fraction = _api.get_per_process_memory_fraction
 empty_cache = _api.empty_cache
 change_current_allocator = _api.change_current_allocator
 get_allocator_backend = _api.get_allocator_backend
+use_mem_pool = _api.use_mem_pool
+caching_allocator_enable = _api.caching_allocator_enable
+caching_allocator_disabled = _api.caching_allocator_disabled
+
+class MemPool(_MemPool): ...
+
 empty_virt_addr_cache = _api.empty_virt_addr_cache
 memory_stats = _api.memory_stats
 memory_stats_as_nested_dict = _api.memory_stats_as_nested_dict
@@ -56,7 +64,8 @@ memory_cached = _api.memory_cached
 max_memory_cached = _api.max_memory_cached
 get_memory_info = _api.get_memory_info
 mem_get_info = _api.mem_get_info
-memory_snapshot = _api.memory_snapshot
+def memory_snapshot(mempool_id: Optional[Tuple[int, int]] = None,
+                    include_traces: bool = True) -> List[Dict[str, Any]]: ...
 memory_summary = _api.memory_summary
 caching_allocator = _api.caching_allocator
 _record_memory_history = _api._record_memory_history

@@ -30,14 +30,14 @@ from . import _core, _dpnp_allocator, _usm_memory, host
 from ._runtime.registry import DeviceRegistry
 from ._runtime.devices import device_index, get_type, new_allocator
 from ._runtime.pools import Pool, PoolKind, register_named_pool
-from ._memory_api import PUBLIC_FUNCTIONS, DeviceLike, MemoryAPI, MemoryLike, record_stream_on_pools, numpy_dtype
+from ._memory_api import PUBLIC_CLASSES, PUBLIC_FUNCTIONS, DeviceLike, MemoryAPI, MemoryLike, record_stream_on_pools, numpy_dtype
 from ._observe.summary import has_held_memory, memory_summary_table
 from .backends import xpu as _backend
 
 _api = MemoryAPI("xpu")
 globals().update(_api.functions())
 
-__all__ = list(PUBLIC_FUNCTIONS) + [
+__all__ = list(PUBLIC_FUNCTIONS) + list(PUBLIC_CLASSES) + [
     "empty", "zeros", "ones", "full", "empty_like", "zeros_like", "ones_like", "full_like",
     "asarray", "default_queue", "stream_handle", "allocator_for", "synchronize",
     "set_allocator", "reset_allocator", "using_allocator", "allocator_installed", "allocator_counters",

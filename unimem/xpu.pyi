@@ -6,6 +6,7 @@ from contextlib import AbstractContextManager
 from typing import Any, Dict, Literal, Optional, Sequence, Union
 
 from unimem import _core
+from unimem._memory.mempool import MemPool as _MemPool
 from unimem._memory_api import MemoryAPI, MemoryLike
 from unimem._runtime.devices import DeviceLike
 from unimem.backends.shared_library import SharedLibraryAllocator
@@ -18,6 +19,7 @@ __all__ = [
     "is_available", "device_count", "current_device", "set_device", "caching_allocator_alloc",
     "caching_allocator_delete", "record_stream", "set_per_process_memory_fraction",
     "get_per_process_memory_fraction", "empty_cache", "change_current_allocator", "get_allocator_backend",
+    "MemPool", "use_mem_pool", "caching_allocator_enable", "caching_allocator_disabled",
     "empty_virt_addr_cache", "memory_stats", "memory_stats_as_nested_dict",
     "reset_accumulated_memory_stats", "reset_peak_memory_stats", "reset_max_memory_allocated",
     "reset_max_memory_cached", "memory_allocated", "max_memory_allocated", "memory_reserved",
@@ -44,6 +46,12 @@ get_per_process_memory_fraction = _api.get_per_process_memory_fraction
 empty_cache = _api.empty_cache
 change_current_allocator = _api.change_current_allocator
 get_allocator_backend = _api.get_allocator_backend
+use_mem_pool = _api.use_mem_pool
+caching_allocator_enable = _api.caching_allocator_enable
+caching_allocator_disabled = _api.caching_allocator_disabled
+
+class MemPool(_MemPool): ...
+
 empty_virt_addr_cache = _api.empty_virt_addr_cache
 memory_stats_as_nested_dict = _api.memory_stats_as_nested_dict
 reset_accumulated_memory_stats = _api.reset_accumulated_memory_stats

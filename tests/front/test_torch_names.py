@@ -20,7 +20,6 @@ import unimem.xpu
 torch = pytest.importorskip("torch", reason="the CPU build of PyTorch is in the test extra")
 import torch.accelerator.memory  # noqa: E402
 
-NEEDS_CORE = "needs the core: in progress"
 TELEMETRY = ("device telemetry (NVML, amdsmi, Level Zero sysman), not the allocator's: "
              "mem_get_info gives free and total memory")
 NO_GRAPHS = "unimem has no graph capture (CUDA/XPU graphs), so no graph memory pools"
@@ -51,10 +50,6 @@ def torch_accelerator_names():
 # functions come from (for their signatures), and the names left out on purpose.
 NAMESPACES = {
     "cuda": (unimem.cuda, torch_cuda_names, (torch.cuda.memory, torch.cuda), {
-        "MemPool": NEEDS_CORE,
-        "use_mem_pool": NEEDS_CORE,
-        "caching_allocator_enable": NEEDS_CORE,
-        "caching_allocator_disabled": NEEDS_CORE,
         "device_memory_used": TELEMETRY,
         "memory_usage": TELEMETRY,
         "graph_pool_handle": NO_GRAPHS,
@@ -62,8 +57,6 @@ NAMESPACES = {
         "memory": "unimem.cuda is torch.cuda.memory's namespace itself, with no submodule",
     }),
     "xpu": (unimem.xpu, torch_xpu_names, (torch.xpu.memory, torch.xpu), {
-        "MemPool": NEEDS_CORE,
-        "use_mem_pool": NEEDS_CORE,
         "device_memory_used": TELEMETRY,
         "memory_usage": TELEMETRY,
         "graph_pool_handle": NO_GRAPHS,
@@ -75,9 +68,8 @@ NAMESPACES = {
 
 # Shared functions whose parameters differ from PyTorch's, on purpose.
 SIGNATURE_DIFFERENCES = {
-    # memory_snapshot(mempool_id=...) filters by private pool (MemPool)
-    ("cuda", "memory_snapshot"): NEEDS_CORE,
-    ("xpu", "memory_snapshot"): NEEDS_CORE,
+    # no_split: a pool that hands out whole blocks, on every device type
+    ("xpu", "MemPool"): "unimem's XPU pools take no_split too (torch.xpu.MemPool has no such argument)",
     # augment_with_fx_traces adds torch.compile's FX frames to the stacks
     ("cuda", "_snapshot"): "no torch.compile in unimem: no FX traces to add",
     ("cuda", "_dump_snapshot"): "no torch.compile in unimem: no FX traces to add",

@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 import sys
-from typing import Any, Dict, List, Literal, Optional
+from typing import Any, Dict, List, Literal, Optional, Tuple
 
 from .._observe import history as _history
 from .._runtime.devices import DeviceLike
 from .device_type import DeviceTypeAPI
+from .mempool import _snapshot_filter
 
 
 class HistoryAPI(DeviceTypeAPI):
     """The state of a device type's caching allocators, and their history."""
 
-    def memory_snapshot(self) -> List[Dict[str, Any]]:
+    def memory_snapshot(self, mempool_id: Optional[Tuple[int, int]] = None) -> List[Dict[str, Any]]:
         r"""Return a snapshot of the memory allocator state across all devices.
+
+        Args:
+            mempool_id (tuple[int, int] or None, optional): a ``MemPool.id``:
+                only that pool's segments. None (default) or ``(0, 0)``: all
+                segments, each naming its pool in ``segment_pool_id``.
 
         A list of segments, each with its blocks (``address``, ``size``,
         ``requested_size``, ``state``: ``active_allocated``,
@@ -23,11 +29,15 @@ class HistoryAPI(DeviceTypeAPI):
         Interpreting the output of this function requires familiarity with the
         memory allocator internals.
         """
+        only = _snapshot_filter(mempool_id)
         try:
             registry = self._type().registry
         except RuntimeError:
             return []
-        return _history.snapshot(self.pool, registry)["segments"]
+        segments = _history.snapshot(self.pool, registry)["segments"]
+        if only is None:
+            return segments
+        return [segment for segment in segments if segment["segment_pool_id"] == only]
 
     def _record_memory_history(self, enabled: Optional[Literal["state", "all"]] = "all",
                                context: Optional[Literal["state", "alloc", "all"]] = "all",

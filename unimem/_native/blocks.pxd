@@ -7,8 +7,8 @@
 # when the exact size is not cached. The answer is the same block PyTorch would
 # pick; an exact-size hit, the common case in training loops, costs no tree walk
 # however many different sizes are cached.
-from libc.stdint cimport int64_t, uintptr_t
-from libc.stdlib cimport malloc as sys_malloc, free as sys_free
+from libc.stdint cimport int64_t, uint64_t, uintptr_t
+from libc.stdlib cimport malloc as sys_malloc, free as sys_free, calloc
 from libc.string cimport memset
 from libcpp.vector cimport vector
 from libcpp.map cimport map as cmap
@@ -20,6 +20,7 @@ from unimem._native.addr_map cimport (U64Map, um_init, um_destroy, um_find, um_p
 
 cdef struct Segment
 cdef cppclass FreeIndex
+cdef cppclass PrivatePool
 
 cdef struct Block:
     uintptr_t ptr
@@ -55,6 +56,7 @@ cdef struct Segment:
     bint expandable
     size_t page
     size_t mapped
+    PrivatePool* pool              # the private pool (MemPool) it serves; NULL: the device's own
     Segment* prev_seg              # the allocator's list of all segments
     Segment* next_seg
 
@@ -253,6 +255,9 @@ cdef struct StreamPools:
     FreeIndex* large
     size_t n_segments
     size_t n_stream_uses           # live blocks of any stream that record_stream named it on
+    # In the device's own table: segments of private pools on this stream
+    # (the stream, and what the backend keeps for it, stays while they live).
+    size_t n_private_segments
 
 ctypedef unordered_map[uintptr_t, StreamPools*] StreamTable
 
@@ -262,3 +267,29 @@ cdef inline void stream_pools_delete(StreamPools* sp) noexcept nogil:
     if sp.large != NULL:
         fi_delete(sp.large)
     sys_free(sp)
+
+cdef inline StreamPools* stream_pools_new(uintptr_t stream) noexcept nogil:
+    """Empty free indexes for ``stream``; NULL when host memory ran out."""
+    cdef StreamPools* sp = <StreamPools*>calloc(1, sizeof(StreamPools))
+    if sp == NULL:
+        return NULL
+    sp.stream = stream
+    sp.small = fi_new(True)
+    sp.large = fi_new(False)
+    if sp.small == NULL or sp.large == NULL:
+        stream_pools_delete(sp)
+        return NULL
+    return sp
+
+
+# A private pool (PyTorch's PrivatePool behind torch.cuda.MemPool): its own
+# free indexes by stream, inside the device's allocator. Its segments serve
+# only its allocations; they count in the device's statistics and limits.
+cdef cppclass PrivatePool:
+    uint64_t id                    # MemPool.id is (0, id)
+    StreamTable streams            # its free indexes, by stream
+    int use_count                  # the MemPool object, plus each use_mem_pool context
+    size_t n_segments              # its segments (PyTorch's cudaMalloc_count)
+    bint use_on_oom                # a default-pool request about to fail may take its free blocks
+    bint no_split                  # its blocks are handed out whole
+    bint has_backend               # its segments come from its own allocator (pool_backends)

@@ -6,12 +6,13 @@ accelerator, shaped like ``torch.accelerator.memory`` (and the
 from __future__ import annotations
 
 import collections
-from typing import TYPE_CHECKING, Any, Dict, List, Literal, Optional, Tuple
+from typing import TYPE_CHECKING, Any, ContextManager, Dict, List, Literal, Optional, Tuple
 
 from .. import host
 from .._runtime.registry import caching_allocator_alloc, caching_allocator_delete
 from .._runtime.devices import DeviceLike, DeviceType, current_type, device_index as _device_index
 from .._memory_api import MemoryAPI, MemoryLike
+from .._memory.mempool import MemPool as _MemPool
 
 if TYPE_CHECKING:
     from .._observe.history import PathLike
@@ -29,6 +30,7 @@ __all__ = [
     "host_memory_stats", "host_memory_stats_as_nested_dict", "reset_peak_host_memory_stats",
     "reset_accumulated_host_memory_stats",
     "_record_memory_history", "_snapshot", "_dump_snapshot",
+    "MemPool", "use_mem_pool", "caching_allocator_enable", "caching_allocator_disabled",
 ]
 
 _apis: Dict[str, MemoryAPI] = {}
@@ -257,10 +259,36 @@ def memory_summary(device: DeviceLike = None, abbreviated: bool = False) -> str:
     return _current()[1].memory_summary(device, abbreviated)
 
 
-def memory_snapshot() -> List[Dict[str, Any]]:
+def memory_snapshot(mempool_id: Optional[Tuple[int, int]] = None) -> List[Dict[str, Any]]:
     r"""Return a snapshot of the memory allocator state across all devices of
-    the current accelerator (segments and their blocks, PyTorch's layout)."""
-    return _current()[1].memory_snapshot()
+    the current accelerator (segments and their blocks, PyTorch's layout);
+    only the segments of pool ``mempool_id`` (a :class:`MemPool`'s id) when given."""
+    return _current()[1].memory_snapshot(mempool_id)
+
+
+# ---------------------------------------------------------------------------
+# private pools and the cache switch, on the current accelerator
+# ---------------------------------------------------------------------------
+class MemPool(_MemPool):
+    __doc__ = _MemPool.__doc__
+
+
+def use_mem_pool(pool: _MemPool, device: DeviceLike = None) -> ContextManager[None]:
+    r"""A context manager that routes the current thread's allocations on
+    ``device`` (the current one if ``None``) of the current accelerator to
+    ``pool`` (see :func:`unimem.cuda.use_mem_pool`)."""
+    return _current()[1].use_mem_pool(pool, device)
+
+
+def caching_allocator_enable(value: bool = True) -> None:
+    r"""Enable or disable the current accelerator's caching allocator. On by
+    default (see :func:`unimem.cuda.caching_allocator_enable`)."""
+    _current()[1].caching_allocator_enable(value)
+
+
+def caching_allocator_disabled() -> ContextManager[None]:
+    r"""Context manager that temporarily disables the current accelerator's caching allocator."""
+    return _current()[1].caching_allocator_disabled()
 
 
 def _record_memory_history(enabled: Optional[Literal["state", "all"]] = "all", *args: Any,

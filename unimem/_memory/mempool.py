@@ -1,0 +1,216 @@
+"""Private memory pools (``MemPool``, ``use_mem_pool``) and the cache switch
+(``caching_allocator_enable``, ``caching_allocator_disabled``), in PyTorch
+2.13's names and wording.
+
+A pool lives inside its device's caching allocator (the core's private
+pools, ``unimem/_core_pools.pxi``): its blocks count in the device's
+statistics and limits, its segments serve only its allocations. This module
+is the Python face: pool ids, the MemPool object's life (its death releases
+the pool), and the per-thread routing context.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+import weakref
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+from .. import _core
+from .._runtime.devices import DeviceLike, current_type, device_index, get_type, on_allocator_created
+from .._runtime.pools import Pool, PoolKind
+from .device_type import DeviceTypeAPI
+
+# PyTorch's user-created pool ids: (0, n), n counting up from 1 in the process.
+_next_id = itertools.count(1)
+_id_lock = threading.Lock()
+
+# Device types whose cache is off: allocators made later start with it off too.
+_caching_off: set = set()
+
+
+def _new_pool_id() -> Tuple[int, int]:
+    with _id_lock:
+        return (0, next(_next_id))
+
+
+def _apply_caching_switch(pool: Pool, allocator: _core.CachingAllocator) -> None:
+    if pool.kind is PoolKind.DEVICE and pool.device_type in _caching_off:
+        allocator.set_caching(False)
+
+
+on_allocator_created(_apply_caching_switch)
+
+
+class MemPool:
+    r"""MemPool represents a pool of memory in a caching allocator.
+
+    Memory allocated while the pool is active (:func:`use_mem_pool`) comes
+    from the pool's own segments, which serve no other allocation; they still
+    count in the device's statistics and its memory limits. The pool belongs
+    to the device that is current when it is made.
+
+    Args:
+        allocator(optional): an allocator with ``malloc(size, device, stream)``
+            and ``free(ptr, size, device, stream)`` (a ``CUDAPluggableAllocator``,
+            ``XPUPluggableAllocator`` or :class:`unimem.PluggableAllocator`)
+            that supplies the pool's memory. If :attr:`allocator` is ``None``
+            (default), memory comes from the device's own backend.
+        use_on_oom(bool): a bool that indicates if this pool can be used
+            as a last resort if a memory allocation outside of the pool fails due
+            to Out Of Memory. This is False by default.
+        no_split(bool): a bool that indicates if this pool should not split a segment.
+            This is False by default.
+
+    When the MemPool object dies, the pool's free memory goes back to the
+    device; memory of it still in use goes back once freed, at the next
+    ``empty_cache()``.
+    """
+
+    # The device type the class makes pools for (None: the current accelerator).
+    _type_name: Optional[str] = None
+
+    def __init__(self, allocator: Any = None, use_on_oom: bool = False, no_split: bool = False) -> None:
+        dtype = get_type(self._type_name) if self._type_name is not None else current_type()
+        index = dtype.current_index()
+        core = dtype.allocator(index)
+        pool_id = _new_pool_id()
+        core.create_pool(pool_id, allocator, bool(use_on_oom), bool(no_split))
+        self._id = pool_id
+        self._allocator = allocator
+        self._device_type = dtype.name
+        self._device = index
+        self._core = core
+        # The pool's use by this object ends with it, in a cycle too. Not at
+        # interpreter exit: the process is ending, as for the allocators.
+        self._finalizer = weakref.finalize(self, _release, core, pool_id)
+        self._finalizer.atexit = False
+
+    @property
+    def id(self) -> Tuple[int, int]:
+        r"""Returns the ID of this pool as a tuple of two ints."""
+        return self._id
+
+    @property
+    def allocator(self) -> Any:
+        r"""Returns the allocator this MemPool routes allocations to."""
+        return self._allocator
+
+    @property
+    def device(self) -> int:
+        """The index of the device the pool belongs to."""
+        return self._device
+
+    def use_count(self) -> int:
+        r"""Returns the reference count of this pool: 1 for the MemPool
+        object, plus one for each :func:`use_mem_pool` context using it."""
+        return self._core.pool_use_count(self._id)
+
+    def snapshot(self, include_traces: bool = True) -> List[Dict[str, Any]]:
+        r"""Return a snapshot of the pool's segments: ``memory_snapshot(pool.id)``.
+
+        Args:
+            include_traces: accepted for PyTorch's signature; segments carry
+                no trace entries.
+        """
+        return self._core.snapshot(self._id)
+
+    def __repr__(self) -> str:
+        return f"<unimem.{self._device_type}.MemPool {self._id} on {self._device_type}:{self._device}>"
+
+
+# The class under another name, for PrivatePoolAPI, whose ``MemPool`` is its subclass.
+_PoolObject = MemPool
+
+
+def _release(core: _core.CachingAllocator, pool_id: Tuple[int, int]) -> None:
+    core.release_pool(pool_id)
+
+
+def _snapshot_filter(mempool_id: Optional[Tuple[int, int]]) -> Optional[Tuple[int, int]]:
+    """The pool a snapshot is limited to (None: every segment)."""
+    if mempool_id is None:
+        return None
+    if not (isinstance(mempool_id, tuple) and len(mempool_id) == 2
+            and all(isinstance(part, int) and not isinstance(part, bool) for part in mempool_id)):
+        raise TypeError(f"mempool_id must be a tuple of two ints (a MemPool's id), got {mempool_id!r}")
+    return None if mempool_id == (0, 0) else mempool_id
+
+
+class PrivatePoolAPI(DeviceTypeAPI):
+    """MemPool, use_mem_pool and the cache switch of one device type."""
+
+    _mempool_class: Optional[type] = None
+
+    @property
+    def MemPool(self) -> type:
+        """The MemPool class of this device type (pools of its current device)."""
+        if self._mempool_class is None:
+            self._mempool_class = type("MemPool", (_PoolObject,), {
+                "_type_name": self.type_name, "__module__": f"unimem.{self.type_name}",
+                "__doc__": MemPool.__doc__})
+        return self._mempool_class
+
+    @contextlib.contextmanager
+    def use_mem_pool(self, pool: _PoolObject, device: DeviceLike = None) -> Iterator[None]:
+        r"""A context manager that routes allocations to a given pool.
+
+        Args:
+            pool(MemPool): a MemPool object to be made active so that
+                allocations route to this pool.
+            device (int, str or device, optional): selected device. Uses MemPool on
+                the current device, given by :func:`current_device`,
+                if :attr:`device` is ``None`` (default).
+
+        .. note::
+            This context manager makes only current thread's allocations route to
+            the given pool. If a new thread is spawned inside the context manager
+            the allocations in that thread will not route to the given pool.
+        """
+        core = self._pool_allocator(pool, device)
+        core.begin_pool(pool.id)
+        try:
+            yield
+        finally:
+            core.end_pool(pool.id)
+
+    def _pool_allocator(self, pool: Any, device: DeviceLike) -> _core.CachingAllocator:
+        """The allocator ``pool`` lives in, after checking that it serves
+        ``device`` of this device type."""
+        if not isinstance(pool, _PoolObject):
+            raise TypeError(f"use_mem_pool expects a MemPool, got {type(pool).__name__}")
+        dtype = self._type()
+        if pool._device_type != dtype.name:
+            raise ValueError(f"{pool!r} is a pool of {pool._device_type}, not of {dtype.name}")
+        index = device_index(device, dtype)
+        if index != pool.device:
+            raise ValueError(f"{pool!r} belongs to device {pool.device}, not to device {index}: "
+                             f"make the pool with that device current")
+        if dtype.registry.peek(index) is not pool._core:
+            raise ValueError(f"{pool!r} was made before the {dtype.name} allocator was replaced")
+        return pool._core
+
+    def caching_allocator_enable(self, value: bool = True) -> None:
+        r"""Enable or disable the caching allocator. On by default.
+
+        Disabled, every allocation asks the backend for memory of its own
+        (its rounded size), every free gives it back at once, and the
+        statistics are still kept; what is cached when it is disabled goes
+        back too. :func:`use_mem_pool` routes nothing while it is disabled.
+        """
+        if value:
+            _caching_off.discard(self.type_name)
+        else:
+            _caching_off.add(self.type_name)
+        for allocator in self._initialized():
+            allocator.set_caching(bool(value))
+
+    @contextlib.contextmanager
+    def caching_allocator_disabled(self) -> Iterator[None]:
+        r"""Context manager that temporarily disables the caching allocator."""
+        previous = self.type_name not in _caching_off
+        self.caching_allocator_enable(False)
+        try:
+            yield
+        finally:
+            self.caching_allocator_enable(previous)
