@@ -329,6 +329,11 @@ cdef int _end_sleep(CachingAllocator self, object state, object tag) except -1:
         b = self.sleep_held[i]
         if self.sleep_marks[<uintptr_t>b.segment] == key:
             b.event_count -= 1
+            if self.expandable:
+                # A filtered sleep may have had pages mapped next to it
+                # (inactive_split leaves expandable blocks out: no statistic)
+                self._try_merge(b, b.prev, b.index)
+                self._try_merge(b, b.next, b.index)
             fi_insert(b.index, b)
         else:
             kept.push_back(b)

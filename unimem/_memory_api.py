@@ -19,6 +19,7 @@ from ._memory.arguments import (ADDRESS_LIMIT, HasArrayInterface, HasCudaArrayIn
                                 numpy_dtype, record_stream_on_pools)
 from ._memory.configuration import ConfigurationAPI
 from ._memory.history import HistoryAPI
+from ._memory.sleep import SleepAPI
 from ._memory.statistics import StatisticsAPI, nest_stats
 from ._runtime.devices import DeviceLike
 
@@ -29,7 +30,7 @@ __all__ = [
 ]
 
 
-class MemoryAPI(AllocationAPI, ConfigurationAPI, StatisticsAPI, HistoryAPI):
+class MemoryAPI(AllocationAPI, ConfigurationAPI, StatisticsAPI, HistoryAPI, SleepAPI):
     """The memory functions of one device type (``"cpu"``, ``"xpu"``, ``"cuda"``)."""
 
     def functions(self) -> Dict[str, Any]:
@@ -56,6 +57,7 @@ PUBLIC_FUNCTIONS = (
     "set_per_process_memory_fraction", "get_per_process_memory_fraction", "empty_cache",
     "change_current_allocator", "get_allocator_backend",
     "empty_virt_addr_cache",
+    "sleep", "wake_up", "is_sleeping",
     "memory_stats", "memory_stats_as_nested_dict", "reset_accumulated_memory_stats",
     "reset_peak_memory_stats", "reset_max_memory_allocated", "reset_max_memory_cached",
     "memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved",
