@@ -407,7 +407,7 @@ def test_a_release_that_fails_keeps_that_memory_and_the_allocator_asleep(expanda
 def test_the_host_backend_refuses_spans_that_are_not_its_segments():
     backend = PageAlignedBackend()
     ptr = backend.malloc(4 * PAGE)
-    for address, size in ((ptr, 2 * PAGE), (ptr + PAGE, 3 * PAGE), (0x1000, PAGE)):
+    for address, size in ((ptr, 2 * PAGE), (ptr + PAGE, 3 * PAGE), (0x1000, PAGE), (-PAGE, PAGE), (ptr, -1)):
         with pytest.raises(ValueError, match="not a segment"):
             backend.release_pages(address, size)
         with pytest.raises(ValueError, match="not a segment"):

@@ -127,6 +127,17 @@ def _not_a_segment(a, n):
             f"malloc returned and the size it was asked for)")
 
 
+def _segment_span(address, size, device):
+    """``(address, size)`` of a release_pages/restore_pages call, as numbers
+    a segment can have (which one is checked under the table's lock)."""
+    _check_host_device(device)
+    a = as_int(address, "address")
+    n = as_int(size, "size")
+    if a <= 0 or n <= 0 or a + n > 1 << 64:
+        raise ValueError(_not_a_segment(a, n))
+    return a, n
+
+
 def _check_host_device(device):
     """The host is one device, 0."""
     if as_int(device, "device") != 0:
@@ -324,9 +335,7 @@ cdef class PageAlignedBackend:
         cdef size_t n
         cdef int err = 0
         cdef bint known
-        _check_host_device(device)
-        a = as_int(address, "address")
-        n = as_int(size, "size")
+        a, n = _segment_span(address, size, device)
         with nogil:
             held_segments_lock.lock()
             known = is_held_segment(a, n)
@@ -349,9 +358,7 @@ cdef class PageAlignedBackend:
         cdef void* p = NULL
         cdef int err = 0
         cdef bint known
-        _check_host_device(device)
-        a = as_int(address, "address")
-        n = as_int(size, "size")
+        a, n = _segment_span(address, size, device)
         with nogil:
             held_segments_lock.lock()
             known = is_held_segment(a, n)
