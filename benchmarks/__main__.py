@@ -31,6 +31,7 @@ BENCHMARKS = {
     "dpnp": "bench_dpnp",
     "sycl_interposer": "bench_sycl_interposer",
     "cuda": "bench_cuda",
+    "sleep": "bench_sleep",
     "soak": "soak",
 }
 DEFAULT = [name for name in BENCHMARKS if name != "soak"]

@@ -90,7 +90,7 @@ cdef class CachingAllocator:
     cdef bint poisoned
     cdef str poison_reason
     # Anything above that sends c_malloc off its fastest path (poisoned,
-    # stream events pending, history recording, debug mode): one test.
+    # stream events pending, history recording, debug mode, asleep): one test.
     cdef bint unusual
     # How many times this thread holds the (recursive) lock: segments are
     # given back outside it only when it is held once.
@@ -103,6 +103,14 @@ cdef class CachingAllocator:
     cdef int64_t debug_sequence
     cdef vector[pair[uintptr_t, uintptr_t]] debug_damage   # (block, first changed byte)
     cdef list debug_messages
+
+    # sleep mode (_core_sleep.pxi)
+    cdef bint sleeping                      # the whole device asleep: allocation refused
+    cdef bint sleep_busy                    # sleep() or wake_up() under way
+    cdef cmap[uintptr_t, uintptr_t] sleep_marks   # sleeping Segment* -> its sleep
+    cdef vector[Block*] sleep_held          # their blocks that were free, off the free index
+    cdef vector[Block*] sleep_freed         # their blocks freed since, back at wake_up
+    cdef dict sleep_states                  # tag -> the sleep's state
     cdef object __weakref__
 
     cdef inline void _lock(self) noexcept

@@ -93,6 +93,7 @@ include "_core_reclaim.pxi"
 include "_core_streams.pxi"
 include "_core_expandable.pxi"
 include "_core_pools.pxi"
+include "_core_sleep.pxi"
 
 
 # Every allocator alive, so that fork handlers can repair their locks.
@@ -192,6 +193,7 @@ cdef class CachingAllocator:
         self.debug_sites = {}
         self.debug_messages = []
         self.pool_backends = {}
+        self.sleep_states = {}
         _live_allocators.add(self)
 
     def __del__(self):
@@ -202,7 +204,9 @@ cdef class CachingAllocator:
         # with live blocks stay: raw addresses from malloc() may still be in
         # use. At interpreter exit nothing is returned (the process is ending,
         # and the device runtime may already be shutting down).
-        if self.poisoned or _interpreter_exiting():
+        # Asleep, memory given back stays so (the address ranges with it):
+        # waking up could fail, and the allocator is going.
+        if self.poisoned or _interpreter_exiting() or self.sleep_states:
             return
         cdef Segment* seg = self.segments
         cdef Segment* nxt
@@ -691,6 +695,8 @@ cdef class CachingAllocator:
         cdef int64_t net_bytes = 0
         cdef size_t subsumed
         cdef bint is_small = b.is_small
+        if not self.sleep_marks.empty() and _hold_if_asleep(self, b):
+            return                   # its segment sleeps: back at wake_up (_core_sleep.pxi)
         if self.recording:
             self._trace(T_FREE_COMPLETED, b.ptr, b.requested_size, b.stream)
         if self.debug_on:
@@ -800,7 +806,8 @@ cdef class CachingAllocator:
 
     cdef inline void _update_unusual(self) noexcept nogil:
         self.unusual = (self.poisoned or self.n_pending_events != 0 or self.recording
-                        or self.debug_on or self.cache_off or not self.routes.empty())
+                        or self.debug_on or self.cache_off or not self.routes.empty()
+                        or self.sleeping)
 
     cdef int _check_usable(self) except -1:
         if self.poisoned:
@@ -823,6 +830,8 @@ cdef class CachingAllocator:
         if self.unusual:
             if self.poisoned:
                 self._check_usable()
+            if self.sleeping:
+                _refuse_asleep(self)
             if self.n_pending_events:
                 self.process_events()
             if self.cache_off or not self.routes.empty():
@@ -1066,6 +1075,42 @@ cdef class CachingAllocator:
             self._unlock()
         _tell_backend_dropped_streams(self)
         self._flush_trace()
+
+    def sleep(self, offload=True, segments=None, tag=None):
+        """Give the memory of every segment back while its addresses stay
+        reserved (vLLM's ``CuMemAllocator.sleep``): ``memory_reserved()``
+        falls to what is still backed by memory (0 for a whole sleep), and
+        allocating raises ``RuntimeError`` until :meth:`wake_up`. With
+        ``offload`` the bytes of every live block are first copied to host
+        memory, and :meth:`wake_up` copies them back; without, the contents
+        are lost. Live blocks stay live at their addresses and may be freed
+        meanwhile (their copies are dropped). Free cached memory is given back
+        too and mapped again at wake_up, without its contents.
+
+        Needs a backend that can give memory back and keep its addresses:
+        expandable segments (the virtual memory calls), else the backend's
+        ``release_pages``/``restore_pages``; ``NotImplementedError`` says why
+        not. Waits for the device and for stream-ordered frees first.
+
+        ``segments``: ``f(address, size, stream) -> bool`` selects the
+        segments that sleep (a private pool's); allocation is then not refused
+        here (its caller refuses allocation into what sleeps). ``tag`` names
+        the sleep for :meth:`wake_up` (segments sleep under one tag at a
+        time). Asleep already under ``tag``: nothing is done. See
+        ``_core_sleep.pxi`` for what a failure half way leaves."""
+        _sleep(self, offload, segments, tag)
+
+    def wake_up(self, tag=None):
+        """End the sleep named ``tag``: back every address given back with
+        memory again, copy the offloaded bytes back, and allow allocation
+        again. Every live block is at the address it had. Awake: nothing is
+        done. A failure (the device is full) raises with what was not woken
+        still asleep: call it again."""
+        _wake_up(self, tag)
+
+    def is_sleeping(self, tag=None):
+        """Whether the sleep named ``tag`` is in force."""
+        return tag in self.sleep_states
 
     def empty_virt_addr_cache(self):
         """Release the reserved address ranges of expandable segments that

@@ -20,6 +20,7 @@ from ._memory.arguments import (ADDRESS_LIMIT, HasArrayInterface, HasCudaArrayIn
 from ._memory.configuration import ConfigurationAPI
 from ._memory.history import HistoryAPI
 from ._memory.mempool import PrivatePoolAPI
+from ._memory.sleep import SleepAPI
 from ._memory.statistics import StatisticsAPI, nest_stats
 from ._runtime.devices import DeviceLike
 
@@ -30,7 +31,8 @@ __all__ = [
 ]
 
 
-class MemoryAPI(AllocationAPI, ConfigurationAPI, StatisticsAPI, HistoryAPI, PrivatePoolAPI):
+class MemoryAPI(AllocationAPI, ConfigurationAPI, StatisticsAPI, HistoryAPI, PrivatePoolAPI,
+                SleepAPI):
     """The memory functions of one device type (``"cpu"``, ``"xpu"``, ``"cuda"``)."""
 
     def functions(self) -> Dict[str, Any]:
@@ -58,6 +60,7 @@ PUBLIC_FUNCTIONS = (
     "change_current_allocator", "get_allocator_backend",
     "use_mem_pool", "caching_allocator_enable", "caching_allocator_disabled",
     "empty_virt_addr_cache",
+    "sleep", "wake_up", "is_sleeping",
     "memory_stats", "memory_stats_as_nested_dict", "reset_accumulated_memory_stats",
     "reset_peak_memory_stats", "reset_max_memory_allocated", "reset_max_memory_cached",
     "memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved",

@@ -13,7 +13,7 @@ __all__ = [
     "caching_allocator_delete", "record_stream", "set_per_process_memory_fraction",
     "get_per_process_memory_fraction", "empty_cache", "change_current_allocator", "get_allocator_backend",
     "MemPool", "use_mem_pool", "caching_allocator_enable", "caching_allocator_disabled",
-    "empty_virt_addr_cache", "memory_stats", "memory_stats_as_nested_dict",
+    "empty_virt_addr_cache", "sleep", "wake_up", "is_sleeping", "memory_stats", "memory_stats_as_nested_dict",
     "reset_accumulated_memory_stats", "reset_peak_memory_stats", "reset_max_memory_allocated",
     "reset_max_memory_cached", "memory_allocated", "max_memory_allocated", "memory_reserved",
     "max_memory_reserved", "memory_cached", "max_memory_cached", "get_memory_info", "mem_get_info",
@@ -42,6 +42,9 @@ caching_allocator_disabled = _api.caching_allocator_disabled
 class MemPool(_MemPool): ...
 
 empty_virt_addr_cache = _api.empty_virt_addr_cache
+sleep = _api.sleep
+wake_up = _api.wake_up
+is_sleeping = _api.is_sleeping
 memory_stats = _api.memory_stats
 memory_stats_as_nested_dict = _api.memory_stats_as_nested_dict
 reset_accumulated_memory_stats = _api.reset_accumulated_memory_stats

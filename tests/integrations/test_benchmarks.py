@@ -140,6 +140,20 @@ def test_the_runner_refuses_an_unknown_benchmark():
     assert "unknown benchmark nonsense" in done.stderr
 
 
+def test_the_sleep_benchmark_runs_and_reports_its_targets(tmp_path):
+    """``python -m benchmarks sleep --quick``: its rounds, its two targets, and
+    the bytes that came back (checked inside the benchmark)."""
+    done = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "sleep"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env=dict(os.environ, UNIMEM_BENCHMARK_RESULTS=str(tmp_path)))
+    assert done.returncode == 0, done.stdout + done.stderr
+    with open(tmp_path / "sleep.json") as f:
+        result = json.load(f)
+    assert result["live_bytes"] == 256 * MiB and result["rounds"] == 3
+    assert set(result["gbps"]) == {"memcpy_new", "memcpy_touched", "offload", "restore"}
+    assert all(len(v) == 3 and min(v) > 0 for v in result["gbps"].values())
+    assert len(result["targets"]) == 2 and all(isinstance(t["met"], bool) for t in result["targets"])
+
+
 def test_the_dpnp_benchmark_runs_and_reports_every_target(tmp_path):
     """``python -m benchmarks dpnp --quick`` runs its four workloads plain and
     with the allocator and reports its targets; not its timings (speed lives

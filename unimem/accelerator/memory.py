@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from .._observe.history import PathLike
 
 __all__ = [
-    "empty_cache", "empty_virt_addr_cache", "empty_host_cache", "get_memory_info", "mem_get_info",
+    "empty_cache", "empty_virt_addr_cache", "sleep", "wake_up", "is_sleeping", "empty_host_cache", "get_memory_info", "mem_get_info",
     "get_allocator_backend",
     "max_memory_allocated",
     "max_memory_reserved", "memory_allocated", "memory_reserved", "memory_stats",
@@ -70,6 +70,42 @@ def empty_virt_addr_cache(device_index: DeviceLike = None, /) -> None:
             accelerator if ``None`` (default).
     """
     _current()[1].empty_virt_addr_cache(device_index)
+
+
+def sleep(offload: bool = True, device_index: DeviceLike = None) -> None:
+    r"""Give the memory of a device of the current accelerator back while
+    every live block keeps its address (vLLM's sleep mode); allocating raises
+    ``RuntimeError`` until :func:`wake_up`. ``offload`` (default) keeps the
+    bytes of the live blocks in host memory for :func:`wake_up` to copy back.
+    See :func:`unimem.cpu.sleep`.
+
+    Args:
+        offload (bool): keep the contents of the live blocks.
+        device_index (:class:`unimem.device`, str, int, optional): the device
+            index to select. The current device if ``None`` (default).
+    """
+    _current()[1].sleep(offload, device_index)
+
+
+def wake_up(device_index: DeviceLike = None, /) -> None:
+    r"""Back the memory :func:`sleep` gave back again, at the same addresses,
+    and allow allocation again. See :func:`unimem.cpu.wake_up`.
+
+    Args:
+        device_index (:class:`unimem.device`, str, int, optional): the device
+            index to select. The current device if ``None`` (default).
+    """
+    _current()[1].wake_up(device_index)
+
+
+def is_sleeping(device_index: DeviceLike = None, /) -> bool:
+    r"""Return whether a device of the current accelerator is asleep.
+
+    Args:
+        device_index (:class:`unimem.device`, str, int, optional): the device
+            index to select. The current device if ``None`` (default).
+    """
+    return _current()[1].is_sleeping(device_index)
 
 
 def memory_stats(device_index: DeviceLike = None, /) -> "collections.OrderedDict[str, Any]":

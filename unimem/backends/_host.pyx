@@ -12,13 +12,22 @@ cache miss).
 It also offers virtual memory (``expandable_segments``): an address range is
 reserved with ``mmap(PROT_NONE, MAP_NORESERVE)`` (no memory, no commit
 charge) and pages are mapped into it and out of it by the host page (see
-:meth:`PageAlignedBackend.map_pages` for how, and why that way)."""
+:meth:`PageAlignedBackend.map_pages` for how, and why that way).
+
+And sleep mode: the memory behind a segment from malloc is given back while
+its addresses stay reserved (:meth:`PageAlignedBackend.release_pages`) and
+mapped again at the same addresses (:meth:`PageAlignedBackend.restore_pages`).
+For that the segments handed out are recorded (a C table under its own
+lock, on the miss path only), and those two calls are refused on any span
+that is not exactly one of them."""
 from cpython.pycapsule cimport PyCapsule_New
 from libc.errno cimport errno, ENOMEM
 from libc.stdint cimport uintptr_t
+from libcpp.unordered_map cimport unordered_map
 from posix.mman cimport (mmap, munmap, mprotect, madvise, PROT_NONE, PROT_READ, PROT_WRITE, MAP_PRIVATE,
                          MAP_ANONYMOUS, MAP_FIXED, MAP_NORESERVE, MAP_FAILED, MADV_DONTNEED)
 from posix.unistd cimport sysconf, _SC_PAGESIZE
+from cython.operator cimport dereference as deref
 
 from unimem._native.provider cimport (RawAllocatorAPI, RAW_OK, RAW_OUT_OF_MEMORY, RAW_ERROR,
                                       UM_PROVIDER_CAPSULE, UM_PROVIDER_VERSION)
@@ -30,6 +39,19 @@ from .address_ranges import AddressRanges, as_int
 #: The host page: what the virtual memory calls map and unmap by.
 PAGE_SIZE = sysconf(_SC_PAGESIZE)
 
+cdef extern from "csupport.hpp" nogil:
+    cppclass UMLock:
+        void lock()
+        void unlock()
+        void reset_after_fork()
+
+# The segments malloc handed out and free has not taken back (address ->
+# size): release_pages and restore_pages put mappings over memory with
+# MAP_FIXED, and act only on exactly one of these.
+cdef unordered_map[uintptr_t, size_t] held_segments
+cdef UMLock held_segments_lock
+
+
 cdef int host_malloc(void* ctx, size_t size, int device, uintptr_t stream,
                      uintptr_t* out) noexcept nogil:
     cdef void* p
@@ -39,13 +61,33 @@ cdef int host_malloc(void* ctx, size_t size, int device, uintptr_t stream,
     p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
     if p == MAP_FAILED:
         return RAW_OUT_OF_MEMORY
+    held_segments_lock.lock()
+    held_segments[<uintptr_t>p] = size
+    held_segments_lock.unlock()
     out[0] = <uintptr_t>p
     return RAW_OK
 
 
 cdef int host_free(void* ctx, uintptr_t ptr, size_t size, int device,
                    uintptr_t stream) noexcept nogil:
+    held_segments_lock.lock()
+    held_segments.erase(ptr)
+    held_segments_lock.unlock()
     return RAW_OK if munmap(<void*>ptr, size) == 0 else RAW_ERROR
+
+
+cdef inline bint is_held_segment(uintptr_t address, size_t size) noexcept nogil:
+    """Whether ``[address, address+size)`` is exactly a live segment. Lock held."""
+    cdef unordered_map[uintptr_t, size_t].iterator it = held_segments.find(address)
+    return it != held_segments.end() and deref(it).second == size
+
+
+def _reset_held_segments_lock():
+    # after fork() in the child: a thread that held it is gone
+    held_segments_lock.reset_after_fork()
+
+
+os.register_at_fork(after_in_child=_reset_held_segments_lock)
 
 
 cdef RawAllocatorAPI HOST_API
@@ -78,6 +120,22 @@ cdef void* reserve_pages(void* at, size_t n) noexcept nogil:
     replacing whatever is mapped at ``at`` (``MAP_FIXED``)."""
     cdef int fixed = MAP_FIXED if at != NULL else 0
     return mmap(at, n, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | fixed, -1, 0)
+
+
+def _not_a_segment(a, n):
+    return (f"[{a:#x}, {a + n:#x}) is not a segment this backend handed out (give the address "
+            f"malloc returned and the size it was asked for)")
+
+
+def _segment_span(address, size, device):
+    """``(address, size)`` of a release_pages/restore_pages call, as numbers
+    a segment can have (which one is checked under the table's lock)."""
+    _check_host_device(device)
+    a = as_int(address, "address")
+    n = as_int(size, "size")
+    if a <= 0 or n <= 0 or a + n > 1 << 64:
+        raise ValueError(_not_a_segment(a, n))
+    return a, n
 
 
 def _check_host_device(device):
@@ -258,6 +316,64 @@ cdef class PageAlignedBackend:
             if rc != 0:
                 raise OSError(f"munmap({a:#x}, {n}) failed")
             ranges.record_release(a)
+
+    # -- sleep mode (segments from malloc) ----------------------------------
+    def page_release_unavailable_reason(self, device=0):
+        """"": a segment's memory can be given back and its addresses kept."""
+        _check_host_device(device)
+        return ""
+
+    def release_pages(self, address, size, device=0):
+        """Give back the memory of the segment ``[address, address+size)``
+        (exactly one malloc returned) and keep its addresses: the same
+        ``PROT_NONE``, ``MAP_NORESERVE`` mapping as :meth:`unmap_pages` puts
+        over it (RSS falls at once, the commit charge goes, any access
+        faults); should that fail, ``madvise(MADV_DONTNEED)`` and
+        ``mprotect(PROT_NONE)``. Raises with the memory still readable (its
+        contents may be gone if only the madvise worked)."""
+        cdef uintptr_t a
+        cdef size_t n
+        cdef int err = 0
+        cdef bint known
+        a, n = _segment_span(address, size, device)
+        with nogil:
+            held_segments_lock.lock()
+            known = is_held_segment(a, n)
+            if known and reserve_pages(<void*>a, n) == MAP_FAILED:
+                if madvise(<void*>a, n, MADV_DONTNEED) != 0 or mprotect(<void*>a, n, PROT_NONE) != 0:
+                    err = errno
+            held_segments_lock.unlock()
+        if not known:
+            raise ValueError(_not_a_segment(a, n))
+        if err:
+            raise OSError(err, f"could not give back the memory of [{a:#x}, {a + n:#x}): {os.strerror(err)}")
+
+    def restore_pages(self, address, size, device=0):
+        """Back the segment ``[address, address+size)`` with memory again, at
+        the same addresses: a fresh read-write mapping over it, charged to the
+        commit limit at once (``ENOMEM`` is a ``MemoryError`` and the
+        addresses stay reserved, as :meth:`map_pages`). Its bytes are zero."""
+        cdef uintptr_t a
+        cdef size_t n
+        cdef void* p = NULL
+        cdef int err = 0
+        cdef bint known
+        a, n = _segment_span(address, size, device)
+        with nogil:
+            held_segments_lock.lock()
+            known = is_held_segment(a, n)
+            if known:
+                p = mmap(<void*>a, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0)
+                if p == MAP_FAILED:
+                    err = errno
+                    reserve_pages(<void*>a, n)
+            held_segments_lock.unlock()
+        if not known:
+            raise ValueError(_not_a_segment(a, n))
+        if err == ENOMEM:
+            raise MemoryError(f"the system cannot commit {n} more bytes of host memory (mmap: {os.strerror(err)})")
+        if err:
+            raise OSError(err, f"mmap could not map [{a:#x}, {a + n:#x}) again: {os.strerror(err)}")
 
     def pinned_host_backend(self):
         """The pinned pool of a host-only machine: page-aligned memory too."""

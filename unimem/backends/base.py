@@ -155,6 +155,47 @@ class Backend(Protocol):
         page mapped."""
         raise NotImplementedError
 
+    # -- sleep mode -----------------------------------------------------------
+    # Used by ``sleep()``/``wake_up()`` (with the GIL and the allocator's lock,
+    # never through the provider ABI). With expandable segments the allocator
+    # sleeps through the virtual memory calls above; otherwise it needs the
+    # three below. The copies are asked for with ``offload=True`` only, and
+    # only of a backend whose memory the host cannot read (``host_accessible``
+    # False): the core copies host-readable memory itself.
+    def page_release_unavailable_reason(self, device: int) -> str:
+        """Why the memory of a segment from :meth:`malloc` cannot be given
+        back while its addresses stay reserved; "" when it can (then
+        :meth:`release_pages` and :meth:`restore_pages` work). Called by
+        ``sleep()`` without expandable segments, which quotes the reason in
+        its ``NotImplementedError``. Default: it cannot."""
+        return "it cannot give a segment's memory back and keep its addresses"
+
+    def release_pages(self, address: int, size: int, device: int) -> None:
+        """Give back the memory of a whole segment from :meth:`malloc`
+        (``address`` and ``size`` as malloc had them), keeping its addresses
+        reserved: nothing else may be placed there, and :meth:`free` still
+        takes the segment back. Raise only with the memory left as it was."""
+        raise NotImplementedError(self.page_release_unavailable_reason(device))
+
+    def restore_pages(self, address: int, size: int, device: int) -> None:
+        """Back a segment :meth:`release_pages` gave back with memory again,
+        at the same addresses, readable and writable (contents undefined).
+        Raise ``MemoryError`` when the device is full; the segment then stays
+        as it was."""
+        raise NotImplementedError(self.page_release_unavailable_reason(device))
+
+    def copy_to_host(self, host_address: int, address: int, size: int, device: int) -> None:
+        """Copy ``size`` bytes of device memory at ``address`` to host memory
+        at ``host_address`` (``sleep(offload=True)``), once the copy is done.
+        Default: cannot (``NotImplementedError``; ``sleep`` then says to use
+        ``offload=False``)."""
+        raise NotImplementedError(f"the {self.name} backend cannot copy its memory to the host")
+
+    def copy_from_host(self, address: int, host_address: int, size: int, device: int) -> None:
+        """Copy ``size`` bytes of host memory at ``host_address`` to device
+        memory at ``address`` (``wake_up()`` after an offload), once the copy is done."""
+        raise NotImplementedError(f"the {self.name} backend cannot copy host memory to the device")
+
     # -- what the runtime and the front ask of some backends ---------------
     #: The device count the user gave (``PluggableAllocator(device_count=...)``),
     #: kept by ``change_current_allocator`` over the replaced backend's; absent

@@ -26,6 +26,13 @@ from .base import Backend
 from .cuda_vmm import CudaVMM, load_driver
 
 CUDA_ERROR_MEMORY_ALLOCATION = 2          # cudaErrorMemoryAllocation
+CUDA_MEMCPY_HOST_TO_DEVICE = 1            # cudaMemcpyHostToDevice
+CUDA_MEMCPY_DEVICE_TO_HOST = 2            # cudaMemcpyDeviceToHost
+#: Why an allocator without expandable segments cannot sleep on a GPU.
+PAGE_RELEASE_UNAVAILABLE = (
+    "memory from cudaMalloc cannot be given back while its addresses stay reserved (cudaFree gives "
+    "both back); set expandable_segments:True in UNIMEM_ALLOC_CONF: its segments are mapped through "
+    "the driver's virtual memory, which can")
 CUDA_SUCCESS = 0
 CUDA_STREAM_LEGACY = 1                    # cudaStreamLegacy: the legacy default stream, from any thread
 CUDA_STREAM_PER_THREAD = 2                # cudaStreamPerThread: the calling thread's default stream
@@ -215,6 +222,22 @@ class CUDABackend(Backend):
         vmm = self._mapper(device)
         with OnDevice(self.runtime, device):
             vmm.release(address, size, device)
+
+    # -- sleep mode --------------------------------------------------------
+    def page_release_unavailable_reason(self, device: int) -> str:
+        """Always a reason: only expandable segments (the driver's virtual
+        memory) can sleep on a GPU."""
+        return PAGE_RELEASE_UNAVAILABLE
+
+    def copy_to_host(self, host_address: int, address: int, size: int, device: int) -> None:
+        """``cudaMemcpy`` device to host (waits for the copy)."""
+        with OnDevice(self.runtime, device):
+            self.runtime.memcpy(host_address, address, size, CUDA_MEMCPY_DEVICE_TO_HOST)
+
+    def copy_from_host(self, address: int, host_address: int, size: int, device: int) -> None:
+        """``cudaMemcpy`` host to device (waits for the copy)."""
+        with OnDevice(self.runtime, device):
+            self.runtime.memcpy(address, host_address, size, CUDA_MEMCPY_HOST_TO_DEVICE)
 
     def pinned_host_backend(self) -> "CUDAPinnedBackend":
         """Page-locked host memory from ``cudaHostAlloc``: the memory of ``unimem.host``."""

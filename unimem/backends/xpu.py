@@ -39,6 +39,11 @@ VIRTUAL_MEMORY_UNAVAILABLE = (
     "no query of the ext_oneapi_virtual_mem aspect and no binding of reserve_virtual_mem, physical_mem "
     "or map, so unimem cannot reserve address space and map memory on any XPU device, whether or not "
     "the device has that aspect")
+#: Why an XPU allocator cannot sleep.
+PAGE_RELEASE_UNAVAILABLE = (
+    "SYCL USM has no way to give an allocation's memory back while keeping its addresses "
+    "(sycl::free gives both back), and the way that could, SYCL's virtual memory, is out of reach: "
+    + VIRTUAL_MEMORY_UNAVAILABLE)
 BACKEND_PREFERENCE = ("level_zero", "cuda", "hip", "opencl")
 
 
@@ -383,6 +388,11 @@ class XPUBackend(Backend):
         core puts in its refusal of ``expandable_segments:True`` (so the
         option is refused on an XPU device, never silently ignored)."""
         raise NotImplementedError(self.virtual_memory_unavailable_reason(device))
+
+    def page_release_unavailable_reason(self, device: int) -> str:
+        """Why ``device`` cannot sleep: the refusal of ``sleep()`` quotes it."""
+        self._check_device(device)
+        return PAGE_RELEASE_UNAVAILABLE
 
     def _check_device(self, device: int) -> None:
         if not 0 <= as_int(device, "device") < len(self.runtime.devices):

@@ -1,0 +1,89 @@
+"""Sleep mode through the namespaces (issue 28, part 5): ``unimem.cpu``
+sleeps for real, ``unimem.xpu`` (the SYCL CPU device here) refuses saying
+why, ``unimem.accelerator`` dispatches to the current device type."""
+import ctypes
+
+import numpy
+import pytest
+
+import unimem
+import unimem.accelerator as acc
+import unimem.cpu as cpu
+from unimem._runtime import devices as _devices
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def awake_cpu():
+    yield cpu
+    cpu.wake_up()
+
+
+def test_cpu_arrays_keep_their_addresses_and_values(awake_cpu):
+    pooled = cpu.empty((512, 512), dtype="f4")
+    pooled[:] = numpy.arange(512, dtype="f4")
+    address = pooled.ctypes.data
+    expected = pooled.copy()
+    allocated = cpu.memory_allocated()
+    cpu.sleep()
+    assert cpu.is_sleeping() and cpu.memory_reserved() == 0
+    assert cpu.memory_allocated() == allocated
+    with pytest.raises(RuntimeError, match=r"wake_up\(\)"):
+        cpu.empty(10)
+    cpu.wake_up()
+    assert not cpu.is_sleeping()
+    assert pooled.ctypes.data == address
+    numpy.testing.assert_array_equal(pooled, expected)
+    del pooled
+    cpu.empty_cache()
+
+
+def test_cpu_sleep_without_offload_and_frees_while_asleep(awake_cpu):
+    block = cpu.caching_allocator_alloc(8 * MiB)
+    other = cpu.caching_allocator_alloc(MiB)
+    ctypes.memset(other, 1, MiB)
+    cpu.sleep(offload=False)
+    cpu.caching_allocator_delete(other)           # bookkeeping only
+    cpu.wake_up()
+    ctypes.memset(block, 2, 8 * MiB)               # mapped and writable at its address
+    cpu.caching_allocator_delete(block)
+    cpu.empty_cache()
+
+
+def test_cpu_sleep_refuses_what_is_no_bool(awake_cpu):
+    with pytest.raises(TypeError, match="offload"):
+        cpu.sleep(offload="yes")
+    assert not cpu.is_sleeping()
+
+
+def test_a_device_never_used_is_awake_and_wake_up_does_nothing():
+    assert not unimem.cpu.is_sleeping(0)
+    unimem.cpu.wake_up(0)
+
+
+def test_xpu_cannot_sleep_and_says_why():
+    if not _devices.is_available("xpu"):
+        pytest.skip(f"no SYCL device: {_devices.unavailable_reason('xpu')}")
+    import unimem.xpu as xpu
+    block = xpu.caching_allocator_alloc(1000)
+    with pytest.raises(NotImplementedError, match="SYCL USM has no way"):
+        xpu.sleep()
+    assert not xpu.is_sleeping()
+    xpu.caching_allocator_delete(xpu.caching_allocator_alloc(1000))     # still allocates
+    xpu.caching_allocator_delete(block)
+
+
+def test_the_accelerator_sleeps_its_current_device_type():
+    name = _devices.current_type().name
+    if name == "xpu":
+        with pytest.raises(NotImplementedError):
+            acc.sleep()
+        assert not acc.is_sleeping()
+        return
+    acc.sleep(offload=False)
+    try:
+        assert acc.is_sleeping() and acc.memory_reserved() == 0
+    finally:
+        acc.wake_up()
+    assert not acc.is_sleeping()

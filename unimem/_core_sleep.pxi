@@ -1,0 +1,433 @@
+# Included by _core.pyx: sleep mode, as vLLM's CuMemAllocator does it for
+# PyTorch (sleep, then wake up at the same addresses).
+#
+# sleep() gives back the memory of every segment (or of the segments a
+# filter selects: a private pool's, later) while their addresses stay
+# reserved, after copying the bytes of their live blocks to host memory
+# (offload=True); wake_up() backs the same addresses with memory again and
+# copies the bytes back. What is given back: a whole segment from malloc
+# (the backend's release_pages/restore_pages), or each run of mapped pages
+# of an expandable segment (unmap_pages/map_pages). Free cached memory goes
+# with the rest and comes back at wake_up with its contents lost: the cache
+# is as it was (empty_cache() before sleep() gives it back for good).
+#
+# In between, the sleeping segments are *marked* (sleep_marks: Segment* ->
+# the id of the sleep). Their free blocks are off the free index and *held*
+# (event_count + 1, as a block waiting for a stream event): no path hands
+# them out, merges them away, unmaps or releases them, since every reclaim
+# path already leaves a block waiting for an event alone. A live block freed
+# meanwhile is held too (_free_block sends it here): it leaves
+# allocated_bytes at once and active_bytes at wake_up, as a stream-ordered
+# free does, and its offloaded copy is dropped. Held blocks never merge, so
+# the Block of every live block stays where the sleep found it.
+#
+# A whole-device sleep also sets ``sleeping``, one of the ``unusual``
+# conditions: c_malloc refuses with RuntimeError, its fast path untouched.
+# With a segment filter the caller refuses allocation into what sleeps
+# (a private pool's allocations, MemPool.sleep); its free blocks are held
+# all the same, so no other request can get them.
+#
+# Statistics: reserved_bytes counts what is backed by memory (PyTorch's
+# meaning for expandable segments), so it falls by every span given back
+# and rises again at wake_up; num_device_free counts the release calls and
+# num_device_alloc the restore calls (and device_free_time/alloc_time time
+# them). Segment counts, allocated and active bytes stay: the segments and
+# the live blocks still exist, at their addresses.
+#
+# Failures. Before anything is given back (the host copy, the copies) a
+# failure undoes the sleep: the allocator is as before and the error is
+# raised. A release that raises leaves that span's memory as it was (the
+# backend's contract): the others are still given back, the allocator is
+# asleep and the first error is raised; wake_up() copies that span's bytes
+# back too. A restore (or copy back) that raises stops wake_up() there: what
+# was woken stays woken, the rest stays asleep, the allocator is still
+# asleep (nothing can be handed out twice) and wake_up() again goes on.
+# sleep() and wake_up() re-entered from a backend call are refused.
+
+from libc.string cimport memcpy
+from posix.mman cimport (mmap, munmap, madvise, PROT_READ, PROT_WRITE, MAP_PRIVATE,
+                         MAP_ANONYMOUS, MAP_FAILED)
+
+cdef extern from *:
+    """
+    #include <sys/mman.h>
+    #ifndef MADV_HUGEPAGE
+    #define MADV_HUGEPAGE 14
+    #endif
+    """
+    int MADV_HUGEPAGE
+
+# The host copy is mapped by 2 MiB pages where the system allows it
+# (transparent huge pages on madvise): faulting in 512 times fewer pages
+# makes the copy several times faster than into fresh 4 KiB pages.
+cdef size_t STAGING_PAGE = <size_t>2 << 20
+
+
+class _SleepSpan:
+    """Memory of a sleeping segment given back in one call: a whole segment,
+    or a run of mapped pages of an expandable one. ``copies``: the live
+    blocks' bytes kept in the host copy, ``[Block*, address, size, offset]``,
+    taken off the list as they are copied back."""
+    __slots__ = ("address", "size", "is_small", "expandable", "released", "copies")
+
+    def __init__(self, address, size, is_small, expandable):
+        self.address = address
+        self.size = size
+        self.is_small = is_small
+        self.expandable = expandable
+        self.released = False
+        self.copies = []
+
+
+class _SleepState:
+    """One sleep: what it gave back and the host copy of the live bytes."""
+    __slots__ = ("offload", "whole_device", "spans", "staging", "staging_base", "staging_length")
+
+    def __init__(self, offload, whole_device):
+        self.offload = offload
+        self.whole_device = whole_device
+        self.spans = []
+        self.staging = 0            # the host copy (STAGING_PAGE aligned) ...
+        self.staging_base = 0       # ... in this mapping
+        self.staging_length = 0
+
+
+cdef inline bint _hold_if_asleep(CachingAllocator self, Block* b) noexcept nogil:
+    """_free_block of a block whose segment sleeps: hold it until wake_up."""
+    if self.sleep_marks.count(<uintptr_t>b.segment) == 0:
+        return False
+    b.event_count += 1
+    self.sleep_freed.push_back(b)
+    return True
+
+
+cdef int _refuse_reentry(CachingAllocator self) except -1:
+    if self.sleep_busy:
+        raise RuntimeError(f"sleep() or wake_up() is already under way on the {self.device_name} allocator "
+                           f"of device {self.device} (called again from within a backend call)")
+    return 0
+
+
+cdef int _refuse_asleep(CachingAllocator self) except -1:
+    raise RuntimeError(f"the {self.device_name} allocator of device {self.device} is asleep "
+                       f"(sleep() gave its memory back): call wake_up() before allocating")
+
+
+cdef int _check_can_sleep(CachingAllocator self) except -1:
+    """NotImplementedError, saying why, where the backend cannot give memory
+    back and keep its addresses."""
+    if self.expandable:
+        return 0                     # the virtual memory calls do it
+    ask = getattr(self.backend, "page_release_unavailable_reason", None)
+    reason = ask(self.device) if ask is not None else (
+        "it has no page_release_unavailable_reason/release_pages/restore_pages")
+    if reason:
+        raise NotImplementedError(
+            f"sleep mode needs memory that can be given back while its addresses stay reserved; "
+            f"the {self.device_name} backend ({type(self.backend).__name__}) cannot on device "
+            f"{self.device}: {reason}")
+    return 0
+
+
+cdef int _mark(CachingAllocator self, object state, object select) except -1:
+    """Mark the segments that sleep (``select(address, size, stream)`` says
+    which, all when None), hold their free blocks and list their spans."""
+    cdef Segment* seg = self.segments
+    cdef Block* b
+    cdef Block* start
+    cdef uintptr_t key = <uintptr_t>id(state)
+    cdef cmap[uintptr_t, Segment*].iterator it
+    candidates = []
+    while seg != NULL:
+        if self.sleep_marks.count(<uintptr_t>seg) == 0 and (not seg.expandable or seg.mapped > 0):
+            candidates.append((seg.base, seg.size, seg.stream))
+        seg = seg.next_seg
+    if select is not None:
+        # Python code: it may free (or allocate) re-entrantly, so each
+        # segment is looked up again below.
+        candidates = [c for c in candidates if select(*c)]
+    for base, size, _ in candidates:
+        it = self.segments_by_base.find(base)
+        if it == self.segments_by_base.end():
+            continue
+        seg = deref(it).second
+        if seg.size != size or self.sleep_marks.count(<uintptr_t>seg) or (seg.expandable and seg.mapped == 0):
+            continue
+        self.sleep_marks[<uintptr_t>seg] = key
+        b = seg.head
+        while b != NULL:
+            if not b.allocated and not b.unmapped and b.event_count == 0:
+                fi_remove(b.index, b)
+                b.event_count += 1
+                self.sleep_held.push_back(b)
+            b = b.next
+        if not seg.expandable:
+            state.spans.append(_span_of(self, state, seg.head, NULL, seg.base, seg.size, seg.is_small, False))
+            continue
+        b = seg.head
+        while b != NULL:                 # each run of mapped blocks
+            if b.unmapped:
+                b = b.next
+                continue
+            start = b
+            while b != NULL and not b.unmapped:
+                b = b.next
+            end = b.ptr if b != NULL else seg.base + seg.size
+            state.spans.append(_span_of(self, state, start, b, start.ptr, end - start.ptr, seg.is_small, True))
+    return 0
+
+
+cdef object _span_of(CachingAllocator self, object state, Block* first, Block* stop, uintptr_t address,
+                     size_t size, bint is_small, bint expandable):
+    """A span, with the live blocks from ``first`` up to ``stop`` to copy."""
+    span = _SleepSpan(address, size, is_small, expandable)
+    cdef Block* b = first
+    if state.offload:
+        while b != stop:
+            if b.allocated:
+                span.copies.append([<uintptr_t>b, b.ptr, b.size, 0])
+            b = b.next
+    return span
+
+
+cdef int _offload(CachingAllocator self, object state) except -1:
+    """Copy the live blocks' bytes to one host mapping."""
+    cdef size_t total = 0
+    cdef size_t length
+    cdef void* p
+    cdef uintptr_t staging
+    cdef Block* b
+    for span in state.spans:
+        for copy in span.copies:
+            copy[3] = total
+            total += (copy[2] + 63) // 64 * 64
+    if total == 0:
+        return 0
+    length = _round_up(total, STAGING_PAGE) + STAGING_PAGE
+    p = mmap(NULL, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
+    if p == MAP_FAILED:
+        raise MemoryError(f"sleep(offload=True): no host memory for the {total} bytes of the live blocks")
+    staging = _round_up(<uintptr_t>p, STAGING_PAGE)
+    madvise(<void*>staging, _round_up(total, STAGING_PAGE), MADV_HUGEPAGE)    # a hint: may be refused
+    state.staging, state.staging_base, state.staging_length = staging, <uintptr_t>p, length
+    direct = bool(getattr(self.backend, "host_accessible", False))
+    copy_to_host = None if direct else getattr(self.backend, "copy_to_host", None)
+    if not direct and copy_to_host is None:
+        raise NotImplementedError(_no_copy_message(self, "copy_to_host"))
+    for span in state.spans:
+        for copy in span.copies:
+            b = <Block*><uintptr_t>copy[0]
+            if not b.allocated:          # freed meanwhile (from a backend call): nothing to keep
+                continue
+            if direct:
+                memcpy(<void*>(staging + <size_t>copy[3]), <void*>b.ptr, b.size)
+            else:
+                try:
+                    copy_to_host(staging + copy[3], copy[1], copy[2], self.device)
+                except NotImplementedError as exc:
+                    raise NotImplementedError(f"{_no_copy_message(self, 'copy_to_host')} ({exc})") from None
+    return 0
+
+
+cdef str _no_copy_message(CachingAllocator self, str call):
+    return (f"sleep(offload=True) copies the live blocks to host memory, and the {self.device_name} "
+            f"backend ({type(self.backend).__name__}) can neither be read by the host nor {call}; "
+            f"sleep(offload=False) gives the memory back without keeping its contents")
+
+
+cdef object _release_spans(CachingAllocator self, object state):
+    """Give back each span's memory; the first error, or None."""
+    cdef int64_t t0
+    first_error = None
+    for span in state.spans:
+        t0 = um_now_ns()
+        try:
+            if span.expandable:
+                self._vm_unmap(span.address, span.size, self.device)
+            else:
+                self.backend.release_pages(span.address, span.size, self.device)
+        except BaseException as exc:     # the memory is as it was: the backend's contract
+            if first_error is None:
+                first_error = exc
+            continue
+        duration_add(&self.stats.device_free_time, (um_now_ns() - t0) // 1000)
+        span.released = True
+        self.total_allocated_memory -= <size_t>span.size
+        pool_decrease(&self.stats, S_RESERVED_BYTES, span.is_small, span.size)
+        self.stats.num_device_free += 1
+    return first_error
+
+
+cdef int _restore_span(CachingAllocator self, object span) except -1:
+    """Back a released span with memory again."""
+    cdef int64_t t0 = um_now_ns()
+    try:
+        if span.expandable:
+            self._vm_map(span.address, span.size, self.device)
+        else:
+            self.backend.restore_pages(span.address, span.size, self.device)
+    except BaseException as exc:
+        message = (f"wake_up: the {self.device_name} backend could not back [{span.address:#x}, "
+                   f"{span.address + span.size:#x}) with memory again ({type(exc).__name__}: {exc}); "
+                   f"the allocator stays asleep with the memory not yet woken: call wake_up() again")
+        if isinstance(exc, MemoryError):
+            raise MemoryError(message) from exc
+        if isinstance(exc, Exception):
+            raise RuntimeError(message) from exc
+        raise                        # a KeyboardInterrupt stays one
+    duration_add(&self.stats.device_alloc_time, (um_now_ns() - t0) // 1000)
+    span.released = False
+    self.total_allocated_memory += <size_t>span.size
+    pool_increase(&self.stats, S_RESERVED_BYTES, span.is_small, span.size)
+    self.stats.num_device_alloc += 1
+    return 0
+
+
+cdef int _copy_back(CachingAllocator self, object state, object span) except -1:
+    """Copy the live blocks' bytes back into a span that has memory again;
+    each copy leaves the list once done (a failure leaves the rest)."""
+    cdef Block* b
+    direct = bool(getattr(self.backend, "host_accessible", False))
+    copy_from_host = None if direct else getattr(self.backend, "copy_from_host", None)
+    if span.copies and not direct and copy_from_host is None:
+        raise NotImplementedError(_no_copy_message(self, "copy_from_host"))
+    if span.copies and direct:
+        # Host memory: the new pages of a span with live bytes are asked for
+        # as huge pages (a hint, as NumPy gives its large arrays), so that
+        # the copy back faults in 512 times fewer pages.
+        madvise(<void*><uintptr_t>span.address, <size_t>span.size, MADV_HUGEPAGE)
+    while span.copies:
+        block, address, size, offset = span.copies[len(span.copies) - 1]
+        b = <Block*><uintptr_t>block
+        if b.allocated and b.ptr == <uintptr_t>address:     # not freed while asleep
+            if direct:
+                memcpy(<void*>b.ptr, <void*>(<uintptr_t>state.staging + <size_t>offset), b.size)
+            else:
+                copy_from_host(address, state.staging + offset, size, self.device)
+        span.copies.pop()
+    return 0
+
+
+cdef int _end_sleep(CachingAllocator self, object state, object tag) except -1:
+    """Every span of ``state`` is awake: its held blocks go back (the blocks
+    that were free first, then those freed meanwhile, merged as frees are),
+    the marks and the host copy go. No Python code runs in between."""
+    cdef uintptr_t key = <uintptr_t>id(state)
+    cdef vector[Block*] kept
+    cdef vector[Block*] freed
+    cdef Block* b
+    cdef size_t i
+    cdef cmap[uintptr_t, uintptr_t].iterator it
+    for i in range(self.sleep_held.size()):
+        b = self.sleep_held[i]
+        if self.sleep_marks[<uintptr_t>b.segment] == key:
+            b.event_count -= 1
+            if self.expandable:
+                # A filtered sleep may have had pages mapped next to it
+                # (inactive_split leaves expandable blocks out: no statistic)
+                self._try_merge(b, b.prev, b.index)
+                self._try_merge(b, b.next, b.index)
+            fi_insert(b.index, b)
+        else:
+            kept.push_back(b)
+    self.sleep_held.swap(kept)
+    kept.clear()
+    for i in range(self.sleep_freed.size()):
+        b = self.sleep_freed[i]
+        if self.sleep_marks[<uintptr_t>b.segment] == key:
+            freed.push_back(b)
+        else:
+            kept.push_back(b)
+    self.sleep_freed.swap(kept)
+    it = self.sleep_marks.begin()
+    while it != self.sleep_marks.end():
+        if deref(it).second == key:
+            it = self.sleep_marks.erase(it)
+        else:
+            inc(it)
+    for i in range(freed.size()):         # unmarked now: _free_block frees for real
+        b = freed[i]
+        b.event_count -= 1
+        if b.event_count == 0:
+            self._free_block(b)
+    if state.whole_device:
+        self.sleeping = False
+        self._update_unusual()
+    if self.debug_on:
+        _fill_free_blocks(self)            # the new pages hold zeros, not the fill
+    if state.staging_base:
+        munmap(<void*><uintptr_t>state.staging_base, <size_t>state.staging_length)
+        state.staging = state.staging_base = state.staging_length = 0
+    del self.sleep_states[tag]
+    return 0
+
+
+cdef int _sleep(CachingAllocator self, bint offload, object select, object tag) except -1:
+    """CachingAllocator.sleep: see there."""
+    self._check_usable()
+    _refuse_reentry(self)
+    if tag in self.sleep_states:
+        return 0                           # asleep already
+    _check_can_sleep(self)
+    synchronize = getattr(self.backend, "synchronize", None)
+    if synchronize is not None:
+        synchronize(self.device)           # work still using the memory completes first
+    state = _SleepState(offload, select is None)
+    self._lock()
+    self.sleep_busy = True
+    try:
+        _synchronize_and_free_events(self)
+        self.sleep_states[tag] = state
+        if state.whole_device:
+            self.sleeping = True
+            self._update_unusual()
+        _mark(self, state, select)
+        try:
+            _offload(self, state)
+        except BaseException:
+            _end_sleep(self, state, tag)   # nothing was given back: as before
+            raise
+        error = _release_spans(self, state)
+    finally:
+        self.sleep_busy = False
+        self._unlock()
+    self._flush_trace()
+    if error is not None:
+        raise error
+    return 0
+
+
+cdef int _wake_up(CachingAllocator self, object tag) except -1:
+    """CachingAllocator.wake_up: see there."""
+    _refuse_reentry(self)
+    state = self.sleep_states.get(tag)
+    if state is None:
+        return 0                           # awake already
+    self._lock()
+    self.sleep_busy = True
+    try:
+        for span in state.spans:
+            if span.released:
+                _restore_span(self, span)
+            _copy_back(self, state, span)
+        _end_sleep(self, state, tag)
+    finally:
+        self.sleep_busy = False
+        self._unlock()
+    self._flush_trace()
+    return 0
+
+
+def _sleep_accounting(CachingAllocator self):
+    """For _check_invariants: ``({Segment*: bytes given back}, {held free Block*})``. Lock held."""
+    cdef Segment* seg
+    cdef cmap[uintptr_t, Segment*].iterator it
+    released = {}
+    for state in self.sleep_states.values():
+        for span in state.spans:
+            if span.released:
+                it = _map_prev(self.segments_by_base.upper_bound(span.address))
+                seg = deref(it).second
+                released[<uintptr_t>seg] = released.get(<uintptr_t>seg, 0) + span.size
+    held = {<uintptr_t>self.sleep_held[i] for i in range(self.sleep_held.size())}
+    return released, held
