@@ -1339,6 +1339,16 @@ cdef class CachingAllocator:
         """Stop routing this thread's allocations to the pool (one use less)."""
         _end_pool(self, pool_id)
 
+    def sleep_pool(self, pool_id, offload=True):
+        """:meth:`sleep` for the segments of private pool ``pool_id`` (under
+        its id as the tag); allocating from the pool raises ``RuntimeError``
+        until :meth:`wake_up_pool`."""
+        _sleep_pool(self, pool_id, offload)
+
+    def wake_up_pool(self, pool_id):
+        """:meth:`wake_up` of the pool's sleep; allocation from it works again."""
+        _wake_up_pool(self, pool_id)
+
     def pool_use_count(self, pool_id):
         """The pool's use count (0 for a pool this allocator does not have)."""
         return _pool_use_count(self, pool_id)

@@ -234,6 +234,7 @@ cdef int _create_pool(CachingAllocator self, object pool_id, object backend, bin
         pool.use_on_oom = use_on_oom
         pool.no_split = no_split
         pool.has_backend = backend is not None
+        pool.sleeping = False
         if backend is not None:
             self.pool_backends[n] = backend
         self.private_pools[n] = pool
@@ -359,6 +360,9 @@ cdef uintptr_t _malloc_routed(CachingAllocator self, size_t size, uintptr_t stre
             return 0
         pool = deref(it).second.back()
     try:
+        if pool != NULL and pool.sleeping:
+            raise RuntimeError(f"memory pool (0, {pool.id}) is asleep (MemPool.sleep): "
+                               f"call its wake_up() before allocating from it")
         if pool != NULL:
             rounded = self._round_size(size)
             fi = _pool_index(self, pool, stream, rounded <= K_SMALL_SIZE)
@@ -402,6 +406,55 @@ cdef int _give_back_segment_at(CachingAllocator self, uintptr_t ptr) except -1:
             victims.push_back(seg)
             _release(self, victims)
             self._drop_unused_streams()
+    finally:
+        self._unlock()
+    return 0
+
+
+# ---------------------------------------------------------------------------
+# a pool's sleep (MemPool.sleep): the core's sleep, for its segments only
+# ---------------------------------------------------------------------------
+cdef bint _segment_in_pool(CachingAllocator self, uintptr_t base, uint64_t pool_number) noexcept:
+    cdef cmap[uintptr_t, Segment*].iterator it = self.segments_by_base.find(base)
+    return (it != self.segments_by_base.end() and deref(it).second.pool != NULL
+            and deref(it).second.pool.id == pool_number)
+
+
+cdef int _set_pool_sleeping(CachingAllocator self, object pool_id, bint sleeping) except -1:
+    self._lock()
+    try:
+        _live_pool(self, pool_id).sleeping = sleeping
+    finally:
+        self._unlock()
+    return 0
+
+
+cdef int _sleep_pool(CachingAllocator self, object pool_id, bint offload) except -1:
+    """The segments of private pool ``pool_id`` sleep under its id; routed
+    allocation into it is refused until :func:`_wake_up_pool`."""
+    cdef uint64_t n = _pool_id_number(pool_id)
+    _set_pool_sleeping(self, pool_id, True)          # raises for a pool that is not live
+
+    def in_pool(base, size, stream):
+        return _segment_in_pool(self, base, n)
+    try:
+        _sleep(self, offload, in_pool, pool_id)
+    except BaseException:
+        if not self.is_sleeping(pool_id):            # nothing sleeps: allocation is fine again
+            _set_pool_sleeping(self, pool_id, False)
+        raise
+    return 0
+
+
+cdef int _wake_up_pool(CachingAllocator self, object pool_id) except -1:
+    _pool_id_number(pool_id)
+    _wake_up(self, pool_id)                          # raises with the rest still asleep
+    cdef PrivatePool* pool
+    self._lock()
+    try:
+        pool = _find_pool(self, _pool_id_number(pool_id))
+        if pool != NULL:
+            pool.sleeping = False
     finally:
         self._unlock()
     return 0

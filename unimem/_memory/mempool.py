@@ -115,6 +115,36 @@ class MemPool:
         """
         return self._core.snapshot(self._id)
 
+    def sleep(self, offload: bool = True) -> None:
+        r"""Give the memory of this pool's segments back while every live
+        block of it keeps its address (:func:`sleep` for this pool only;
+        beyond PyTorch). The device's other memory is untouched.
+
+        Allocating from the pool (inside :func:`use_mem_pool`) raises
+        ``RuntimeError`` until :meth:`wake_up`; its blocks may be freed
+        meanwhile. Asleep already: nothing is done.
+
+        Args:
+            offload (bool): copy the bytes of the pool's live blocks to host
+                memory first, for :meth:`wake_up` to copy back (default).
+                ``False`` keeps no contents (faster).
+
+        A pool whose MemPool object dies while asleep keeps its address
+        ranges (and offloaded bytes) until its allocator goes: wake it first.
+        """
+        if not isinstance(offload, bool):
+            raise TypeError(f"offload must be a bool, got {type(offload).__name__}")
+        self._core.sleep_pool(self._id, offload)
+
+    def wake_up(self) -> None:
+        r"""Back the pool's memory again at the same addresses, with the bytes
+        :meth:`sleep` offloaded; allocation from the pool works again."""
+        self._core.wake_up_pool(self._id)
+
+    def is_sleeping(self) -> bool:
+        r"""Return whether the pool is asleep (:meth:`sleep` without :meth:`wake_up`)."""
+        return bool(self._core.is_sleeping(self._id))
+
     def __repr__(self) -> str:
         return f"<unimem.{self._device_type}.MemPool {self._id} on {self._device_type}:{self._device}>"
 

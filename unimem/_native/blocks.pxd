@@ -293,3 +293,4 @@ cdef cppclass PrivatePool:
     bint use_on_oom                # a default-pool request about to fail may take its free blocks
     bint no_split                  # its blocks are handed out whole
     bint has_backend               # its segments come from its own allocator (pool_backends)
+    bint sleeping                  # MemPool.sleep: allocation into it is refused

@@ -1,0 +1,137 @@
+"""MemPool.sleep / wake_up: sleep mode for one private pool's segments, on
+the ``cpu`` pool's real host memory (issue 28: "and the same on a MemPool").
+
+The pool's live blocks keep their addresses and (offloaded) bytes; its memory
+goes back while the device's other memory and allocations are untouched;
+allocating from the sleeping pool is refused, allocating outside it is not."""
+import ctypes
+import gc
+
+import pytest
+
+import unimem.cpu
+
+MiB = 1 << 20
+
+
+def fill(ptr, size, seed):
+    ctypes.memmove(ptr, bytes((seed + i) % 251 for i in range(256)) * (size // 256), size)
+
+
+def same_bytes(ptr, size, seed):
+    return ctypes.string_at(ptr, size) == bytes((seed + i) % 251 for i in range(256)) * (size // 256)
+
+
+@pytest.fixture
+def pool():
+    gc.collect()
+    unimem.cpu.empty_cache()
+    pool = unimem.cpu.MemPool()
+    yield pool
+    if pool.is_sleeping():
+        pool.wake_up()
+    del pool
+    gc.collect()
+    unimem.cpu.empty_cache()
+
+
+def pool_reserved(pool):
+    return sum(s["total_size"] for s in pool.snapshot())
+
+
+def test_the_pool_sleeps_alone_and_wakes_with_its_bytes_at_its_addresses(pool):
+    outside = unimem.cpu.caching_allocator_alloc(3 * MiB)
+    fill(outside, 3 * MiB, 7)
+    with unimem.cpu.use_mem_pool(pool):
+        inside = [unimem.cpu.caching_allocator_alloc(n) for n in (3 * MiB, 64 << 10, 12 * MiB)]
+    for k, (ptr, n) in enumerate(zip(inside, (3 * MiB, 64 << 10, 12 * MiB))):
+        fill(ptr, n, k)
+    reserved = unimem.cpu.memory_reserved()
+    in_pool = pool_reserved(pool)
+    assert in_pool > 0
+
+    pool.sleep(offload=True)
+    assert pool.is_sleeping() and not unimem.cpu.is_sleeping()
+    assert unimem.cpu.memory_reserved() == reserved - in_pool       # only the pool's memory went
+    assert same_bytes(outside, 3 * MiB, 7)                           # the device's memory is untouched
+    other = unimem.cpu.caching_allocator_alloc(1 * MiB)              # allocation outside the pool works
+    unimem.cpu.caching_allocator_delete(other)
+    awake_elsewhere = unimem.cpu.memory_reserved()                   # with the segment it may have made
+
+    pool.wake_up()
+    assert not pool.is_sleeping()
+    assert unimem.cpu.memory_reserved() == awake_elsewhere + in_pool
+    for k, (ptr, n) in enumerate(zip(inside, (3 * MiB, 64 << 10, 12 * MiB))):
+        assert same_bytes(ptr, n, k)
+    assert {b["address"] for s in pool.snapshot() for b in s["blocks"] if b["state"] == "active_allocated"} \
+        == set(inside)
+    for ptr in inside + [outside]:
+        unimem.cpu.caching_allocator_delete(ptr)
+
+
+def test_allocating_from_a_sleeping_pool_is_refused_and_changes_nothing(pool):
+    with unimem.cpu.use_mem_pool(pool):
+        kept = unimem.cpu.caching_allocator_alloc(1 * MiB)
+    pool.sleep(offload=False)
+    stats = unimem.cpu.memory_stats()
+    with unimem.cpu.use_mem_pool(pool):
+        with pytest.raises(RuntimeError, match="asleep"):
+            unimem.cpu.caching_allocator_alloc(4096)
+    after = unimem.cpu.memory_stats()
+    assert {k: v for k, v in after.items() if not k.startswith("num_")} == \
+        {k: v for k, v in stats.items() if not k.startswith("num_")}
+    pool.wake_up()
+    with unimem.cpu.use_mem_pool(pool):                              # awake: the pool serves again
+        again = unimem.cpu.caching_allocator_alloc(4096)
+    assert any(again == b["address"] for s in pool.snapshot() for b in s["blocks"])
+    for ptr in (kept, again):
+        unimem.cpu.caching_allocator_delete(ptr)
+
+
+def test_a_block_of_a_sleeping_pool_may_be_freed(pool):
+    with unimem.cpu.use_mem_pool(pool):
+        a = unimem.cpu.caching_allocator_alloc(2 * MiB)
+        b = unimem.cpu.caching_allocator_alloc(2 * MiB)
+    fill(b, 2 * MiB, 3)
+    allocated = unimem.cpu.memory_allocated()
+    pool.sleep()
+    unimem.cpu.caching_allocator_delete(a)
+    assert unimem.cpu.memory_allocated() == allocated - 2 * MiB
+    pool.wake_up()
+    assert same_bytes(b, 2 * MiB, 3)
+    unimem.cpu.caching_allocator_delete(b)
+    assert unimem.cpu.memory_allocated() == allocated - 4 * MiB
+
+
+def test_sleeping_twice_waking_while_awake_and_bad_input(pool):
+    with unimem.cpu.use_mem_pool(pool):
+        ptr = unimem.cpu.caching_allocator_alloc(1 * MiB)
+    pool.wake_up()                                 # awake: nothing to do
+    pool.sleep()
+    pool.sleep()                                   # asleep already: nothing to do
+    with pytest.raises(TypeError, match="offload"):
+        pool.sleep(offload="yes")
+    pool.wake_up()
+    assert not pool.is_sleeping()
+    with pytest.raises(TypeError):
+        pool._core.sleep_pool(42)
+    with pytest.raises(ValueError, match="not a live pool"):
+        pool._core.sleep_pool((0, 1 << 40))
+    unimem.cpu.caching_allocator_delete(ptr)
+
+
+def test_the_device_and_a_pool_sleep_together(pool):
+    with unimem.cpu.use_mem_pool(pool):
+        inside = unimem.cpu.caching_allocator_alloc(3 * MiB)
+    outside = unimem.cpu.caching_allocator_alloc(3 * MiB)
+    fill(inside, 3 * MiB, 1)
+    fill(outside, 3 * MiB, 2)
+    pool.sleep()
+    unimem.cpu.sleep()                             # the rest of the device
+    assert unimem.cpu.memory_reserved() == 0
+    unimem.cpu.wake_up()
+    assert same_bytes(outside, 3 * MiB, 2) and pool.is_sleeping()
+    pool.wake_up()
+    assert same_bytes(inside, 3 * MiB, 1)
+    for ptr in (inside, outside):
+        unimem.cpu.caching_allocator_delete(ptr)
