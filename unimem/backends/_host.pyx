@@ -82,12 +82,10 @@ cdef inline bint is_held_segment(uintptr_t address, size_t size) noexcept nogil:
     return it != held_segments.end() and deref(it).second == size
 
 
-def _reset_held_segments_lock():
-    # after fork() in the child: a thread that held it is gone
+def reset_after_fork_in_child():
+    """After fork() in the child: a thread that held the segment table's lock
+    is gone. Called by the package's one fork handler (unimem/_runtime/fork.py)."""
     held_segments_lock.reset_after_fork()
-
-
-os.register_at_fork(after_in_child=_reset_held_segments_lock)
 
 
 cdef RawAllocatorAPI HOST_API
@@ -347,6 +345,18 @@ cdef class PageAlignedBackend:
             raise ValueError(_not_a_segment(a, n))
         if err:
             raise OSError(err, f"could not give back the memory of [{a:#x}, {a + n:#x}): {os.strerror(err)}")
+
+    # The Backend protocol's copies between device and host memory: this
+    # memory is host memory, which the core's sleep copies itself
+    # (host_accessible), so they are never needed; declared so that the
+    # backend meets the protocol, refusing as its defaults do.
+    def copy_to_host(self, host_address, address, size, device=0):
+        """Not needed for host memory (the core copies it): ``NotImplementedError``."""
+        raise NotImplementedError("host memory is copied by the caller itself (host_accessible)")
+
+    def copy_from_host(self, address, host_address, size, device=0):
+        """Not needed for host memory (the core copies it): ``NotImplementedError``."""
+        raise NotImplementedError("host memory is copied by the caller itself (host_accessible)")
 
     def restore_pages(self, address, size, device=0):
         """Back the segment ``[address, address+size)`` with memory again, at
