@@ -63,6 +63,7 @@ cdef class CachingAllocator:
     cdef bint exact_segments              # CuPy's policy: a segment is the rounded request
     cdef bint expandable                  # expandable_segments:True (_core_expandable.pxi)
     cdef size_t vm_granularity            # the backend's mapping granularity then
+    cdef size_t in_use_high_water         # what max_reserved_ratio bounds then (_core_holes.pxi)
     cdef object _vm_reserve               # the backend's virtual-memory calls then
     cdef object _vm_map
     cdef object _vm_unmap

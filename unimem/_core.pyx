@@ -92,6 +92,7 @@ include "_core_provider.pxi"
 include "_core_reclaim.pxi"
 include "_core_streams.pxi"
 include "_core_expandable.pxi"
+include "_core_holes.pxi"
 include "_core_pools.pxi"
 include "_core_sleep.pxi"
 

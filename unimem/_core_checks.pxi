@@ -42,6 +42,7 @@ def _check_invariants(CachingAllocator self):
     segment_streams = []
     stream_use_count = {}
     n_free_blocks = 0
+    n_unmapped_spans = 0
     self._lock()
     try:
         # asleep (_core_sleep.pxi): memory given back is not reserved, and
@@ -77,6 +78,11 @@ def _check_invariants(CachingAllocator self):
                         "unmapped spans are whole backend pages"
                     if not b.lost:
                         assert b.prev == NULL or not b.prev.unmapped or b.prev.lost, "unmapped spans merge"
+                        assert (b.index.unmapped.count(b.ptr) == 1 and b.index.unmapped[b.ptr] == b
+                                and b.index == (self._stream_pools(b.stream).small if b.is_small
+                                                else self._stream_pools(b.stream).large)), \
+                            "an unmapped span is indexed by its address in its stream's pool"
+                        n_unmapped_spans += 1
                     b = b.next
                     continue
                 if seg.expandable:
@@ -123,9 +129,11 @@ def _check_invariants(CachingAllocator self):
             seg = seg.next_seg
         assert reserved == self.total_allocated_memory
         indexed = 0
+        indexed_spans = 0
         it = self.streams.begin()
         while it != self.streams.end():
             indexed += deref(it).second.small.n_blocks + deref(it).second.large.n_blocks
+            indexed_spans += deref(it).second.small.unmapped.size() + deref(it).second.large.unmapped.size()
             segments_of_stream = deref(it).second.n_segments
             stream = deref(it).first
             assert deref(it).second.n_stream_uses == stream_use_count.get(stream, 0), \
@@ -141,6 +149,8 @@ def _check_invariants(CachingAllocator self):
             assert self.streams.find(stream) != self.streams.end(), "every segment's stream has pools"
         assert self.segments_by_base.size() == len(segment_streams), "the segment index holds the segments"
         assert indexed == n_free_blocks, f"free index holds {indexed} blocks, segments {n_free_blocks}"
+        assert indexed_spans == n_unmapped_spans, \
+            f"the unmapped-span indexes hold {indexed_spans} spans, the ranges {n_unmapped_spans}"
         for k in range(N_STATS):
             name = _CORE_STAT_NAMES[k]
             for p in range(3):

@@ -4,11 +4,13 @@
 # A segment is then a reserved range of address space, one per (stream, pool)
 # until it is full, with memory mapped into it page by page. Its blocks tile
 # the whole range: mapped blocks (allocated or free, free ones in the free
-# index as usual) and unmapped spans (``Block.unmapped``, in no index). A miss
-# maps pages at the first unmapped span that, with the free block before it,
-# holds the request; ``empty_cache`` unmaps every whole free page, in the
+# index as usual) and unmapped spans (``Block.unmapped``, indexed by address
+# in their pool's ``FreeIndex.unmapped``). A miss maps pages at an unmapped
+# span that, with the free block before it, holds the request; ``empty_cache``
+# unmaps every whole free page, in the
 # middle of a segment too; ``empty_virt_addr_cache`` releases ranges with no
-# page mapped. Statistics as PyTorch keeps them for expandable segments:
+# page mapped (where a miss goes and which holes are unmapped first:
+# _core_holes.pxi). Statistics as PyTorch keeps them for expandable segments:
 # ``reserved_bytes`` counts mapped bytes, ``segment`` does not count ranges,
 # ``num_device_alloc``/``num_device_free`` count map/unmap calls, and
 # ``inactive_split`` leaves expandable blocks out.
@@ -23,10 +25,14 @@
 # nothing until mapped (CUDA VA space is 2**47 bytes and more; host mmap of
 # PROT_NONE reserves no memory). When the capacity is not known: 64 GiB.
 cdef size_t DEFAULT_RANGE_SIZE = <size_t>64 << 30
-# Large-pool pages: 2 MiB (the CUDA granularity), or the backend's granularity
-# if larger; small-pool pages are the backend's granularity. PyTorch maps the
-# large pool by 20 MiB; 2 MiB pages keep reserved memory within a page of
-# what is in use per segment.
+# Pages are mapped by 2 MiB (the CUDA granularity), or by the backend's
+# granularity if larger, in both pools. PyTorch maps the small pool by 2 MiB
+# (kSmallBuffer) and the large pool by 20 MiB (kLargeBuffer); 2 MiB keeps
+# reserved memory within a page of what is in use per range. On a backend
+# with smaller pages (4 KiB host pages) mapping the small pool page by page
+# cost a map call for nearly every miss (python -m benchmarks memory: 840
+# map calls on the random-frees trace, 212 with 2 MiB); holes are still
+# unmapped by the backend's page (_core_holes.pxi).
 cdef size_t LARGE_PAGE = <size_t>2 << 20
 
 
@@ -61,9 +67,8 @@ cdef int _setup_expandable(CachingAllocator self, object backend, int device, st
 
 
 cdef inline size_t _page_of(CachingAllocator self, bint is_small) noexcept nogil:
-    if is_small or self.vm_granularity >= LARGE_PAGE:
-        return self.vm_granularity
-    return LARGE_PAGE
+    """What a range of either pool maps by (see LARGE_PAGE)."""
+    return self.vm_granularity if self.vm_granularity >= LARGE_PAGE else LARGE_PAGE
 
 
 cdef inline size_t _round_up(size_t n, size_t page) noexcept nogil:
@@ -122,34 +127,6 @@ cdef Block* _prefer_unexpandable(FreeIndex* fi, Block* b, SizeClass** found) noe
     return b
 
 
-cdef Block* _find_expandable_block(CachingAllocator self, size_t size, uintptr_t stream,
-                                   bint is_small) noexcept nogil:
-    """The first unmapped span of the stream's pool, in address order, that
-    (with the free block before it, if any) has room for ``size`` bytes;
-    NULL when none has (PyTorch's find_expandable_block)."""
-    cdef cmap[uintptr_t, Segment*].iterator it = self.segments_by_base.begin()
-    cdef Segment* seg
-    cdef Block* b
-    cdef Block* c
-    cdef size_t room
-    while it != self.segments_by_base.end():
-        seg = deref(it).second
-        if seg.expandable and seg.stream == stream and seg.is_small == is_small:
-            b = seg.head
-            while b != NULL:
-                if b.unmapped and not b.lost:
-                    c = b.prev if _allocatable(b.prev) else b
-                    room = 0
-                    while room < size and _allocatable(c):
-                        room += c.size
-                        c = c.next
-                    if room >= size:
-                        return b.prev if _allocatable(b.prev) else b
-                b = b.next
-        inc(it)
-    return NULL
-
-
 cdef Block* _new_range(CachingAllocator self, size_t size, uintptr_t stream, bint is_small) except? NULL:
     """Reserve a new range for (stream, pool), big enough for ``size``:
     its one block, unmapped. NULL when the backend has no address space left."""
@@ -186,7 +163,7 @@ cdef Block* _new_range(CachingAllocator self, size_t size, uintptr_t stream, bin
         block_delete(&self.slab, b)
         return NULL
     cdef StreamPools* sp = self._stream_pools(stream)
-    if sp == NULL:
+    if sp == NULL or _span_put((sp.small if is_small else sp.large).unmapped, base, b) != 0:
         sys_free(seg)
         block_delete(&self.slab, b)
         self._vm_release(base, range_size, self.device)
@@ -240,18 +217,26 @@ cdef int _map_block(CachingAllocator self, Block* b, size_t size) except -1:
         rest = block_new(&self.slab)
         if rest == NULL:
             raise MemoryError("host memory for the allocator's bookkeeping ran out")
+    # The backend's map may run Python that re-enters the allocator: the span
+    # is marked as handed out meanwhile, so that a re-entered miss neither
+    # maps it too nor counts it as room (see _unmap_block).
+    b.allocated = True
     t0 = um_now_ns()
     try:
         self._vm_map(b.ptr, n, self.device)
     except MemoryError:
+        b.allocated = False
         if rest != NULL:
             block_delete(&self.slab, rest)
         return 0
     except BaseException:
+        b.allocated = False
         if rest != NULL:
             block_delete(&self.slab, rest)
         raise
+    b.allocated = False
     duration_add(&self.stats.device_alloc_time, (um_now_ns() - t0) // 1000)
+    _unindex_span(b)
     if rest != NULL:
         rest.ptr = b.ptr + n
         rest.size = b.size - n
@@ -261,6 +246,7 @@ cdef int _map_block(CachingAllocator self, Block* b, size_t size) except -1:
         rest.is_small = b.is_small
         rest.unmapped = True
         _splice_after(b, rest)
+        _index_span(rest)
         b.size = n
     b.unmapped = False
     if self.debug_on:
@@ -282,11 +268,27 @@ cdef Block* _expandable_alloc(CachingAllocator self, size_t size, uintptr_t stre
     """A free block of at least ``size`` bytes made by mapping pages
     (PyTorch's try_allocate_expandable_block), taken off the free index;
     NULL when the device (or address space) is full. Pages mapped before a
-    refused map stay mapped and cached, as in PyTorch."""
+    refused map stay mapped and cached, as in PyTorch. With a
+    max_reserved_ratio, holes are unmapped first (_unmap_to_ratio)."""
     if is_retry:
         self.stats.num_alloc_retries += 1
-    cdef Block* c = _find_expandable_block(self, size, stream, is_small)
+    cdef FreeIndex* fi = self._pool(stream, is_small)
+    if fi == NULL:
+        raise MemoryError("host memory for the allocator's bookkeeping ran out")
+    cdef size_t new_bytes = 0
+    cdef Block* c = _find_expandable_block(fi, size, self.max_reserved_ratio != 0.0, &new_bytes)
     cdef Block* nxt
+    if self.max_reserved_ratio:
+        if c == NULL:
+            new_bytes = _round_up(size, _page_of(self, is_small))
+        if _unmap_to_ratio(self, size, new_bytes, c.ptr if c != NULL else 0,
+                           c.ptr + size if c != NULL else 0):
+            # The unmap ran Python, which may have changed the blocks (even
+            # dropped and remade the stream's pools): look again.
+            fi = self._pool(stream, is_small)
+            if fi == NULL:
+                raise MemoryError("host memory for the allocator's bookkeeping ran out")
+            c = _find_expandable_block(fi, size, self.max_reserved_ratio != 0.0, &new_bytes)
     if c == NULL:
         c = _new_range(self, size, stream, is_small)
         if c == NULL:
@@ -305,8 +307,11 @@ cdef Block* _expandable_alloc(CachingAllocator self, size_t size, uintptr_t stre
 
 
 cdef void _merge_unmapped(CachingAllocator self, Block* dst, Block* src) noexcept nogil:
+    """Merge the unmapped span ``src`` into its neighbour ``dst`` (not yet
+    indexed)."""
     if src == NULL or not src.unmapped or src.lost:
         return
+    _unindex_span(src)
     if dst.prev == src:
         dst.ptr = src.ptr
         dst.prev = src.prev
@@ -425,6 +430,7 @@ cdef int _unmap_block(CachingAllocator self, Block* b, size_t page) except -1:
         raise error
     _merge_unmapped(self, b, b.prev)
     _merge_unmapped(self, b, b.next)
+    _index_span(b)
     return 0
 
 
@@ -464,7 +470,12 @@ cdef int _unmap_free_pages(CachingAllocator self, bint has_stream, uintptr_t str
     The blocks are looked up afresh after each unmap: a free re-entered from
     the backend's unmap may have merged a block found before it away."""
     cdef vector[uintptr_t] refused
-    cdef Block* b = _next_to_unmap(self, has_stream, stream, &refused)
+    cdef Block* b
+    if not has_stream:
+        # The whole cache is emptied: max_reserved_ratio's high-water mark
+        # starts again from what is in use now (_core_holes.pxi).
+        self.in_use_high_water = <size_t>self.stats.core[S_ALLOCATED_BYTES][POOL_ALL].current
+    b = _next_to_unmap(self, has_stream, stream, &refused)
     first_error = None
     while b != NULL:
         try:
@@ -482,49 +493,6 @@ cdef int _unmap_free_pages(CachingAllocator self, bint has_stream, uintptr_t str
         b = _next_to_unmap(self, has_stream, stream, &refused)
     if first_error is not None:
         raise first_error
-    return 0
-
-
-cdef Block* _largest_hole(CachingAllocator self) noexcept nogil:
-    """The mapped free block with the most whole backend pages, NULL when
-    none holds one. The free block at the end of what a range has mapped
-    is left alone: it is where the range grows, so the next request that
-    maps pages there uses it (unmapping it would cost a call and map it
-    again)."""
-    cdef Segment* seg = self.segments
-    cdef Block* b
-    cdef Block* best = NULL
-    cdef size_t best_bytes = 0
-    cdef size_t n
-    while seg != NULL:
-        if seg.expandable:
-            b = seg.head
-            while b != NULL:
-                if (not b.unmapped and _allocatable(b)
-                        and not (b.next != NULL and b.next.unmapped and b.next.next == NULL)):
-                    n = _whole_pages(b, self.vm_granularity)
-                    if n > best_bytes:
-                        best, best_bytes = b, n
-                b = b.next
-        seg = seg.next_seg
-    return best
-
-
-cdef int _unmap_to_ratio(CachingAllocator self, double ratio, size_t size, size_t alloc_size) except -1:
-    """Before mapping ``alloc_size`` more bytes for a request of ``size``:
-    while the mapped total would pass ``ratio`` times the memory in use
-    (the request included), unmap the free whole pages of a hole, largest
-    first. The memory in the holes is given back instead of more being
-    mapped; a later request may be placed in a hole again (the range is
-    virtual: what costs is what is mapped). Each block is looked up afresh
-    after an unmap, which can run Python (see _unmap_block)."""
-    cdef Block* b
-    while (<double>(self.total_allocated_memory + alloc_size)
-           > ratio * <double>(self.stats.core[S_ALLOCATED_BYTES][POOL_ALL].current + size)):
-        b = _largest_hole(self)
-        if b == NULL:
-            break
-        _unmap_block(self, b, self.vm_granularity)
     return 0
 
 
@@ -549,6 +517,7 @@ cdef int _release_empty_ranges(CachingAllocator self, bint has_stream, uintptr_t
         return 0
     for i in range(empty.size()):
         seg = empty[i]
+        _unindex_span(seg.head)
         self._unlink_segment(seg)
         sp = self._stream_pools(seg.stream)
         if sp != NULL:

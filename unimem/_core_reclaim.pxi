@@ -180,9 +180,10 @@ cdef int _release_to_reserved_ratio(CachingAllocator self, size_t size, size_t a
     the memory in use. It bounds what the cache keeps beyond the live
     data, at the cost of device calls when the working set shifts.
     With expandable segments (never wholly free) the free whole pages in
-    the holes of their ranges are unmapped instead."""
+    the holes of their ranges are unmapped instead, where the request's
+    place is known (_expandable_alloc, _core_holes.pxi)."""
     if self.expandable:
-        return _unmap_to_ratio(self, self.max_reserved_ratio, size, alloc_size)
+        return 0
     cdef double in_use = <double>(self.stats.core[S_ALLOCATED_BYTES][POOL_ALL].current + size)
     cdef double limit = self.max_reserved_ratio * in_use
     cdef double reserved = <double>(self.total_allocated_memory + alloc_size)

@@ -128,7 +128,7 @@ class CoreMatchesModelWithExpandableSegments(CoreMatchesModel):
     mapped and unmapped (in the middle of a range too), ranges released,
     out-of-memory while mapping (the capacity, or a refusal injected by the
     fault injector), every statistic and every address compared with the
-    model. Small-pool pages are ``GRANULARITY`` bytes."""
+    model. Both pools map 2 MiB pages (or ``GRANULARITY`` bytes if larger)."""
 
     GRANULARITY = 2 * MiB
 
@@ -186,8 +186,8 @@ TestCoreMatchesModelWithExpandableSegments = CoreMatchesModelWithExpandableSegme
 
 
 class CoreMatchesModelWithSmallPages(CoreMatchesModelWithExpandableSegments):
-    """The same with 64 KiB pages, so that small-pool pages are smaller than
-    the large pool's 2 MiB and free pages inside blocks are unmapped."""
+    """The same with 64 KiB pages: ranges are reserved by them, while both
+    pools still map by 2 MiB (PyTorch maps its small pool by kSmallBuffer)."""
 
     GRANULARITY = 64 << 10
 

@@ -328,7 +328,9 @@ class ModelAllocator:
     # try_allocate_expandable_block, map_block, unmap_block and
     # get_free_block, over plain lists.
     def page(self, small: bool) -> int:
-        return self.granularity if small or self.granularity >= SMALL_BUFFER else SMALL_BUFFER
+        # Both pools map by 2 MiB (PyTorch's small pool by kSmallBuffer), or
+        # by the granularity when larger.
+        return max(self.granularity, SMALL_BUFFER)
 
     def range_size(self, size: int, small: bool) -> int:
         base = self.capacity + self.capacity // 8 if self.know_capacity else 64 << 30

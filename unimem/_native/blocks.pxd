@@ -106,6 +106,9 @@ cdef cppclass FreeIndex:
     size_t n_empty_classes
     int64_t get_free_blocks_call_count # for garbage collection ages
     bint is_small
+    # Expandable segments: the unmapped spans of the pool's ranges, by
+    # address (PyTorch's BlockPool.unmapped), where a miss looks for room.
+    cmap[uintptr_t, Block*] unmapped
 
 cdef inline bint addr_less(Block* a, Block* b) noexcept nogil:
     return a.ptr < b.ptr
