@@ -287,13 +287,8 @@ def main(argv: List[str]) -> int:
     if arguments.instructions:
         return _main_instructions(arguments, [case for case in cases if CASES[case].counted], log)
     try:
-        if arguments.base_tree:
-            base_tree = os.path.abspath(arguments.base_tree)
-            build_in_place(base_tree, log)
-        else:
-            base_tree = checkout(arguments.base, arguments.cache, log)
-        new_tree = os.path.abspath(arguments.new_tree)
-        build_in_place(new_tree, log)
+        trees = _trees(arguments, log)
+        base_tree, new_tree = trees["base"], trees["new"]
         env = dict(os.environ)
         if arguments.device:
             env["UNIMEM_DEVICE"] = arguments.device
@@ -327,6 +322,7 @@ def main(argv: List[str]) -> int:
 
 
 def _trees(arguments: argparse.Namespace, log: IO[str]) -> Dict[str, str]:
+    """The base and new trees, built in place (the base checked out first when named by revision)."""
     if arguments.base_tree:
         base_tree = os.path.abspath(arguments.base_tree)
         build_in_place(base_tree, log)
