@@ -417,7 +417,7 @@ cdef class CachingAllocator:
             block.next = remaining
             block.size = size
             fi_insert(fi, remaining)   # cannot fail: the class map was reserved
-            if self.expandable:
+            if self.expandable and block.segment.expandable:
                 pass
             elif already_split:
                 pool_decrease(st, S_INACTIVE_SPLIT_BYTES, is_small, size)
@@ -425,7 +425,7 @@ cdef class CachingAllocator:
                 pool_increase(st, S_INACTIVE_SPLIT_BYTES, is_small, remaining.size)
                 pool_increase(st, S_INACTIVE_SPLIT, is_small, 1)
         else:
-            if already_split and not self.expandable:
+            if already_split and not (self.expandable and block.segment.expandable):
                 pool_decrease(st, S_INACTIVE_SPLIT_BYTES, is_small, block.size)
                 pool_decrease(st, S_INACTIVE_SPLIT, is_small, 1)
         block.allocated = True
@@ -715,8 +715,8 @@ cdef class CachingAllocator:
         if b.prev != NULL or b.next != NULL:
             net_blocks += 1
             net_bytes += <int64_t>b.size
-        if self.expandable:          # PyTorch leaves expandable blocks out of inactive_split
-            net_blocks = net_bytes = 0
+        if self.expandable and b.segment.expandable:   # PyTorch leaves expandable blocks out of
+            net_blocks = net_bytes = 0                 # inactive_split (a MemPool's segments are plain)
         if net_blocks > 0:
             pool_increase(st, S_INACTIVE_SPLIT, is_small, net_blocks)
         elif net_blocks < 0:

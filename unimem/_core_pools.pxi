@@ -421,9 +421,17 @@ cdef bint _segment_in_pool(CachingAllocator self, uintptr_t base, uint64_t pool_
 
 
 cdef int _set_pool_sleeping(CachingAllocator self, object pool_id, bint sleeping) except -1:
+    cdef PrivatePool* pool
     self._lock()
     try:
-        _live_pool(self, pool_id).sleeping = sleeping
+        pool = _live_pool(self, pool_id)
+        if sleeping and not pool.sleeping and self.sleeping:
+            # The device's sleep holds the pool's segments: the device's
+            # wake_up would bring them back while the pool still sleeps.
+            raise RuntimeError(f"the {self.device_name} allocator of device {self.device} is asleep, "
+                               f"memory pool {pool_id!r} with it: wake_up() the device before "
+                               f"putting the pool to sleep on its own")
+        pool.sleeping = sleeping
     finally:
         self._unlock()
     return 0

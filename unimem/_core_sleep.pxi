@@ -113,25 +113,28 @@ cdef int _refuse_asleep(CachingAllocator self) except -1:
                        f"(sleep() gave its memory back): call wake_up() before allocating")
 
 
-cdef int _check_can_sleep(CachingAllocator self) except -1:
+cdef str _check_can_sleep(CachingAllocator self):
     """NotImplementedError, saying why, where the backend cannot give memory
-    back and keep its addresses."""
-    if self.expandable:
-        return 0                     # the virtual memory calls do it
+    back and keep its addresses. Else why the backend cannot give back the
+    memory of a segment from malloc ("" when it can): with expandable
+    segments, a private pool's segments come from malloc all the same
+    (_malloc_slow), and _mark refuses to put those to sleep."""
     ask = getattr(self.backend, "page_release_unavailable_reason", None)
     reason = ask(self.device) if ask is not None else (
         "it has no page_release_unavailable_reason/release_pages/restore_pages")
-    if reason:
+    if reason and not self.expandable:   # with expandable segments the virtual memory calls do it
         raise NotImplementedError(
             f"sleep mode needs memory that can be given back while its addresses stay reserved; "
             f"the {self.device_name} backend ({type(self.backend).__name__}) cannot on device "
             f"{self.device}: {reason}")
-    return 0
+    return reason or ""
 
 
-cdef int _mark(CachingAllocator self, object state, object select) except -1:
+cdef int _mark(CachingAllocator self, object state, object select, str reason) except -1:
     """Mark the segments that sleep (``select(address, size, stream)`` says
-    which, all when None), hold their free blocks and list their spans."""
+    which, all when None), hold their free blocks and list their spans.
+    NotImplementedError, before anything is marked, when one of them is a
+    segment from malloc that the backend cannot give back (``reason``)."""
     cdef Segment* seg = self.segments
     cdef Block* b
     cdef Block* start
@@ -146,6 +149,17 @@ cdef int _mark(CachingAllocator self, object state, object select) except -1:
         # Python code: it may free (or allocate) re-entrantly, so each
         # segment is looked up again below.
         candidates = [c for c in candidates if select(*c)]
+    for base, size, _ in candidates:
+        it = self.segments_by_base.find(base)
+        if reason and it != self.segments_by_base.end() and not deref(it).second.expandable:
+            seg = deref(it).second
+            raise NotImplementedError(
+                f"sleep mode cannot give back the segment [{seg.base:#x}, {seg.base + seg.size:#x})"
+                + (f" of memory pool (0, {seg.pool.id})" if seg.pool != NULL else "")
+                + f": it is not an expandable segment (a MemPool's segments come from malloc even with "
+                f"expandable_segments:True), and the {self.device_name} backend "
+                f"({type(self.backend).__name__}) cannot give such memory back on device "
+                f"{self.device}: {reason}")
     for base, size, _ in candidates:
         it = self.segments_by_base.find(base)
         if it == self.segments_by_base.end():
@@ -365,31 +379,37 @@ cdef int _end_sleep(CachingAllocator self, object state, object tag) except -1:
 cdef int _sleep(CachingAllocator self, bint offload, object select, object tag) except -1:
     """CachingAllocator.sleep: see there."""
     self._check_usable()
-    _refuse_reentry(self)
     if tag in self.sleep_states:
-        return 0                           # asleep already
-    _check_can_sleep(self)
+        return 0                           # asleep already (checked again under the lock)
+    reason = _check_can_sleep(self)
     synchronize = getattr(self.backend, "synchronize", None)
     if synchronize is not None:
         synchronize(self.device)           # work still using the memory completes first
     state = _SleepState(offload, select is None)
     self._lock()
-    self.sleep_busy = True
     try:
-        _synchronize_and_free_events(self)
-        self.sleep_states[tag] = state
-        if state.whole_device:
-            self.sleeping = True
-            self._update_unusual()
-        _mark(self, state, select)
+        # Under the lock: another thread may have put ``tag`` to sleep (or
+        # be doing so) since this call began.
+        _refuse_reentry(self)
+        if tag in self.sleep_states:
+            return 0                       # asleep already
+        self.sleep_busy = True
         try:
-            _offload(self, state)
-        except BaseException:
-            _end_sleep(self, state, tag)   # nothing was given back: as before
-            raise
-        error = _release_spans(self, state)
+            _synchronize_and_free_events(self)
+            self.sleep_states[tag] = state
+            if state.whole_device:
+                self.sleeping = True
+                self._update_unusual()
+            try:
+                _mark(self, state, select, reason)
+                _offload(self, state)
+            except BaseException:
+                _end_sleep(self, state, tag)   # nothing was given back: as before
+                raise
+            error = _release_spans(self, state)
+        finally:
+            self.sleep_busy = False
     finally:
-        self.sleep_busy = False
         self._unlock()
     self._flush_trace()
     if error is not None:
@@ -399,20 +419,22 @@ cdef int _sleep(CachingAllocator self, bint offload, object select, object tag) 
 
 cdef int _wake_up(CachingAllocator self, object tag) except -1:
     """CachingAllocator.wake_up: see there."""
-    _refuse_reentry(self)
-    state = self.sleep_states.get(tag)
-    if state is None:
-        return 0                           # awake already
     self._lock()
-    self.sleep_busy = True
     try:
-        for span in state.spans:
-            if span.released:
-                _restore_span(self, span)
-            _copy_back(self, state, span)
-        _end_sleep(self, state, tag)
+        _refuse_reentry(self)
+        state = self.sleep_states.get(tag)
+        if state is None:
+            return 0                       # awake already (or woken by another thread meanwhile)
+        self.sleep_busy = True
+        try:
+            for span in state.spans:
+                if span.released:
+                    _restore_span(self, span)
+                _copy_back(self, state, span)
+            _end_sleep(self, state, tag)
+        finally:
+            self.sleep_busy = False
     finally:
-        self.sleep_busy = False
         self._unlock()
     self._flush_trace()
     return 0

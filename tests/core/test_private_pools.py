@@ -9,6 +9,7 @@ from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from unimem import OutOfMemoryError, _core
+from unimem.backends._host import PageAlignedBackend
 from unimem.backends.pluggable import PluggableAllocator
 from unimem.backends.simulated import SimulatedBackend
 
@@ -432,3 +433,24 @@ class PoolMachine(RuleBasedStateMachine):
 
 TestPoolMachine = PoolMachine.TestCase
 TestPoolMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+def test_inactive_split_counts_a_pool_block_in_an_expandable_allocator():
+    """A MemPool's segments are plain even with expandable segments on, so
+    their free split blocks count in inactive_split (PyTorch leaves out only
+    the blocks of expandable segments); the allocator used to ask whether the
+    allocator, not the block's segment, was expandable."""
+    a = _core.CachingAllocator(PageAlignedBackend(), 0, expandable_segments=True)
+    a.create_pool((0, 1))
+    a.begin_pool((0, 1))
+    first, second = a.malloc(1 << 20), a.malloc(1 << 20)
+    a.end_pool((0, 1))
+    a.free(first)
+    assert a.memory_stats()["inactive_split.all.current"] == 1
+    a._check_invariants()
+    a.free(second)
+    assert a.memory_stats()["inactive_split.all.current"] == 0
+    a._check_invariants()
+    a.release_pool((0, 1))
+    a.empty_cache()
+    a._check_invariants()

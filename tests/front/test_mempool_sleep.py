@@ -135,3 +135,16 @@ def test_the_device_and_a_pool_sleep_together(pool):
     assert same_bytes(inside, 3 * MiB, 1)
     for ptr in (inside, outside):
         unimem.cpu.caching_allocator_delete(ptr)
+
+
+def test_a_pool_cannot_start_sleeping_while_the_device_sleeps(pool):
+    with unimem.cpu.use_mem_pool(pool):
+        inside = unimem.cpu.caching_allocator_alloc(3 * MiB)
+    fill(inside, 3 * MiB, 3)
+    unimem.cpu.sleep()
+    with pytest.raises(RuntimeError, match="wake_up"):
+        pool.sleep()
+    assert not pool.is_sleeping()
+    unimem.cpu.wake_up()
+    assert pool_reserved(pool) > 0 and same_bytes(inside, 3 * MiB, 3)
+    unimem.cpu.caching_allocator_delete(inside)

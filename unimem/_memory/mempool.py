@@ -131,6 +131,8 @@ class MemPool:
 
         A pool whose MemPool object dies while asleep keeps its address
         ranges (and offloaded bytes) until its allocator goes: wake it first.
+        ``RuntimeError`` while the device itself sleeps (its :func:`wake_up`
+        would bring the pool's memory back): wake the device first.
         """
         if not isinstance(offload, bool):
             raise TypeError(f"offload must be a bool, got {type(offload).__name__}")

@@ -1,0 +1,193 @@
+"""Sleep mode where it meets the other new features and other threads
+(review of issue 28 and the private pools): a private pool's segments on a
+backend that sleeps only through expandable segments, a pool put to sleep
+while the device sleeps, two threads sleeping or waking at once, and a
+segment filter that fails."""
+import ctypes
+import threading
+import time
+
+import pytest
+
+from unimem import _core
+from unimem.backends.base import Backend, forward_to_inner
+from unimem.backends.cuda import CUDABackend
+from unimem.backends._host import PageAlignedBackend
+
+from tests.helpers.fake_cuda import FakeCudaDriver, FakeCudaRuntime
+
+MiB = 1 << 20
+POOL = (0, 1)
+
+
+def stats(allocator):
+    """memory_stats() less num_sync_all_streams (a refused sleep has waited)."""
+    out = allocator.memory_stats()
+    del out["num_sync_all_streams"]
+    return out
+
+
+def pool_block(allocator, size):
+    allocator.begin_pool(POOL)
+    try:
+        return allocator.malloc(size)
+    finally:
+        allocator.end_pool(POOL)
+
+
+def cuda_expandable_with_a_pool():
+    runtime = FakeCudaRuntime(devices=1, capacity=1 << 30)
+    runtime.memcpy = lambda dst, src, size, kind: None
+    allocator = _core.CachingAllocator(CUDABackend(runtime, driver=FakeCudaDriver(runtime)), 0,
+                                       expandable_segments=True)
+    allocator.create_pool(POOL)
+    return allocator, [pool_block(allocator, MiB), allocator.malloc(3 * MiB)]
+
+
+@pytest.mark.parametrize("whole_device", [True, False])
+def test_a_pool_segment_cuda_cannot_give_back_is_refused_before_anything_sleeps(whole_device):
+    """With expandable segments a MemPool's segments still come from
+    cudaMalloc: sleep used to give back the expandable ranges, then fail on
+    the pool's segment with the allocator left asleep (or the pool marked
+    asleep) and an error telling to set expandable_segments:True."""
+    allocator, ptrs = cuda_expandable_with_a_pool()
+    before = stats(allocator)
+    with pytest.raises(NotImplementedError, match=r"memory pool \(0, 1\).*not an expandable segment"):
+        if whole_device:
+            allocator.sleep()
+        else:
+            allocator.sleep_pool(POOL)
+    assert not allocator.is_sleeping() and not allocator.is_sleeping(POOL)
+    assert stats(allocator) == before
+    allocator._check_invariants()
+    for ptr in ptrs:                                 # allocation and free work as before
+        allocator.free(ptr)
+    allocator.free(pool_block(allocator, 1000))
+    allocator._check_invariants()
+
+
+def test_the_device_without_pools_still_sleeps_on_cuda_expandable():
+    allocator, ptrs = cuda_expandable_with_a_pool()
+    allocator.free(ptrs[0])
+    allocator.release_pool(POOL)
+    allocator.empty_cache()                          # the dead pool's segment goes
+    allocator.sleep()
+    assert allocator.memory_reserved() == 0
+    allocator.wake_up()
+    allocator.free(ptrs[1])
+    allocator._check_invariants()
+
+
+def test_a_pool_cannot_be_put_to_sleep_inside_the_device_sleep():
+    """The device's sleep holds the pool's segments: a pool sleep started
+    then used to leave the pool 'asleep' with its memory back after the
+    device's wake_up."""
+    allocator = _core.CachingAllocator(PageAlignedBackend(), 0)
+    allocator.create_pool(POOL)
+    ptr = pool_block(allocator, 3 * MiB)
+    ctypes.memset(ptr, 7, 3 * MiB)
+    allocator.sleep()
+    with pytest.raises(RuntimeError, match="wake_up"):
+        allocator.sleep_pool(POOL)
+    assert not allocator.is_sleeping(POOL)
+    allocator.wake_up()
+    assert allocator.memory_reserved() > 0 and ctypes.string_at(ptr, 3 * MiB) == b"\7" * (3 * MiB)
+    # the other order works, and so does waking in either order
+    allocator.sleep_pool(POOL)
+    allocator.sleep()
+    allocator.sleep_pool(POOL)                       # asleep already: nothing to do
+    allocator.wake_up_pool(POOL)
+    assert allocator.is_sleeping() and ctypes.string_at(ptr, 3 * MiB) == b"\7" * (3 * MiB)
+    with pytest.raises(RuntimeError, match="asleep"):
+        allocator.malloc(10)
+    allocator.wake_up()
+    allocator.free(ptr)
+    allocator._check_invariants()
+
+
+def test_a_segments_filter_that_raises_leaves_the_allocator_awake():
+    allocator = _core.CachingAllocator(PageAlignedBackend(), 0)
+    ptr = allocator.malloc(MiB)
+    before = stats(allocator)
+
+    def refuse(address, size, stream):
+        raise ValueError("no")
+    with pytest.raises(ValueError):
+        allocator.sleep(segments=refuse)
+    assert not allocator.is_sleeping()
+    assert stats(allocator) == before
+    allocator.free(ptr)
+    allocator._check_invariants()
+
+
+@forward_to_inner(intercepted={"synchronize", "restore_pages"})
+class Slow(Backend):
+    """Its synchronize and restore_pages take ``delay`` seconds, after
+    setting ``entered``: another thread gets to run meanwhile."""
+
+    def __init__(self, inner, delay=0.2):
+        self.inner = inner
+        self.delay = delay
+        self.entered = threading.Event()
+
+    def synchronize(self, device):
+        self.entered.set()
+        time.sleep(self.delay)
+
+    def restore_pages(self, address, size, device):
+        self.entered.set()
+        time.sleep(self.delay)
+        self.inner.restore_pages(address, size, device)
+
+
+def run_two(allocator, backend, call):
+    """``call`` in a thread, and again here once the thread is in the backend."""
+    errors = []
+
+    def first():
+        try:
+            call()
+        except Exception as exc:                     # reported below
+            errors.append(exc)
+    thread = threading.Thread(target=first)
+    backend.entered.clear()
+    thread.start()
+    assert backend.entered.wait(10)
+    try:
+        call()
+    except Exception as exc:
+        errors.append(exc)
+    thread.join()
+    return errors
+
+
+def test_two_threads_putting_the_device_to_sleep_at_once():
+    """Both used to pass the 'asleep already' check before either took the
+    lock: the second sleep replaced the first's state, whose memory then
+    never came back."""
+    backend = Slow(PageAlignedBackend())
+    allocator = _core.CachingAllocator(backend, 0)
+    ptr = allocator.malloc(3 * MiB)
+    ctypes.memset(ptr, 5, 3 * MiB)
+    reserved = allocator.memory_reserved()
+    assert run_two(allocator, backend, allocator.sleep) == []
+    assert allocator.memory_reserved() == 0
+    backend.delay = 0
+    allocator.wake_up()
+    assert not allocator.is_sleeping() and allocator.memory_reserved() == reserved
+    assert ctypes.string_at(ptr, 3 * MiB) == b"\5" * (3 * MiB)
+    allocator._check_invariants()
+    allocator.free(ptr)
+
+
+def test_two_threads_waking_the_device_at_once():
+    """The second used to be refused as 'called again from within a backend call'."""
+    backend = Slow(PageAlignedBackend())
+    allocator = _core.CachingAllocator(backend, 0)
+    ptr = allocator.malloc(3 * MiB)
+    reserved = allocator.memory_reserved()
+    allocator.sleep()
+    assert run_two(allocator, backend, allocator.wake_up) == []
+    assert not allocator.is_sleeping() and allocator.memory_reserved() == reserved
+    allocator._check_invariants()
+    allocator.free(ptr)
