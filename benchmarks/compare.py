@@ -35,7 +35,7 @@ from typing import Any, Dict, IO, List, Optional, Sequence
 from ._common import format_time, print_table, write_json
 from .compare_instructions import (INSTRUCTION_THRESHOLD, CountedCase, InstructionCountError, count_cases,
                                    table_rows)
-from .compare_worker import CASES
+from .compare_worker import CASES, CPU_ENV
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "compare_worker.py")
@@ -95,13 +95,27 @@ def tree_env(tree: str, env: Dict[str, str]) -> Dict[str, str]:
     return dict(env, PYTHONPATH=os.pathsep.join([tree] + [p for p in [env.get("PYTHONPATH")] if p]))
 
 
+def shared_cpu() -> Optional[int]:
+    """The one CPU both measuring interpreters run their host-code samples on.
+    Apart, the same code timed 0.84x on one side in every round of a quiet run
+    (two cores of a VM are not alike); taking turns on one CPU, the sides see
+    the same core. (Cases with kernels in flight keep every CPU: the SYCL CPU
+    device runs its kernels on them.)"""
+    if not hasattr(os, "sched_getaffinity"):
+        return None
+    return max(os.sched_getaffinity(0))
+
+
 class Side:
     """One tree's measuring interpreter."""
 
-    def __init__(self, label: str, tree: str, env: Dict[str, str]) -> None:
+    def __init__(self, label: str, tree: str, env: Dict[str, str], cpu: Optional[int] = None) -> None:
         self.label = label
         self.tree = tree
-        self.process = subprocess.Popen([sys.executable, WORKER], cwd=tree, env=tree_env(tree, env),
+        child_env = tree_env(tree, env)
+        if cpu is not None:
+            child_env[CPU_ENV] = str(cpu)          # the worker runs its host-code samples there
+        self.process = subprocess.Popen([sys.executable, WORKER], cwd=tree, env=child_env,
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         hello = self._read()
         expected = os.path.join(os.path.realpath(tree), "unimem", "__init__.py")
@@ -292,9 +306,10 @@ def main(argv: List[str]) -> int:
         env = dict(os.environ)
         if arguments.device:
             env["UNIMEM_DEVICE"] = arguments.device
-        base = Side("base", base_tree, env)
+        cpu = shared_cpu()
+        base = Side("base", base_tree, env, cpu)
         try:
-            new = Side("new", new_tree, env)
+            new = Side("new", new_tree, env, cpu)
             try:
                 results = run_rounds(base, new, cases, arguments.rounds, arguments.quick, log)
             finally:

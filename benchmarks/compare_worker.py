@@ -20,6 +20,7 @@ from __future__ import annotations
 import gc
 import importlib
 import json
+import os
 import sys
 import time
 from typing import Any, Callable, Dict, NamedTuple, Optional
@@ -202,10 +203,23 @@ def _forget_editable_install() -> None:
                         if not getattr(f, "__module__", "").startswith("__editable__")]
 
 
+#: The CPU (set by compare.py) on which host-code samples run, the same for both sides.
+CPU_ENV = "UNIMEM_COMPARE_CPU"
+
+
+def _pin(case: Case, shared: Optional[int], every_cpu: Any) -> None:
+    """Host-code samples on the shared CPU; the others (kernels in flight on
+    the SYCL CPU device) on every CPU this process may use."""
+    if shared is not None:
+        os.sched_setaffinity(0, {shared} if case.counted else every_cpu)
+
+
 def main() -> int:
     global _loop_override
     _forget_editable_install()
     worker = Worker()
+    shared = int(os.environ[CPU_ENV]) if os.environ.get(CPU_ENV) and hasattr(os, "sched_setaffinity") else None
+    every_cpu = os.sched_getaffinity(0) if shared is not None else None
     if sys.argv[1:2] == ["--loop"]:                  # one loop, no protocol: compare --instructions
         case, operations = sys.argv[2], int(sys.argv[3])
         _loop_override = operations
@@ -219,7 +233,9 @@ def main() -> int:
           flush=True)
     for line in sys.stdin:
         request = json.loads(line)
-        method = getattr(worker, CASES[request["case"]].method)
+        case = CASES[request["case"]]
+        method = getattr(worker, case.method)
+        _pin(case, shared, every_cpu)
         gc.collect()
         try:
             answer: Dict[str, Any] = {"seconds": method(bool(request.get("quick")))}
