@@ -56,6 +56,8 @@ import struct
 import sys
 import threading
 
+from unimem.backends import _dpctl_api
+
 
 # The callbacks: all but the free are called with the GIL held.
 cdef extern from "_sycl_interposer.hpp":
@@ -355,7 +357,8 @@ def _bind_dpctl(runtime):
                     <void*><uintptr_t>address["DPCTLQueue_GetContext"],
                     <void*><uintptr_t>address["DPCTLDevice_Delete"],
                     <void*><uintptr_t>address["DPCTLContext_Delete"])
-    _queue_wait = <void*><uintptr_t>address["DPCTLQueue_Wait"]
+    # unimem's serialized wait (see unimem.backends._dpctl_api.wait_queue), not DPCTLQueue_Wait itself
+    _queue_wait = <void*><uintptr_t>_dpctl_api.queue_wait_address()
 
 
 def install():

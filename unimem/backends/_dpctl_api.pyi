@@ -5,6 +5,10 @@ from typing_extensions import disjoint_base
 
 MAX_QUEUE_HANDLES: int
 
+def set_queue_wait(wait_fn: int) -> None: ...
+def wait_queue(queue: Any) -> None: ...
+def queue_wait_address() -> int: ...
+
 @disjoint_base
 class USMRawAllocator:
     kind: str

@@ -31,6 +31,7 @@ cdef extern from *:
     #include <atomic>
     #include <cstdint>
     #include <cstdlib>
+    #include <mutex>
     /* One stream handle: its queue (NULL: free) and the allocations made on
        it and not yet freed. Zeroed memory is a valid empty slot. */
     struct um_queue_slot {
@@ -53,6 +54,41 @@ cdef extern from *:
     static int64_t um_slot_live(um_queue_slot* s, size_t i) {
         return s[i].live.load(std::memory_order_relaxed);
     }
+
+    /* Bytes held per device: a free runs outside the core's lock (and
+       another allocator's malloc beside it), so the count is atomic. */
+    typedef std::atomic<int64_t> um_held_bytes;
+    static um_held_bytes* um_held_new(size_t n) { return new (std::nothrow) um_held_bytes[n](); }
+    static void um_held_delete(um_held_bytes* h) { delete[] h; }
+    static void um_held_add(um_held_bytes* h, size_t i, int64_t d) {
+        h[i].fetch_add(d, std::memory_order_relaxed);
+    }
+    static int64_t um_held_get(um_held_bytes* h, size_t i) { return h[i].load(std::memory_order_relaxed); }
+
+    /* Every queue wait unimem makes goes through here, one at a time. The
+       Intel OpenCL CPU runtime (intel-opencl-rt 2026.2) crashes when two
+       threads finish the same queue at once (clFinish on an out-of-order
+       queue: a use after free in QueueEvent::DoneWithDependencies; eight
+       threads calling DPCTLQueue_Wait crash it within seconds), and a queue
+       wait is where unimem's threads meet: each release of a segment waits,
+       outside the core's lock and without the GIL. Waiters would wait for
+       the same work anyway, so taking turns costs nothing measurable. */
+    typedef void (*um_queue_wait_fn)(void*);
+    static std::atomic<um_queue_wait_fn> um_dpctl_queue_wait{nullptr};
+    static std::mutex um_queue_wait_mutex;
+    static void um_wait_queue(void* q) {
+        um_queue_wait_fn wait = um_dpctl_queue_wait.load(std::memory_order_acquire);
+        if (wait == nullptr || q == nullptr)
+            return;
+        std::lock_guard<std::mutex> guard(um_queue_wait_mutex);
+        wait(q);
+    }
+    static void um_set_queue_wait(um_queue_wait_fn wait) {
+        um_dpctl_queue_wait.store(wait, std::memory_order_release);
+    }
+    static std::uintptr_t um_wait_queue_address() {
+        return reinterpret_cast<std::uintptr_t>(&um_wait_queue);
+    }
     """
     ctypedef struct um_queue_slot:
         pass
@@ -62,6 +98,16 @@ cdef extern from *:
     void um_slot_set_queue(um_queue_slot* s, size_t i, void* q) nogil
     void um_slot_live_add(um_queue_slot* s, size_t i, int64_t d) nogil
     int64_t um_slot_live(um_queue_slot* s, size_t i) nogil
+    ctypedef struct um_held_bytes:
+        pass
+    um_held_bytes* um_held_new(size_t n) nogil
+    void um_held_delete(um_held_bytes* h) nogil
+    void um_held_add(um_held_bytes* h, size_t i, int64_t d) nogil
+    int64_t um_held_get(um_held_bytes* h, size_t i) nogil
+    ctypedef void (*um_queue_wait_fn)(void*) noexcept nogil
+    void um_wait_queue(void* q) nogil
+    void um_set_queue_wait(um_queue_wait_fn wait) nogil
+    uintptr_t um_wait_queue_address() nogil
 
 # Stream handles a raw allocator can hold at once (reserved, not resident:
 # calloc'd pages are touched only when used). Handles are reused once their
@@ -70,17 +116,38 @@ MAX_QUEUE_HANDLES = 1 << 20
 
 ctypedef void* (*usm_malloc_fn)(size_t size, void* queue) noexcept nogil
 ctypedef void (*usm_free_fn)(void* ptr, void* queue) noexcept nogil
-ctypedef void (*queue_wait_fn)(void* queue) noexcept nogil
+
+
+def set_queue_wait(uintptr_t wait_fn):
+    """Make ``DPCTLQueue_Wait`` (its address) the wait behind :func:`wait_queue`."""
+    if not wait_fn:
+        raise ValueError("dpctl's DPCTLQueue_Wait was not found")
+    um_set_queue_wait(<um_queue_wait_fn>wait_fn)
+
+
+def wait_queue(queue):
+    """Wait for everything submitted to ``queue`` (a ``dpctl.SyclQueue``),
+    without the GIL, taking turns with unimem's other queue waits (see
+    ``um_wait_queue``). Does nothing before :func:`set_queue_wait`."""
+    cdef void* q = <void*><uintptr_t>queue.addressof_ref()
+    with nogil:
+        um_wait_queue(q)
+
+
+def queue_wait_address():
+    """The address of unimem's queue wait, ``void (*)(DPCTLSyclQueueRef)``,
+    for C code that waits on queues (the SYCL interposer)."""
+    return um_wait_queue_address()
 
 
 cdef struct USMContext:
     usm_malloc_fn malloc
     usm_free_fn free
-    queue_wait_fn wait
     vector[void*]* default_queues   # device index -> DPCTLSyclQueueRef
     um_queue_slot* slots            # stream handle -> DPCTLSyclQueueRef (0: the device's default)
     size_t n_slots
-    vector[int64_t]* held           # device index -> bytes currently allocated
+    um_held_bytes* held             # device index -> bytes currently allocated
+    size_t n_devices
 
 
 cdef inline void* queue_for(USMContext* c, int device, uintptr_t stream) noexcept nogil:
@@ -104,7 +171,7 @@ cdef int usm_malloc(void* ctx, size_t size, int device, uintptr_t stream,
     if p == NULL:
         return RAW_OUT_OF_MEMORY
     out[0] = <uintptr_t>p
-    c.held[0][device] += size
+    um_held_add(c.held, device, <int64_t>size)
     if stream != 0:
         um_slot_live_add(c.slots, stream, 1)
     return RAW_OK
@@ -118,9 +185,9 @@ cdef int usm_free(void* ctx, uintptr_t ptr, size_t size, int device,
         return RAW_ERROR
     # As PyTorch's XPU allocator does: no kernel may still use the memory
     # when sycl::free runs. Waiting on an idle queue costs next to nothing.
-    c.wait(q)
+    um_wait_queue(q)
     c.free(<void*>ptr, q)
-    c.held[0][device] -= size
+    um_held_add(c.held, device, -<int64_t>size)
     if stream != 0:
         um_slot_live_add(c.slots, stream, -1)
     return RAW_OK
@@ -150,12 +217,12 @@ cdef class USMRawAllocator:
         if self.ctx.slots == NULL:
             raise MemoryError("no memory for the SYCL queue table")
         self.ctx.n_slots = MAX_QUEUE_HANDLES
-        self.ctx.held = new vector[int64_t]()
 
     def __dealloc__(self):
         del self.ctx.default_queues
         um_slots_delete(self.ctx.slots)
-        del self.ctx.held
+        if self.ctx.held != NULL:
+            um_held_delete(self.ctx.held)
 
     def __init__(self, str kind, uintptr_t malloc_fn, uintptr_t free_fn, uintptr_t wait_fn,
                  list default_queues):
@@ -164,12 +231,15 @@ cdef class USMRawAllocator:
         self.kind = kind
         self.ctx.malloc = <usm_malloc_fn>malloc_fn
         self.ctx.free = <usm_free_fn>free_fn
-        self.ctx.wait = <queue_wait_fn>wait_fn
+        set_queue_wait(wait_fn)
         self._queue_objects = list(default_queues)
         self._queues_by_handle = {}
+        self.ctx.held = um_held_new(max(len(default_queues), 1))
+        if self.ctx.held == NULL:
+            raise MemoryError("no memory for the SYCL allocation counts")
+        self.ctx.n_devices = len(default_queues)
         for q in default_queues:
             self.ctx.default_queues.push_back(<void*><uintptr_t>q.addressof_ref())
-            self.ctx.held.push_back(0)
         self.api.version = UM_PROVIDER_VERSION
         self.api.ctx = &self.ctx
         self.api.malloc = usm_malloc
@@ -210,7 +280,9 @@ cdef class USMRawAllocator:
 
     def held(self, int device):
         """Bytes allocated on ``device`` through this allocator and not yet freed."""
-        return self.ctx.held[0][device]
+        if device < 0 or <size_t>device >= self.ctx.n_devices:
+            raise ValueError(f"XPU device {device} does not exist ({self.ctx.n_devices} visible)")
+        return um_held_get(self.ctx.held, device)
 
     def malloc(self, size_t size, int device, uintptr_t stream):
         cdef uintptr_t out = 0

@@ -99,6 +99,8 @@ class _SyclRuntime:
         self.c_library = ctypes.CDLL(os.path.join(os.path.dirname(dpctl.__file__), "libDPCTLSyclInterface.so"))
         self.functions = self.c_functions(("DPCTLmalloc_device", "DPCTLmalloc_shared", "DPCTLmalloc_host",
                                            "DPCTLfree_with_queue", "DPCTLQueue_Wait"))
+        # every queue wait of unimem's takes its turn (see _dpctl_api.wait_queue)
+        _dpctl_api.set_queue_wait(self.functions["DPCTLQueue_Wait"])
         # queue -> stream handle; a device's default queue is handle 0
         self.handles: Dict[Any, int] = {q: 0 for q in self.default_queues}
         self.queues: List[Any] = [None]          # handle -> queue (handle 0: per device; None: free)
@@ -365,7 +367,7 @@ class XPUBackend(Backend):
             q for handle, q in enumerate(list(runtime.queues))
             if q is not None and runtime.handle_devices.get(handle) == device]
         for queue in queues:
-            queue.wait()
+            _dpctl_api.wait_queue(queue)    # not queue.wait(): two at once crash the OpenCL CPU runtime
 
     def record_event(self, stream: int, device: int):
         return self.runtime.queue(stream, device).submit_barrier()
