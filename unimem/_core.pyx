@@ -616,6 +616,10 @@ cdef class CachingAllocator:
         cdef Block* b
         oom[0] = False
         tried[0] = alloc_size
+        if self.sleeping:
+            # c_malloc's check ran before the lock: a sleep() may have come in
+            # between (its blocks are held, so only a miss can get here)
+            _refuse_asleep(self)
         # Reserve the bookkeeping first, so that nothing fails after the
         # backend handed memory over.
         if fi == NULL or self._reserve_for_alloc(fi) != 0:

@@ -163,6 +163,61 @@ def test_allocation_while_asleep_is_refused_and_changes_nothing(expandable):
     allocator.free(allocator.malloc(100))
 
 
+@forward_to_inner(intercepted={"record_event", "event_done", "malloc", "_raw_api"})
+class EventsDoneOnCue(Backend):
+    """Host memory whose stream events complete when told to, and which
+    notes each segment the core asks for while its allocator is asleep."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.done = False
+        self.allocator = None
+        self.segments_made_asleep = 0
+
+    def record_event(self, stream, device):
+        return object()
+
+    def event_done(self, event):
+        return self.done
+
+    def malloc(self, size, device, stream):
+        if self.allocator is not None and self.allocator.is_sleeping():
+            self.segments_made_asleep += 1
+        return self.inner.malloc(size, device, stream)
+
+
+@pytest.mark.parametrize("expandable", [False, True])
+def test_a_sleep_between_mallocs_asleep_check_and_its_lock_is_seen_under_the_lock(expandable):
+    """malloc checks "asleep" before taking the lock; a sleep() that comes
+    in between (another thread's; here the history hook's, which runs
+    there when malloc first processes completed stream events) must still
+    refuse the request under the lock, not map a new segment while asleep."""
+    backend = EventsDoneOnCue(PageAlignedBackend())
+    allocator = host_allocator(expandable, backend)
+    backend.allocator = allocator
+    p = allocator.malloc(3 * MiB)
+    allocator.record_stream(p, 1)
+    allocator.free(p)                              # pending: its event is not done
+
+    def hook(events):
+        if any(action == "free_completed" for action, *_ in events) and not allocator.is_sleeping():
+            allocator.sleep(offload=False)
+
+    allocator.set_trace_hook(hook)
+    backend.done = True                            # the next malloc's event processing frees p
+    with pytest.raises(RuntimeError, match=r"asleep.*call wake_up\(\)"):
+        allocator.malloc(5 * MiB)
+    assert allocator.is_sleeping()
+    assert backend.segments_made_asleep == 0
+    assert allocator.memory_reserved() == 0
+    allocator.set_trace_hook(None)
+    allocator._check_invariants()
+    allocator.wake_up()
+    allocator.free(allocator.malloc(5 * MiB))
+    allocator.empty_cache()
+    assert allocator.memory_reserved() == 0
+
+
 @pytest.mark.parametrize("expandable", [False, True])
 def test_a_block_freed_while_asleep_is_dropped_and_its_memory_reused_after(expandable):
     allocator = host_allocator(expandable)
