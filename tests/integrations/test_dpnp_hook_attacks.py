@@ -302,14 +302,20 @@ print("finished")
 """
 
 
-# An open defect, not fixed yet: with SYCL_QUEUE_THREAD_POOL_SIZE=6 (what
-# `import dpnp` sets by default, and what this child inherits from pytest) the
-# loop hangs in about half the runs, at fe02cf2 as now (2 of 4 there, 4 of 4
-# here): every SYCL host-task thread waits for the GIL (dpnp's keep-alive host
-# tasks for pool-backed arguments) while the main thread holds it inside
-# dpnp's elementwise call (gdb). Without the variable: about 1 run in 10.
-@pytest.mark.xfail(strict=False, reason="known deadlock: SYCL host tasks wait for the GIL that dpnp's "
-                                        "elementwise call holds (open defect)")
+# An open defect, not fixed: a deadlock between dpnp's own parts that the
+# pool makes likelier. gdb on a hung run (SYCL_QUEUE_THREAD_POOL_SIZE=6, what
+# `import dpnp` sets and this child inherits): the main thread is in dpnp's
+# vm extension, oneapi::mkl::vm::exp -> sycl::event::wait_and_throw(depends),
+# waiting on its dependencies with the GIL held; every SYCL host-task thread
+# is in a dpnp.tensor keep-alive task (keep_args_alive's Python-object path,
+# taken for arguments that are views rather than arrays owning smart-pointer
+# memory) waiting for the GIL. Plain dpnp has the same wait, but dpctl's
+# allocation lets the GIL go around sycl::malloc_device, which lets those
+# tasks finish first; a pool hit keeps the GIL. This stop (a51a0e8): 1 hung
+# run in 23 with the allocator, 0 in 60 without (it was about half the runs
+# in an earlier, busier measurement).
+@pytest.mark.xfail(strict=False, reason="known deadlock: dpnp's MKL VM call waits for host tasks that need "
+                                        "the GIL it holds (open defect, likelier with the pool)")
 def test_a_softmax_loop_does_not_deadlock():
     done = subprocess.run([sys.executable, "-c", DEADLOCK], cwd=str(REPO_ROOT), capture_output=True, text=True,
                           timeout=120)
