@@ -377,17 +377,18 @@ def test_synchronize_waits_on_every_queue_of_the_xpu_device():
         unimem.xpu.stream_handle(dpctl.SyclQueue(device))    # a second queue unimem knows
         acc.synchronize(0)                                    # the real queues: returns
         waited = []
-
-        class WatchedQueue:
-            def __init__(self, name):
-                self.name, self.sycl_device = name, device
-
-            def wait(self):
-                waited.append(self.name)
-
+        # every wait goes through unimem's serialized queue wait (the OpenCL
+        # CPU runtime crashes when two threads wait on one queue at once)
+        from unimem.backends import _dpctl_api
         runtime = _devices.get_type("xpu").backend.runtime
-        runtime.default_queues[0] = WatchedQueue("default")
-        runtime.queues[1] = WatchedQueue("other")
+        names = {id(runtime.default_queues[0]): "default", id(runtime.queues[1]): "other"}
+        real_wait = _dpctl_api.wait_queue
+
+        def watched_wait(queue):
+            waited.append(names.get(id(queue), "unknown"))
+            real_wait(queue)
+
+        _dpctl_api.wait_queue = watched_wait
         acc.synchronize(0)
         print(sorted(waited))
     """
