@@ -8,7 +8,6 @@ this module assembles them and keeps the names the namespaces import.
 """
 from __future__ import annotations
 
-import functools
 from typing import Any, Dict
 
 from ._runtime.registry import namespace_alloc_functions
@@ -42,15 +41,12 @@ class MemoryAPI(AllocationAPI, ConfigurationAPI, StatisticsAPI, HistoryAPI, Priv
         return exported
 
     def _hot_functions(self) -> Dict[str, Any]:
-        """``caching_allocator_alloc``/``delete``, typed in the core for the
-        common call (the current device), these methods for the rest."""
-        fast = namespace_alloc_functions(_devices.types_by_name(), self.type_name,
-                                               self.caching_allocator_alloc, self.caching_allocator_delete)
-        exported = {}
-        for function, method in zip(fast, (self.caching_allocator_alloc, self.caching_allocator_delete)):
-            functools.update_wrapper(function, method)
-            exported[method.__name__] = function
-        return exported
+        """``caching_allocator_alloc``/``delete``, typed in the registry for
+        the common call (the current device), these methods for the rest;
+        builtin functions with these methods' docstrings and signatures."""
+        alloc, delete = namespace_alloc_functions(_devices.types_by_name(), self.type_name,
+                                                  self.caching_allocator_alloc, self.caching_allocator_delete)
+        return {"caching_allocator_alloc": alloc, "caching_allocator_delete": delete}
 
 
 PUBLIC_FUNCTIONS = (

@@ -18,11 +18,11 @@ from benchmarks.compare import CaseResult
 from tests.helpers import REPO_ROOT
 
 ROOT = str(REPO_ROOT)
-REGISTRY = os.path.join("unimem", "_runtime", "registry.pyx")
-# The free path the facade's common call takes (_fast_delete), and the
+REGISTRY = os.path.join("unimem", "_runtime", "registry_hot.pxi")
+# The free path the facade's common call takes (_delete_one), and the
 # regression injected there: one list built per free.
 FREE_PATH = ("    cdef CachingAllocator a = registry.only\n"
-             "    if a is None or not exact_size(ptr, &p) or p == 0:\n")
+             "    if a is not None:\n")
 EXTRA_LIST = "    extra = [None] + registry._allocators          # injected: a list per free\n"
 
 pytest.importorskip("Cython", reason="the compare command builds trees in place with Cython")

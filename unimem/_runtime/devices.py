@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import operator
 import os
+import sys
 import threading
 import warnings
 import weakref
@@ -310,7 +311,11 @@ def get_type(name: str) -> DeviceType:
         if name not in _types and name not in _unavailable:
             made = _probe(name)
             if made is not None:
-                _types[name] = made
+                # Interned: the namespaces' fast functions look their type up
+                # by this key on every call, and an identical key is found
+                # without comparing the strings (the name may come from
+                # UNIMEM_DEVICE, made apart from theirs).
+                _types[sys.intern(name)] = made
         if name in _types:
             return _types[name]
         raise RuntimeError(f"unimem: no {name} device is available: {_unavailable[name]}")
@@ -351,7 +356,7 @@ def current_type() -> DeviceType:
                     if wanted not in KNOWN_TYPES:
                         raise ValueError(f"{DEVICE_ENV_VAR}={wanted!r}: expected one of {', '.join(KNOWN_TYPES)}")
                     get_type(wanted)          # raises, saying why, if absent
-                    _current = wanted
+                    _current = sys.intern(wanted)    # the table's key itself (see get_type)
                 else:
                     _current = next(t for t in KNOWN_TYPES if is_available(t))
     return _types[_current]
@@ -382,7 +387,7 @@ def replace_backend(name: str, backend: Backend) -> DeviceType:
                               stream_handle_fn=old.registry.stream_handle_fn)
         else:
             made = DeviceType(name, backend, device_count=count)
-        _types[name] = made
+        _types[sys.intern(name)] = made          # interned: see get_type
         _unavailable.pop(name, None)
         set_current_registry_resolver(lambda: current_type().registry)
         return made
