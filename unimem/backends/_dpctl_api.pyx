@@ -198,9 +198,13 @@ cdef class USMRawAllocator:
 
     Args:
         kind: the USM kind.
-        functions: addresses of ``DPCTLmalloc_<kind>``, ``DPCTLfree_with_queue``
-            and ``DPCTLQueue_Wait``.
+        malloc_fn, free_fn: addresses of ``DPCTLmalloc_<kind>`` and
+            ``DPCTLfree_with_queue``.
         default_queues: the default ``dpctl.SyclQueue`` of each device.
+
+    A free waits on the queue first through :func:`wait_queue`, whose
+    ``DPCTLQueue_Wait`` :func:`set_queue_wait` gives (the XPU backend's
+    runtime does, before it makes any raw allocator).
     """
 
     cdef USMContext ctx
@@ -224,14 +228,12 @@ cdef class USMRawAllocator:
         if self.ctx.held != NULL:
             um_held_delete(self.ctx.held)
 
-    def __init__(self, str kind, uintptr_t malloc_fn, uintptr_t free_fn, uintptr_t wait_fn,
-                 list default_queues):
-        if not malloc_fn or not free_fn or not wait_fn:
+    def __init__(self, str kind, uintptr_t malloc_fn, uintptr_t free_fn, list default_queues):
+        if not malloc_fn or not free_fn:
             raise ValueError("dpctl's USM functions were not found")
         self.kind = kind
         self.ctx.malloc = <usm_malloc_fn>malloc_fn
         self.ctx.free = <usm_free_fn>free_fn
-        set_queue_wait(wait_fn)
         self._queue_objects = list(default_queues)
         self._queues_by_handle = {}
         self.ctx.held = um_held_new(max(len(default_queues), 1))

@@ -135,8 +135,7 @@ class _SyclRuntime:
     def raw_allocator(self, kind: str):
         from ._dpctl_api import USMRawAllocator
         raw = USMRawAllocator(kind, self.functions[f"DPCTLmalloc_{kind}"],
-                              self.functions["DPCTLfree_with_queue"], self.functions["DPCTLQueue_Wait"],
-                              list(self.default_queues))
+                              self.functions["DPCTLfree_with_queue"], list(self.default_queues))
         with self._lock:
             for handle, queue in enumerate(self.queues):
                 if queue is not None:
