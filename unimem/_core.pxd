@@ -128,7 +128,7 @@ cdef class CachingAllocator:
     cdef Block* _alloc_found_block(self, Block* block, FreeIndex* fi, size_t size,
                                    size_t orig_size, bint by_handle) noexcept nogil
     cdef inline int _reserve_for_alloc(self, FreeIndex* fi) noexcept nogil
-    cdef Block* _malloc_cached(self, size_t orig_size, uintptr_t stream, bint by_handle,
+    cdef inline Block* _malloc_cached(self, size_t orig_size, uintptr_t stream, bint by_handle,
                                int* status) noexcept nogil
     cdef inline void _trace(self, int action, uintptr_t addr, size_t size, uintptr_t stream) noexcept nogil
     cdef Block* _alloc_block(self, size_t alloc_size, size_t size, uintptr_t stream, bint is_small,
@@ -141,17 +141,21 @@ cdef class CachingAllocator:
     cdef size_t _try_merge(self, Block* dst, Block* src, FreeIndex* fi) noexcept nogil
     cdef void _free_block(self, Block* b) noexcept nogil
     cdef inline int _reserve_class(self, Block* b) noexcept nogil
-    cdef int _free_fast(self, uintptr_t ptr, bint by_handle) noexcept nogil
+    cdef inline int _free_fast(self, uintptr_t ptr, bint by_handle) noexcept nogil
     cdef inline void _account_free_request(self, Block* b) noexcept nogil
     cdef int _flush_trace(self) except -1
     cdef object _out_of_memory(self, object requested, object tried=*)
     cdef inline void _update_unusual(self) noexcept nogil
     cdef int _check_usable(self) except -1
     cdef uintptr_t c_malloc(self, size_t size, uintptr_t stream, bint by_handle=*) except? 0
+    cdef uintptr_t _malloc_unusual(self, size_t size, uintptr_t stream, bint by_handle) except? 0
+    cdef uintptr_t _malloc_miss(self, size_t size, uintptr_t stream, bint by_handle, int status) except? 0
     cdef int _after_malloc(self, uintptr_t ptr, size_t size, bint by_handle) except -1
     cdef int _try_free(self, uintptr_t ptr, bint by_handle, bint from_finalizer) except -1
     cdef int _after_free(self) except -1
+    cdef int _free_slow(self, uintptr_t ptr, int rc) except -1
     cdef int c_free(self, uintptr_t ptr) except -1
+    cdef int _refuse_free(self, uintptr_t ptr, int rc) except -1
     cdef void c_free_detached(self, uintptr_t ptr) noexcept nogil
     cdef bint c_owns(self, uintptr_t ptr) noexcept
     cdef int _refuse_huge(self, object n) except -1

@@ -461,7 +461,7 @@ cdef class CachingAllocator:
             self.slab.free_list.next = NULL
         return 0
 
-    cdef Block* _malloc_cached(self, size_t orig_size, uintptr_t stream, bint by_handle,
+    cdef inline Block* _malloc_cached(self, size_t orig_size, uintptr_t stream, bint by_handle,
                                int* status) noexcept nogil:
         """A cache hit, or NULL. ``status`` is set to -1 when host memory for the
         allocator's own bookkeeping ran out. Lock held."""
@@ -738,7 +738,7 @@ cdef class CachingAllocator:
         cdef FreeIndex* fi = self._pool_of(b)
         return um_reserve(&fi.by_size, fi.by_size.count + 1)
 
-    cdef int _free_fast(self, uintptr_t ptr, bint by_handle) noexcept nogil:
+    cdef inline int _free_fast(self, uintptr_t ptr, bint by_handle) noexcept nogil:
         """Free an allocated block without stream uses. 0: done; 1: unknown
         pointer; 2: the block needs the slow path (stream events); 3: no host
         memory for the bookkeeping; 4: the block belongs to an Allocation and
@@ -824,32 +824,56 @@ cdef class CachingAllocator:
     # ------------------------------------------------------------------
     cdef uintptr_t c_malloc(self, size_t size, uintptr_t stream, bint by_handle=False) except? 0:
         """Allocate ``size`` bytes on ``stream``; 0 for size 0. Raises on failure.
-        ``by_handle``: the block goes into an Allocation, and only it frees it."""
+        ``by_handle``: the block goes into an Allocation, and only it frees it.
+        A cache hit stays in this function; the rest (unusual states, a miss)
+        is out of line, so that the hit pays for none of its bookkeeping."""
         cdef Block* b
         cdef int status
-        cdef bint oom = False
-        cdef size_t tried = 0
-        cdef uintptr_t ptr
         if size == 0:
             return 0
         if self.unusual:
-            if self.poisoned:
-                self._check_usable()
-            if self.sleeping:
-                _refuse_asleep(self)
-            if self.n_pending_events:
-                self.process_events()
-            if self.cache_off or not self.routes.empty():
-                ptr = _malloc_routed(self, size, stream, by_handle)   # 0: not routed
-                if ptr != 0:
-                    return ptr
+            return self._malloc_unusual(size, stream, by_handle)
         self._lock()
         b = self._malloc_cached(size, stream, by_handle, &status)
-        if b != NULL:
-            self._unlock()
-            if self.unusual:
-                self._after_malloc(b.ptr, size, by_handle)
-            return b.ptr
+        if b == NULL:
+            return self._malloc_miss(size, stream, by_handle, status)
+        self._unlock()
+        if self.unusual:          # a hook installed by another thread meanwhile
+            self._after_malloc(b.ptr, size, by_handle)
+        return b.ptr
+
+    cdef uintptr_t _malloc_unusual(self, size_t size, uintptr_t stream, bint by_handle) except? 0:
+        """c_malloc in an unusual state: poisoned, asleep, events pending,
+        routed requests, history or debug mode."""
+        cdef Block* b
+        cdef int status
+        cdef uintptr_t ptr
+        if self.poisoned:
+            self._check_usable()
+        if self.sleeping:
+            _refuse_asleep(self)
+        if self.n_pending_events:
+            self.process_events()
+        if self.cache_off or not self.routes.empty():
+            ptr = _malloc_routed(self, size, stream, by_handle)   # 0: not routed
+            if ptr != 0:
+                return ptr
+        self._lock()
+        b = self._malloc_cached(size, stream, by_handle, &status)
+        if b == NULL:
+            return self._malloc_miss(size, stream, by_handle, status)
+        self._unlock()
+        if self.unusual:
+            self._after_malloc(b.ptr, size, by_handle)
+        return b.ptr
+
+    cdef uintptr_t _malloc_miss(self, size_t size, uintptr_t stream, bint by_handle,
+                                int status) except? 0:
+        """c_malloc after a cache miss, the lock held (and let go here): a new
+        segment, reclaiming, or out-of-memory."""
+        cdef Block* b
+        cdef bint oom = False
+        cdef size_t tried = 0
         try:
             if status != 0:
                 raise MemoryError("host memory for the allocator's bookkeeping ran out")
@@ -903,13 +927,7 @@ cdef class CachingAllocator:
             self._lock()
         rc = self._free_fast(ptr, by_handle)
         if rc == 2 or rc == 3:
-            try:
-                if rc == 3:
-                    raise MemoryError("host memory for the allocator's bookkeeping ran out")
-                _free_with_events(self, ptr)
-                rc = 0
-            finally:
-                self._unlock()
+            rc = self._free_slow(ptr, rc)
         else:
             self._unlock()
         if not from_finalizer and (self.recording or not self.dropped_streams.empty()):
@@ -917,6 +935,17 @@ cdef class CachingAllocator:
         if self.cache_off and rc == 0:
             _give_back_segment_at(self, ptr)
         return rc
+
+    cdef int _free_slow(self, uintptr_t ptr, int rc) except -1:
+        """_try_free of a block _free_fast left (``rc`` 2: stream events; 3:
+        no host memory for the bookkeeping), the lock held (and let go here)."""
+        try:
+            if rc == 3:
+                raise MemoryError("host memory for the allocator's bookkeeping ran out")
+            _free_with_events(self, ptr)
+        finally:
+            self._unlock()
+        return 0
 
     cdef int _after_free(self) except -1:
         """History and the backend's dropped streams, outside the lock, after a
@@ -932,6 +961,12 @@ cdef class CachingAllocator:
         if ptr == 0:
             return 0
         cdef int rc = self._try_free(ptr, False, False)
+        if rc != 0:
+            self._refuse_free(ptr, rc)
+        return 0
+
+    cdef int _refuse_free(self, uintptr_t ptr, int rc) except -1:
+        """c_free's error for what _try_free would not free (``rc`` 1 or 4)."""
         if rc == 1:
             raise ValueError(
                 f"pointer {ptr:#x} was not allocated by this {self.device_name} "
@@ -1283,14 +1318,14 @@ cdef class CachingAllocator:
 
     def memory_allocated(self):
         """Bytes currently handed out (``allocated_bytes.all.current``)."""
-        return self.stats.core[S_ALLOCATED_BYTES][POOL_ALL].current
+        return pool_current(&self.stats, S_ALLOCATED_BYTES)
 
     def max_memory_allocated(self):
         return self.stats.core[S_ALLOCATED_BYTES][POOL_ALL].peak
 
     def memory_reserved(self):
         """Bytes held from the backend (``reserved_bytes.all.current``)."""
-        return self.stats.core[S_RESERVED_BYTES][POOL_ALL].current
+        return pool_current(&self.stats, S_RESERVED_BYTES)
 
     def max_memory_reserved(self):
         return self.stats.core[S_RESERVED_BYTES][POOL_ALL].peak

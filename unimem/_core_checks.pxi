@@ -34,7 +34,7 @@ def _check_invariants(CachingAllocator self):
     cdef Block* b
     cdef FreeIndex* fi
     cdef SizeClass* sc
-    cdef Stat s
+    cdef StatValues s
     cdef size_t k
     cdef int p
     cdef StreamTable.iterator it
@@ -115,7 +115,7 @@ def _check_invariants(CachingAllocator self):
                     n_free_blocks += 1
                     fi = self._pool_of(b)
                     sc = <SizeClass*>um_find(&fi.by_size, b.size)
-                    assert sc != NULL and b.heap_pos < sc.heap.size() and sc.heap[b.heap_pos] == b, \
+                    assert sc != NULL and b.size_class == sc and b.heap_pos < sc.heap.size() and sc.heap[b.heap_pos] == b, \
                         "free block is in its size class"
                     assert b.prev == NULL or b.prev.allocated or b.prev.event_count > 0 or b.prev.unmapped, \
                         "free neighbours merge"
@@ -154,7 +154,7 @@ def _check_invariants(CachingAllocator self):
         for k in range(N_STATS):
             name = _CORE_STAT_NAMES[k]
             for p in range(3):
-                s = self.stats.core[k][p]
+                s = pool_values(&self.stats, k, p)
                 assert s.current == expect[name][p], f"{name}[{p}] is {s.current}, blocks say {expect[name][p]}"
                 assert s.peak >= s.current, f"{name}[{p}] peak below current"
     finally:

@@ -93,8 +93,8 @@ cdef object _out_of_memory_error(CachingAllocator self, object requested, object
     (PyTorch's message names the latter)."""
     self._lock()
     self.stats.num_ooms += 1
-    allocated = self.stats.core[S_ALLOCATED_BYTES][POOL_ALL].current
-    reserved = self.stats.core[S_RESERVED_BYTES][POOL_ALL].current
+    allocated = pool_current(&self.stats, S_ALLOCATED_BYTES)
+    reserved = pool_current(&self.stats, S_RESERVED_BYTES)
     if self.recording:
         self._trace(T_OOM, 0, min(self._round_size(min(requested, MAX_REQUEST)), <object>INT64_MAX), 0)
     observers = list(self.oom_observers)

@@ -474,7 +474,7 @@ cdef int _unmap_free_pages(CachingAllocator self, bint has_stream, uintptr_t str
     if not has_stream:
         # The whole cache is emptied: max_reserved_ratio's high-water mark
         # starts again from what is in use now (_core_holes.pxi).
-        self.in_use_high_water = <size_t>self.stats.core[S_ALLOCATED_BYTES][POOL_ALL].current
+        self.in_use_high_water = <size_t>pool_current(&self.stats, S_ALLOCATED_BYTES)
     b = _next_to_unmap(self, has_stream, stream, &refused)
     first_error = None
     while b != NULL:

@@ -178,7 +178,7 @@ cdef bint _unmap_to_ratio(CachingAllocator self, size_t size, size_t new_bytes,
     whole pages (by the backend's page) of the hole that best covers the
     excess. Whether anything was unmapped. Each hole is looked up afresh
     after an unmap, which can run Python (see _unmap_block)."""
-    cdef double in_use = <double>(self.stats.core[S_ALLOCATED_BYTES][POOL_ALL].current + size)
+    cdef double in_use = <double>(pool_current(&self.stats, S_ALLOCATED_BYTES) + size)
     cdef double limit
     cdef double excess
     cdef Block* b

@@ -184,7 +184,7 @@ cdef int _release_to_reserved_ratio(CachingAllocator self, size_t size, size_t a
     place is known (_expandable_alloc, _core_holes.pxi)."""
     if self.expandable:
         return 0
-    cdef double in_use = <double>(self.stats.core[S_ALLOCATED_BYTES][POOL_ALL].current + size)
+    cdef double in_use = <double>(pool_current(&self.stats, S_ALLOCATED_BYTES) + size)
     cdef double limit = self.max_reserved_ratio * in_use
     cdef double reserved = <double>(self.total_allocated_memory + alloc_size)
     if reserved <= limit:

@@ -48,17 +48,17 @@ cdef list _stat_values(CachingAllocator self):
     self._unlock()
     cdef list values = [0] * N_STAT_VALUES
     cdef int k, p, n = 0
-    cdef Stat* s
+    cdef StatValues s
     for k in range(N_STATS):
         for p in (POOL_ALL, POOL_SMALL, POOL_LARGE):
-            s = &st.core[k][p]
+            s = pool_values(&st, k, p)
             values[n] = s.current
             values[n + 1] = s.peak
             values[n + 2] = s.allocated
             values[n + 3] = s.freed
             n += 4
     for k in range(2):
-        s = &st.oversize_allocations if k == 0 else &st.oversize_segments
+        s = stat_values(&st.oversize_allocations if k == 0 else &st.oversize_segments)
         values[n] = s.current
         values[n + 1] = s.peak
         values[n + 2] = s.allocated

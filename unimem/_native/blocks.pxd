@@ -20,6 +20,7 @@ from unimem._native.addr_map cimport (U64Map, um_init, um_destroy, um_find, um_p
 
 cdef struct Segment
 cdef cppclass FreeIndex
+cdef cppclass SizeClass
 cdef cppclass PrivatePool
 
 cdef struct Block:
@@ -34,6 +35,7 @@ cdef struct Block:
     vector[uintptr_t]* stream_uses # other streams that used it (record_stream)
     int64_t gc_count_base          # pool's get_free_block count when it was freed
     size_t heap_pos                # position in its size class while free
+    SizeClass* size_class          # its size class while free (no lookup to take it out)
     int event_count                # outstanding stream events before reuse
     bint allocated
     bint is_small
@@ -206,21 +208,30 @@ cdef inline int fi_insert(FreeIndex* fi, Block* b) noexcept nogil:
     """Add a free block. Returns -1 (and changes nothing) when out of host memory."""
     cdef SizeClass* sc = <SizeClass*>um_find(&fi.by_size, b.size)
     if sc == NULL:
-        if um_reserve(&fi.by_size, fi.by_size.count + 1) != 0:
+        sc = fi_new_class(fi, b.size)
+        if sc == NULL:
             return -1
-        sc = new SizeClass()
-        sc.size = b.size
-        fi.classes[b.size] = sc
-        um_put_unchecked(&fi.by_size, b.size, sc)
     elif sc.heap.empty():
         fi.n_empty_classes -= 1
     heap_push(sc, b)
+    b.size_class = sc
     b.gc_count_base = fi.get_free_blocks_call_count
     fi.n_blocks += 1
     return 0
 
+cdef inline SizeClass* fi_new_class(FreeIndex* fi, size_t size) noexcept nogil:
+    """A new (empty) size class; NULL when out of host memory. Out of line:
+    the hot path finds its classes."""
+    if um_reserve(&fi.by_size, fi.by_size.count + 1) != 0:
+        return NULL
+    cdef SizeClass* sc = new SizeClass()
+    sc.size = size
+    fi.classes[size] = sc
+    um_put_unchecked(&fi.by_size, size, sc)
+    return sc
+
 cdef inline void fi_remove(FreeIndex* fi, Block* b) noexcept nogil:
-    fi_remove_from(fi, <SizeClass*>um_find(&fi.by_size, b.size), b)
+    fi_remove_from(fi, b.size_class, b)
 
 cdef inline void fi_remove_from(FreeIndex* fi, SizeClass* sc, Block* b) noexcept nogil:
     heap_remove(sc, b)

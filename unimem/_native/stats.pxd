@@ -2,7 +2,23 @@
 # Names and semantics: PyTorch's DeviceStats (c10/core/CachingDeviceAllocator.h).
 from libc.stdint cimport int64_t, uintptr_t
 
+# What the hot path stores of a statistic is less than what it reports; the
+# rest is derived where it is read (stat_values), which saves the free path
+# two of its three writes per statistic:
+# * ``freed`` is ``allocated - (current - base)``: every decrease of
+#   ``current`` is an amount freed, and ``base`` is ``current`` at the last
+#   reset of the accumulated counts;
+# * a core statistic's "all" pool is the sum of its small and large pools
+#   (PyTorch updates the three alike), except its peak, kept by each increase.
+#   Only ``peak`` of a ``core[k][POOL_ALL]`` entry is stored.
 cdef struct Stat:
+    int64_t current
+    int64_t peak
+    int64_t allocated
+    int64_t base
+
+# A statistic as memory_stats reports it.
+cdef struct StatValues:
     int64_t current
     int64_t peak
     int64_t allocated
@@ -52,15 +68,39 @@ cdef inline void stat_increase(Stat* s, int64_t amount) noexcept nogil:
 
 cdef inline void stat_decrease(Stat* s, int64_t amount) noexcept nogil:
     s.current -= amount
-    s.freed += amount
 
 cdef inline void pool_increase(DeviceStats* st, int which, bint is_small, int64_t amount) noexcept nogil:
-    stat_increase(&st.core[which][POOL_ALL], amount)
     stat_increase(&st.core[which][POOL_SMALL if is_small else POOL_LARGE], amount)
+    cdef int64_t total = st.core[which][POOL_SMALL].current + st.core[which][POOL_LARGE].current
+    if total > st.core[which][POOL_ALL].peak:
+        st.core[which][POOL_ALL].peak = total
 
 cdef inline void pool_decrease(DeviceStats* st, int which, bint is_small, int64_t amount) noexcept nogil:
-    stat_decrease(&st.core[which][POOL_ALL], amount)
-    stat_decrease(&st.core[which][POOL_SMALL if is_small else POOL_LARGE], amount)
+    st.core[which][POOL_SMALL if is_small else POOL_LARGE].current -= amount
+
+cdef inline int64_t pool_current(const DeviceStats* st, int which) noexcept nogil:
+    """The current value of a core statistic over both pools ("all")."""
+    return st.core[which][POOL_SMALL].current + st.core[which][POOL_LARGE].current
+
+cdef inline StatValues stat_values(const Stat* s) noexcept nogil:
+    cdef StatValues v
+    v.current = s.current
+    v.peak = s.peak
+    v.allocated = s.allocated
+    v.freed = s.allocated - (s.current - s.base)
+    return v
+
+cdef inline StatValues pool_values(const DeviceStats* st, int which, int pool) noexcept nogil:
+    """A core statistic of one pool (POOL_ALL, POOL_SMALL, POOL_LARGE) as reported."""
+    if pool != POOL_ALL:
+        return stat_values(&st.core[which][pool])
+    cdef StatValues small = stat_values(&st.core[which][POOL_SMALL])
+    cdef StatValues large = stat_values(&st.core[which][POOL_LARGE])
+    small.current += large.current
+    small.peak = st.core[which][POOL_ALL].peak
+    small.allocated += large.allocated
+    small.freed += large.freed
+    return small
 
 cdef inline void duration_add(DurationStat* d, int64_t amount) noexcept nogil:
     d.total += amount
@@ -75,7 +115,7 @@ cdef inline void stat_reset_peak(Stat* s) noexcept nogil:
 
 cdef inline void stat_reset_accumulated(Stat* s) noexcept nogil:
     s.allocated = 0
-    s.freed = 0
+    s.base = s.current
 
 
 # Trace events for memory history (recorded only while a hook is installed)
@@ -102,10 +142,11 @@ cdef struct TraceEvent:
 
 cdef inline void stats_reset_peak(DeviceStats* st) noexcept nogil:
     """Every "peak" back to its current value (and the timing extremes)."""
-    cdef int k, p
+    cdef int k
     for k in range(N_STATS):
-        for p in range(3):
-            stat_reset_peak(&st.core[k][p])
+        stat_reset_peak(&st.core[k][POOL_SMALL])
+        stat_reset_peak(&st.core[k][POOL_LARGE])
+        st.core[k][POOL_ALL].peak = pool_current(st, k)
     stat_reset_peak(&st.oversize_allocations)
     stat_reset_peak(&st.oversize_segments)
     st.device_alloc_time.max = 0
@@ -116,10 +157,10 @@ cdef inline void stats_reset_peak(DeviceStats* st) noexcept nogil:
 
 cdef inline void stats_reset_accumulated(DeviceStats* st) noexcept nogil:
     """The "allocated"/"freed" histories, the event counters and the timing totals to 0."""
-    cdef int k, p
+    cdef int k
     for k in range(N_STATS):
-        for p in range(3):
-            stat_reset_accumulated(&st.core[k][p])
+        stat_reset_accumulated(&st.core[k][POOL_SMALL])
+        stat_reset_accumulated(&st.core[k][POOL_LARGE])
     stat_reset_accumulated(&st.oversize_allocations)
     stat_reset_accumulated(&st.oversize_segments)
     st.num_alloc_retries = 0

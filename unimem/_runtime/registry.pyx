@@ -15,7 +15,7 @@ from libc.stdint cimport uint64_t, uintptr_t
 from unimem._core cimport CachingAllocator
 from unimem._native.arguments cimport check_pointer, check_size, check_stream, exact_size
 from unimem._native.policy cimport MAX_REQUEST
-from unimem._native.stats cimport S_ALLOCATED_BYTES, POOL_ALL
+from unimem._native.stats cimport S_ALLOCATED_BYTES, pool_current
 
 import threading
 import weakref
@@ -244,7 +244,7 @@ cdef class DeviceRegistry:
         cdef int index = self.current_index() if device is None else _device_int(device)
         self.check_index(index)
         cdef CachingAllocator a = <CachingAllocator>self._allocators[index]
-        return 0 if a is None else a.stats.core[S_ALLOCATED_BYTES][POOL_ALL].current
+        return 0 if a is None else pool_current(&a.stats, S_ALLOCATED_BYTES)
 
 
 cdef inline int _free_on(object allocator, uintptr_t p) except -1:
