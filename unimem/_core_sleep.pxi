@@ -44,6 +44,8 @@
 # asleep (nothing can be handed out twice) and wake_up() again goes on.
 # sleep() and wake_up() re-entered from a backend call are refused.
 
+from bisect import bisect_right
+
 from libc.string cimport memcpy
 from posix.mman cimport (mmap, munmap, madvise, PROT_READ, PROT_WRITE, MAP_PRIVATE,
                          MAP_ANONYMOUS, MAP_FAILED)
@@ -488,3 +490,58 @@ def _sleep_accounting(CachingAllocator self):
                 released[<uintptr_t>seg] = released.get(<uintptr_t>seg, 0) + span.size
     held = {<uintptr_t>self.sleep_held[i] for i in range(self.sleep_held.size())}
     return released, held
+
+
+# ---------------------------------------------------------------------------
+# the snapshot of an allocator that sleeps
+# ---------------------------------------------------------------------------
+def _snapshot_awake(CachingAllocator self, pool_id=None):
+    """CachingAllocator.snapshot: _snapshot_segments without the memory a
+    sleep gave back. reserved_bytes counts backed memory only, and PyTorch's
+    snapshot lists only the mapped runs of an expandable segment (unmapped
+    addresses are not memory); so a segment with spans given back is listed
+    as the runs of its blocks outside them (nothing for a whole segment from
+    malloc), and the sizes add up to reserved_bytes asleep as awake. The
+    live blocks given back go with their memory (their bytes are on the
+    host, or gone); allocated_bytes still counts them, as the segment count
+    counts their segments. A free block the sleep holds is "inactive" (free:
+    active_bytes leaves it out), not waiting on a stream."""
+    cdef size_t i
+    self._lock()
+    try:
+        segments = _snapshot_segments(self, pool_id)
+        released = sorted((span.address, span.address + span.size) for state in self.sleep_states.values()
+                          for span in state.spans if span.released)
+        held = {self.sleep_held[i].ptr for i in range(self.sleep_held.size())}
+    finally:
+        self._unlock()
+    if not released and not held:
+        return segments
+    starts = [start for start, _ in released]
+    out = []
+    for segment in segments:
+        run = []
+        for block in segment["blocks"]:
+            if block["address"] in held:
+                block["state"] = "inactive"
+            k = bisect_right(starts, block["address"]) - 1
+            if k >= 0 and block["address"] < released[k][1]:    # given back: the run ends
+                out.extend(_segment_of_run(segment, run))
+                run = []
+            else:
+                run.append(block)
+        out.extend(_segment_of_run(segment, run))
+    return out
+
+
+def _segment_of_run(dict segment, list blocks):
+    """``segment``'s entry for a run of its blocks ([] for none), its sums
+    counted again as _snapshot_segments counts them."""
+    if not blocks:
+        return []
+    active = [block for block in blocks if block["state"] != "inactive"]
+    return [dict(segment, address=blocks[0]["address"], blocks=blocks,
+                 total_size=sum(block["size"] for block in blocks),
+                 allocated_size=sum(block["size"] for block in active if block["state"] == "active_allocated"),
+                 active_size=sum(block["size"] for block in active),
+                 requested_size=sum(block["requested_size"] for block in active))]
