@@ -1073,6 +1073,7 @@ cdef class CachingAllocator:
             _synchronize_and_free_events(self)
             if self.expandable:
                 _unmap_free_pages(self, one_stream, handle)
+            _end_dead_pool_sleeps(self, NULL)   # pools that died asleep (a finalizer could not)
             _release_segments(self, False, one_stream, handle, 0)
             self._drop_unused_streams()
             _reap_private_pools(self)

@@ -545,3 +545,85 @@ def _segment_of_run(dict segment, list blocks):
                  allocated_size=sum(block["size"] for block in active if block["state"] == "active_allocated"),
                  active_size=sum(block["size"] for block in active),
                  requested_size=sum(block["requested_size"] for block in active))]
+
+
+# ---------------------------------------------------------------------------
+# a private pool that dies asleep
+# ---------------------------------------------------------------------------
+cdef int _end_dead_pool_sleeps(CachingAllocator self, PrivatePool* only) except -1:
+    """End the sleep of every dead private pool (of ``only`` when not NULL):
+    its MemPool is gone, so nobody can wake it, and memory that sleeps is
+    never given back. Called by _empty_dead_pool and empty_cache, whose
+    release of the pool's free segments follows in the same hold of the
+    lock. Not from inside another allocator call of this thread (a
+    finalizer, a backend call): then at the next empty_cache."""
+    cdef pair[uint64_t, PrivatePool*] entry
+    if not self.sleep_states or self.lock_depth != 1 or self.sleep_busy:
+        return 0
+    dead = [(0, entry.first) for entry in self.private_pools
+            if entry.second.use_count == 0 and (only == NULL or entry.second == only)]
+    for tag in dead:
+        if tag in self.sleep_states:
+            _end_dead_sleep(self, tag)
+    return 0
+
+
+cdef int _end_dead_sleep(CachingAllocator self, object tag) except -1:
+    """The segments of the sleep with a block still in use wake up (restore,
+    copy back): a pool's blocks outlive its MemPool, as in PyTorch. The
+    others, wholly free and about to be released, are not backed again:
+    their spans only count as reserved again, for the release to take off
+    (the peak stays: no memory was mapped). A restore that fails raises with
+    the pool still asleep and the statistics right: the next empty_cache
+    tries again."""
+    cdef size_t i
+    cdef int p
+    cdef bint debug_on = self.debug_on
+    cdef Stat* s
+    state = self.sleep_states[tag]
+    held = {<uintptr_t>self.sleep_held[i] for i in range(self.sleep_held.size())}
+    held.update(<uintptr_t>self.sleep_freed[i] for i in range(self.sleep_freed.size()))
+    self.sleep_busy = True
+    try:
+        for span in state.spans:
+            if span.expandable or not _wholly_held(self, span.address, held):
+                if span.released:
+                    _restore_span(self, span)
+                _copy_back(self, state, span)
+        # From here on no Python code runs until the caller's release.
+        for span in state.spans:
+            if span.released:
+                span.released = False
+                self.total_allocated_memory += <size_t>span.size
+                for p in (POOL_ALL, POOL_SMALL if span.is_small else POOL_LARGE):
+                    s = &self.stats.core[S_RESERVED_BYTES][p]
+                    s.current += <int64_t>span.size
+                    s.allocated += <int64_t>span.size
+        # Debug mode's fill would write to memory not backed; the pool's
+        # blocks are never handed out again, so no fill is needed.
+        self.debug_on = False
+        try:
+            _end_sleep(self, state, tag)
+        finally:
+            self.debug_on = debug_on
+    finally:
+        self.sleep_busy = False
+    cdef PrivatePool* pool = _find_pool(self, tag[1])
+    if pool != NULL:
+        pool.sleeping = False
+    return 0
+
+
+cdef bint _wholly_held(CachingAllocator self, uintptr_t base, object held) except -1:
+    """Whether every block of the segment at ``base`` is free and held by a
+    sleep (none in use, none waiting on a stream)."""
+    cdef cmap[uintptr_t, Segment*].iterator it = self.segments_by_base.find(base)
+    cdef Block* b
+    if it == self.segments_by_base.end():
+        return False
+    b = deref(it).second.head
+    while b != NULL:
+        if <uintptr_t>b not in held:
+            return False
+        b = b.next
+    return True
