@@ -1108,6 +1108,7 @@ cdef class CachingAllocator:
             _synchronize_and_free_events(self)
             if self.expandable:
                 _unmap_free_pages(self, one_stream, handle)
+            _end_dead_pool_sleeps(self, NULL)   # pools that died asleep (a finalizer could not)
             _release_segments(self, False, one_stream, handle, 0)
             self._drop_unused_streams()
             _reap_private_pools(self)
@@ -1355,8 +1356,11 @@ cdef class CachingAllocator:
     # state -------------------------------------------------------------
     def snapshot(self, pool_id=None):
         """The segments and their blocks, in PyTorch's snapshot layout; only
-        those of private pool ``pool_id`` (its ``MemPool.id``) when given."""
-        return _snapshot_segments(self, pool_id)
+        those of private pool ``pool_id`` (its ``MemPool.id``) when given.
+        Memory a sleep gave back is left out (as PyTorch leaves out the
+        unmapped parts of an expandable segment), with the live blocks in it:
+        the segment sizes add up to ``reserved_bytes.all.current``."""
+        return _snapshot_awake(self, pool_id)
 
     # private pools (MemPool) and the cache switch: _core_pools.pxi ------
     def create_pool(self, pool_id, backend=None, use_on_oom=False, no_split=False):

@@ -10,6 +10,8 @@
 # (PyTorch's createOrIncrefPool / releasePool). At none left the pool is
 # dead: its free segments go back (now, and at each empty_cache until its
 # last block is freed), and then the pool itself goes (_reap_private_pools).
+# A pool that dies asleep is woken first where its blocks are still in use
+# (_end_dead_pool_sleeps), and its free segments go back without waking.
 #
 # Routing is per thread: ``routes`` maps a thread to the pools it allocates
 # from, innermost last. While any thread routes (or the cache is off),
@@ -179,11 +181,12 @@ cdef int _empty_dead_pool(CachingAllocator self, PrivatePool* pool) except -1:
     cdef Segment* seg = self.segments
     if self.lock_depth != 1:
         return 0
-    while seg != NULL:
-        if seg.pool == pool and _segment_is_free(self, seg):
-            victims.push_back(seg)
-        seg = seg.next_seg
     try:
+        _end_dead_pool_sleeps(self, pool)     # one that dies asleep: _core_sleep.pxi
+        while seg != NULL:
+            if seg.pool == pool and _segment_is_free(self, seg):
+                victims.push_back(seg)
+            seg = seg.next_seg
         _release(self, victims)
     finally:
         _reap_private_pools(self)

@@ -44,6 +44,8 @@
 # asleep (nothing can be handed out twice) and wake_up() again goes on.
 # sleep() and wake_up() re-entered from a backend call are refused.
 
+from bisect import bisect_right
+
 from libc.string cimport memcpy
 from posix.mman cimport (mmap, munmap, madvise, PROT_READ, PROT_WRITE, MAP_PRIVATE,
                          MAP_ANONYMOUS, MAP_FAILED)
@@ -54,8 +56,12 @@ cdef extern from *:
     #ifndef MADV_HUGEPAGE
     #define MADV_HUGEPAGE 14
     #endif
+    #ifndef MADV_NOHUGEPAGE
+    #define MADV_NOHUGEPAGE 15
+    #endif
     """
     int MADV_HUGEPAGE
+    int MADV_NOHUGEPAGE
 
 # The host copy is mapped by 2 MiB pages where the system allows it
 # (transparent huge pages on madvise): faulting in 512 times fewer pages
@@ -305,21 +311,52 @@ cdef int _copy_back(CachingAllocator self, object state, object span) except -1:
     copy_from_host = None if direct else getattr(self.backend, "copy_from_host", None)
     if span.copies and not direct and copy_from_host is None:
         raise NotImplementedError(_no_copy_message(self, "copy_from_host"))
-    if span.copies and direct:
-        # Host memory: the new pages of a span with live bytes are asked for
-        # as huge pages (a hint, as NumPy gives its large arrays), so that
-        # the copy back faults in 512 times fewer pages.
+    # Host memory where huge pages come only when asked for: the new pages
+    # of a span with live bytes are asked for as huge pages while the bytes
+    # are copied back (512 times fewer faults, several times faster).
+    cdef bint advise = bool(span.copies) and direct and _thp_mode() == "madvise"
+    if advise:
         madvise(<void*><uintptr_t>span.address, <size_t>span.size, MADV_HUGEPAGE)
-    while span.copies:
-        block, address, size, offset = span.copies[len(span.copies) - 1]
-        b = <Block*><uintptr_t>block
-        if b.allocated and b.ptr == <uintptr_t>address:     # not freed while asleep
-            if direct:
-                memcpy(<void*>b.ptr, <void*>(<uintptr_t>state.staging + <size_t>offset), b.size)
-            else:
-                copy_from_host(address, state.staging + offset, size, self.device)
-        span.copies.pop()
+    try:
+        while span.copies:
+            block, address, size, offset = span.copies[len(span.copies) - 1]
+            b = <Block*><uintptr_t>block
+            if b.allocated and b.ptr == <uintptr_t>address:     # not freed while asleep
+                if direct:
+                    memcpy(<void*>b.ptr, <void*>(<uintptr_t>state.staging + <size_t>offset), b.size)
+                else:
+                    copy_from_host(address, state.staging + offset, size, self.device)
+            span.copies.pop()
+    finally:
+        if advise:
+            # ... and only then: left on, every later fault in the range
+            # (a block handed out there) would take a 2 MiB page, and may
+            # stall compacting memory for it, where before the sleep it took
+            # 4 KiB. Before the hint the range had no advice (the restore
+            # made a fresh mapping), and in "madvise" mode MADV_NOHUGEPAGE
+            # faults as no advice does (no huge page, khugepaged passes it
+            # by): the closest Linux has to taking advice back. The huge
+            # pages the copy got stay. Under "always" nothing is asked (a
+            # fresh mapping gets huge pages anyway) nor taken back.
+            madvise(<void*><uintptr_t>span.address, <size_t>span.size, MADV_NOHUGEPAGE)
     return 0
+
+
+cdef object _thp_mode_found = None
+
+
+cdef str _thp_mode():
+    """The system's transparent huge page mode ("always", "madvise" or
+    "never"; "" without them), read once."""
+    global _thp_mode_found
+    if _thp_mode_found is None:
+        try:
+            with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+                text = f.read()
+            _thp_mode_found = text[text.index("[") + 1:text.index("]")]
+        except (OSError, ValueError):
+            _thp_mode_found = ""
+    return _thp_mode_found
 
 
 cdef int _end_sleep(CachingAllocator self, object state, object tag) except -1:
@@ -453,3 +490,140 @@ def _sleep_accounting(CachingAllocator self):
                 released[<uintptr_t>seg] = released.get(<uintptr_t>seg, 0) + span.size
     held = {<uintptr_t>self.sleep_held[i] for i in range(self.sleep_held.size())}
     return released, held
+
+
+# ---------------------------------------------------------------------------
+# the snapshot of an allocator that sleeps
+# ---------------------------------------------------------------------------
+def _snapshot_awake(CachingAllocator self, pool_id=None):
+    """CachingAllocator.snapshot: _snapshot_segments without the memory a
+    sleep gave back. reserved_bytes counts backed memory only, and PyTorch's
+    snapshot lists only the mapped runs of an expandable segment (unmapped
+    addresses are not memory); so a segment with spans given back is listed
+    as the runs of its blocks outside them (nothing for a whole segment from
+    malloc), and the sizes add up to reserved_bytes asleep as awake. The
+    live blocks given back go with their memory (their bytes are on the
+    host, or gone); allocated_bytes still counts them, as the segment count
+    counts their segments. A free block the sleep holds is "inactive" (free:
+    active_bytes leaves it out), not waiting on a stream."""
+    cdef size_t i
+    self._lock()
+    try:
+        segments = _snapshot_segments(self, pool_id)
+        released = sorted((span.address, span.address + span.size) for state in self.sleep_states.values()
+                          for span in state.spans if span.released)
+        held = {self.sleep_held[i].ptr for i in range(self.sleep_held.size())}
+    finally:
+        self._unlock()
+    if not released and not held:
+        return segments
+    starts = [start for start, _ in released]
+    out = []
+    for segment in segments:
+        run = []
+        for block in segment["blocks"]:
+            if block["address"] in held:
+                block["state"] = "inactive"
+            k = bisect_right(starts, block["address"]) - 1
+            if k >= 0 and block["address"] < released[k][1]:    # given back: the run ends
+                out.extend(_segment_of_run(segment, run))
+                run = []
+            else:
+                run.append(block)
+        out.extend(_segment_of_run(segment, run))
+    return out
+
+
+def _segment_of_run(dict segment, list blocks):
+    """``segment``'s entry for a run of its blocks ([] for none), its sums
+    counted again as _snapshot_segments counts them."""
+    if not blocks:
+        return []
+    active = [block for block in blocks if block["state"] != "inactive"]
+    return [dict(segment, address=blocks[0]["address"], blocks=blocks,
+                 total_size=sum(block["size"] for block in blocks),
+                 allocated_size=sum(block["size"] for block in active if block["state"] == "active_allocated"),
+                 active_size=sum(block["size"] for block in active),
+                 requested_size=sum(block["requested_size"] for block in active))]
+
+
+# ---------------------------------------------------------------------------
+# a private pool that dies asleep
+# ---------------------------------------------------------------------------
+cdef int _end_dead_pool_sleeps(CachingAllocator self, PrivatePool* only) except -1:
+    """End the sleep of every dead private pool (of ``only`` when not NULL):
+    its MemPool is gone, so nobody can wake it, and memory that sleeps is
+    never given back. Called by _empty_dead_pool and empty_cache, whose
+    release of the pool's free segments follows in the same hold of the
+    lock. Not from inside another allocator call of this thread (a
+    finalizer, a backend call): then at the next empty_cache."""
+    cdef pair[uint64_t, PrivatePool*] entry
+    if not self.sleep_states or self.lock_depth != 1 or self.sleep_busy:
+        return 0
+    dead = [(0, entry.first) for entry in self.private_pools
+            if entry.second.use_count == 0 and (only == NULL or entry.second == only)]
+    for tag in dead:
+        if tag in self.sleep_states:
+            _end_dead_sleep(self, tag)
+    return 0
+
+
+cdef int _end_dead_sleep(CachingAllocator self, object tag) except -1:
+    """The segments of the sleep with a block still in use wake up (restore,
+    copy back): a pool's blocks outlive its MemPool, as in PyTorch. The
+    others, wholly free and about to be released, are not backed again:
+    their spans only count as reserved again, for the release to take off
+    (the peak stays: no memory was mapped). A restore that fails raises with
+    the pool still asleep and the statistics right: the next empty_cache
+    tries again."""
+    cdef size_t i
+    cdef int p
+    cdef bint debug_on = self.debug_on
+    cdef Stat* s
+    state = self.sleep_states[tag]
+    held = {<uintptr_t>self.sleep_held[i] for i in range(self.sleep_held.size())}
+    held.update(<uintptr_t>self.sleep_freed[i] for i in range(self.sleep_freed.size()))
+    self.sleep_busy = True
+    try:
+        for span in state.spans:
+            if span.expandable or not _wholly_held(self, span.address, held):
+                if span.released:
+                    _restore_span(self, span)
+                _copy_back(self, state, span)
+        # From here on no Python code runs until the caller's release.
+        for span in state.spans:
+            if span.released:
+                span.released = False
+                self.total_allocated_memory += <size_t>span.size
+                for p in (POOL_ALL, POOL_SMALL if span.is_small else POOL_LARGE):
+                    s = &self.stats.core[S_RESERVED_BYTES][p]
+                    s.current += <int64_t>span.size
+                    s.allocated += <int64_t>span.size
+        # Debug mode's fill would write to memory not backed; the pool's
+        # blocks are never handed out again, so no fill is needed.
+        self.debug_on = False
+        try:
+            _end_sleep(self, state, tag)
+        finally:
+            self.debug_on = debug_on
+    finally:
+        self.sleep_busy = False
+    cdef PrivatePool* pool = _find_pool(self, tag[1])
+    if pool != NULL:
+        pool.sleeping = False
+    return 0
+
+
+cdef bint _wholly_held(CachingAllocator self, uintptr_t base, object held) except -1:
+    """Whether every block of the segment at ``base`` is free and held by a
+    sleep (none in use, none waiting on a stream)."""
+    cdef cmap[uintptr_t, Segment*].iterator it = self.segments_by_base.find(base)
+    cdef Block* b
+    if it == self.segments_by_base.end():
+        return False
+    b = deref(it).second.head
+    while b != NULL:
+        if <uintptr_t>b not in held:
+            return False
+        b = b.next
+    return True

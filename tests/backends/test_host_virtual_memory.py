@@ -12,6 +12,8 @@ from hypothesis import given, settings, strategies as st
 
 from unimem.backends._host import PAGE_SIZE, PageAlignedBackend
 
+from tests.helpers.mappings import vma_flags
+
 MiB = 1 << 20
 
 
@@ -19,20 +21,6 @@ def rss():
     """Resident bytes of this process, now (not the peak)."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * PAGE_SIZE
-
-
-def vma_flags(address):
-    """The VmFlags the kernel reports for the mapping holding ``address``."""
-    with open("/proc/self/smaps") as f:
-        inside = False
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                start, end = (int(x, 16) for x in head.split("-"))
-                inside = start <= address < end
-            elif inside and head == "VmFlags:":
-                return set(line.split()[1:])
-    raise AssertionError(f"no mapping holds {address:#x}")
 
 
 @pytest.fixture

@@ -148,3 +148,29 @@ def test_a_pool_cannot_start_sleeping_while_the_device_sleeps(pool):
     unimem.cpu.wake_up()
     assert pool_reserved(pool) > 0 and same_bytes(inside, 3 * MiB, 3)
     unimem.cpu.caching_allocator_delete(inside)
+
+
+def test_a_mempool_that_dies_asleep_leaves_nothing_behind():
+    """Its block in use wakes with its bytes; everything else goes back, at
+    once or at the next empty_cache, and the statistics say so."""
+    gc.collect()
+    unimem.cpu.empty_cache()
+    reserved = unimem.cpu.memory_reserved()
+    segments = unimem.cpu.memory_stats().get("segment.all.current", 0)
+    pool = unimem.cpu.MemPool()
+    with unimem.cpu.use_mem_pool(pool):
+        kept = unimem.cpu.caching_allocator_alloc(3 * MiB)
+        unimem.cpu.caching_allocator_delete(unimem.cpu.caching_allocator_alloc(12 * MiB))
+    fill(kept, 3 * MiB, 5)
+    pool_id, core = pool.id, pool._core
+    pool.sleep()
+    del pool
+    gc.collect()
+    assert not core.is_sleeping(pool_id)
+    assert same_bytes(kept, 3 * MiB, 5)                              # woken: readable, its bytes back
+    assert unimem.cpu.memory_snapshot(pool_id) != []
+    unimem.cpu.caching_allocator_delete(kept)
+    unimem.cpu.empty_cache()
+    assert unimem.cpu.memory_snapshot(pool_id) == []
+    assert unimem.cpu.memory_reserved() == reserved
+    assert unimem.cpu.memory_stats()["segment.all.current"] == segments

@@ -87,3 +87,31 @@ def test_the_accelerator_sleeps_its_current_device_type():
     finally:
         acc.wake_up()
     assert not acc.is_sleeping()
+
+
+def test_what_reads_the_snapshot_of_a_sleeping_cpu_agrees_with_its_statistics(awake_cpu):
+    """memory_snapshot leaves out the memory a sleep gave back (as the
+    unmapped parts of expandable segments): its segment sizes add up to
+    memory_reserved(), and the tools that read a snapshot keep working."""
+    report_data = pytest.importorskip("unimem._observe.report_data")     # needs the report extra
+    blocks = [cpu.caching_allocator_alloc(n) for n in (1000, 3 * MiB, 25 * MiB)]
+    awake = cpu.memory_snapshot()
+    assert sum(s["total_size"] for s in awake) == cpu.memory_reserved() > 0
+    cpu.sleep()
+    assert cpu.memory_snapshot() == []
+    snapshot = cpu._snapshot()
+    assert snapshot["segments"] == []
+    made = report_data.snapshot_memory_stats(snapshot, 0)
+    assert made["reserved_bytes.all.current"] == cpu.memory_reserved() == 0
+    assert "reserved" in cpu.memory_summary().lower()
+    try:
+        from unimem._observe.report import report_html
+    except ImportError:                       # plotly and fastjsonschema are extras
+        report_html = None
+    if report_html is not None:
+        assert "<html" in report_html(snapshot, device=0).lower()
+    cpu.wake_up()
+    assert cpu.memory_snapshot() == awake
+    for ptr in blocks:
+        cpu.caching_allocator_delete(ptr)
+    cpu.empty_cache()

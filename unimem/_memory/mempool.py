@@ -129,8 +129,10 @@ class MemPool:
                 memory first, for :meth:`wake_up` to copy back (default).
                 ``False`` keeps no contents (faster).
 
-        A pool whose MemPool object dies while asleep keeps its address
-        ranges (and offloaded bytes) until its allocator goes: wake it first.
+        A pool whose MemPool object dies while asleep stops sleeping: what
+        of it is still in use wakes up (its offloaded bytes copied back), its
+        free memory goes back to the device without waking (at the next
+        ``empty_cache()`` when the death comes inside another allocator call).
         ``RuntimeError`` while the device itself sleeps (its :func:`wake_up`
         would bring the pool's memory back): wake the device first.
         """
