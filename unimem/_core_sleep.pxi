@@ -577,9 +577,7 @@ cdef int _end_dead_sleep(CachingAllocator self, object tag) except -1:
     the pool still asleep and the statistics right: the next empty_cache
     tries again."""
     cdef size_t i
-    cdef int p
     cdef bint debug_on = self.debug_on
-    cdef Stat* s
     state = self.sleep_states[tag]
     held = {<uintptr_t>self.sleep_held[i] for i in range(self.sleep_held.size())}
     held.update(<uintptr_t>self.sleep_freed[i] for i in range(self.sleep_freed.size()))
@@ -595,10 +593,7 @@ cdef int _end_dead_sleep(CachingAllocator self, object tag) except -1:
             if span.released:
                 span.released = False
                 self.total_allocated_memory += <size_t>span.size
-                for p in (POOL_ALL, POOL_SMALL if span.is_small else POOL_LARGE):
-                    s = &self.stats.core[S_RESERVED_BYTES][p]
-                    s.current += <int64_t>span.size
-                    s.allocated += <int64_t>span.size
+                pool_increase_without_peak(&self.stats, S_RESERVED_BYTES, span.is_small, <int64_t>span.size)
         # Debug mode's fill would write to memory not backed; the pool's
         # blocks are never handed out again, so no fill is needed.
         self.debug_on = False

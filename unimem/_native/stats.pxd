@@ -78,6 +78,13 @@ cdef inline void pool_increase(DeviceStats* st, int which, bint is_small, int64_
 cdef inline void pool_decrease(DeviceStats* st, int which, bint is_small, int64_t amount) noexcept nogil:
     st.core[which][POOL_SMALL if is_small else POOL_LARGE].current -= amount
 
+cdef inline void pool_increase_without_peak(DeviceStats* st, int which, bint is_small, int64_t amount) noexcept nogil:
+    """An increase that no peak may see (memory counted again only for a
+    release to take it off at once)."""
+    cdef Stat* s = &st.core[which][POOL_SMALL if is_small else POOL_LARGE]
+    s.current += amount
+    s.allocated += amount
+
 cdef inline int64_t pool_current(const DeviceStats* st, int which) noexcept nogil:
     """The current value of a core statistic over both pools ("all")."""
     return st.core[which][POOL_SMALL].current + st.core[which][POOL_LARGE].current
