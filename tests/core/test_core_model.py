@@ -123,6 +123,47 @@ CoreMatchesModelWithReservedRatio.TestCase.settings = CoreMatchesModel.TestCase.
 TestCoreMatchesModelWithReservedRatio = CoreMatchesModelWithReservedRatio.TestCase
 
 
+class CoreMatchesModelWithMaxSplitSize(CoreMatchesModel):
+    """max_split_size set: oversize blocks (never split, taken only by a
+    request that wastes little), the oversize_allocations/oversize_segments
+    counts across resets, and the release of cached oversize segments
+    (PyTorch's release_available_cached_blocks) before the full flush, on
+    two streams."""
+
+    MAX_SPLIT = 24 * MiB
+
+    def __init__(self):
+        RuleBasedStateMachine.__init__(self)
+        self.backend = SimulatedBackend(capacity=CAPACITY)
+        self.core = _core.CachingAllocator(self.backend, 0, max_split_size=self.MAX_SPLIT)
+        self.core.set_capacity(CAPACITY)
+        self.model = ModelAllocator(CAPACITY, max_split_size=self.MAX_SPLIT)
+        self.live = {}
+
+    @rule(target=CoreMatchesModel.blocks, stream=st.sampled_from([0, 0, 7]), size=st.one_of(
+        sizes, st.sampled_from([MAX_SPLIT - 1, MAX_SPLIT, MAX_SPLIT + 1, 2 * MAX_SPLIT])))
+    def malloc_on_stream(self, size, stream):
+        try:
+            expected = self.model.malloc(size, stream)
+        except ModelOOM:
+            try:
+                self.core.malloc(size, stream)
+            except OutOfMemoryError:
+                return None
+            raise AssertionError(f"the core served {size} bytes the model could not")
+        got = self.core.malloc(size, stream)
+        assert got == expected, f"malloc({size}, stream {stream}): core {got:#x}, model {expected:#x}"
+        if got:
+            self.live[got] = self.core.round_size(size)
+        return got or None
+
+
+CoreMatchesModelWithMaxSplitSize.TestCase.settings = settings(
+    max_examples=100, stateful_step_count=60, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow])
+TestCoreMatchesModelWithMaxSplitSize = CoreMatchesModelWithMaxSplitSize.TestCase
+
+
 class CoreMatchesModelWithExpandableSegments(CoreMatchesModel):
     """expandable_segments:True: ranges reserved per stream and pool, pages
     mapped and unmapped (in the middle of a range too), ranges released,

@@ -217,6 +217,29 @@ class ModelAllocator:
             chosen.append(seg)
         self._release_segments(chosen)
 
+    def _release_available(self, size: int, stream: int) -> bool:
+        """PyTorch's release_available_cached_blocks (max_split_size set): the
+        smallest free oversize segment of the stream that is big enough, or
+        else its free oversize segments, largest first, until as much as
+        asked (at least max_split_size) is released."""
+        if self.max_split == (1 << 64) - 1:
+            return False
+        key = max(size, self.max_split)
+        candidates = [s for s in self.segments if not s.small and s.stream == stream
+                      and self._whole_free(s) and s.size >= self.max_split]
+        fitting = [s for s in candidates if s.size >= key]
+        if fitting:
+            self._release_segments([min(fitting, key=lambda s: (s.size, s.base))])
+            return True
+        released, chosen = 0, []
+        for seg in sorted(candidates, key=lambda s: (s.size, s.base), reverse=True):
+            if released >= key:
+                break
+            released += seg.size
+            chosen.append(seg)
+        self._release_segments(chosen)
+        return released >= key
+
     def malloc(self, request: int, stream: int = 0) -> int:
         if request == 0:
             return 0
@@ -233,8 +256,8 @@ class ModelAllocator:
             if self.max_reserved_ratio:
                 self._release_to_ratio(size, alloc_size)
             block = self._new_segment(alloc_size, stream, small, False)
-            if block is None and self.max_split != (1 << 64) - 1:
-                raise NotImplementedError("the model does not cover max_split release")
+            if block is None and self._release_available(size, stream):
+                block = self._new_segment(alloc_size, stream, small, False)
             if block is None:
                 self.counters["num_sync_all_streams"] += 1
                 self._release_all_free()
