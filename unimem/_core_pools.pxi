@@ -80,6 +80,15 @@ cdef StreamPools* _pool_stream_pools(PrivatePool* pool, uintptr_t stream) noexce
     return sp
 
 
+cdef void _drop_pool_stream_if_unused(PrivatePool* pool, uintptr_t stream) noexcept nogil:
+    """Forget ``pool``'s free indexes of ``stream`` when no segment of the
+    pool is on it (a request that failed there made them)."""
+    cdef StreamTable.iterator it = pool.streams.find(stream)
+    if it != pool.streams.end() and deref(it).second.n_segments == 0:
+        stream_pools_delete(deref(it).second)
+        pool.streams.erase(it)
+
+
 cdef FreeIndex* _pool_index(CachingAllocator self, PrivatePool* pool, uintptr_t stream,
                             bint is_small) noexcept nogil:
     cdef StreamPools* sp = _pool_stream_pools(pool, stream)
@@ -377,6 +386,8 @@ cdef uintptr_t _malloc_routed(CachingAllocator self, size_t size, uintptr_t stre
         if b == NULL:
             b = self._malloc_slow(size, stream, by_handle, &oom, &tried, pool, self.cache_off)
     finally:
+        if pool != NULL and b == NULL:
+            _drop_pool_stream_if_unused(pool, stream)    # made by _pool_index for this request
         self._unlock()
     if oom:
         self._after_free()          # history, and the streams the retries dropped

@@ -454,3 +454,24 @@ def test_inactive_split_counts_a_pool_block_in_an_expandable_allocator():
     a.release_pool((0, 1))
     a.empty_cache()
     a._check_invariants()
+
+
+@pytest.mark.parametrize("stream", [0, 5])
+def test_a_pool_request_that_fails_leaves_no_free_index_behind(stream):
+    """A routed request failing on a stream where the pool has no segment
+    made the pool's free indexes of that stream and kept them, one table per
+    failure (found by a differential review: _check_invariants failed)."""
+    a = _core.CachingAllocator(SimulatedBackend(capacity=256 * MiB), 0)
+    a.set_capacity(256 * MiB)
+    a.create_pool(P1, None, False, False)
+    a.begin_pool(P1)
+    try:
+        for _ in range(3):
+            with pytest.raises(OutOfMemoryError):
+                a.malloc(300 * MiB, stream)
+        a._check_invariants()
+        p = a.malloc(1 * MiB, stream)          # the pool still serves the stream
+        a.free(p)
+        a._check_invariants()
+    finally:
+        a.end_pool(P1)
