@@ -84,6 +84,7 @@ cdef enum:
 cdef unsigned char debug_fill_page[4096]
 memset(debug_fill_page, DEBUG_FILL, 4096)
 
+include "_core_free_index.pxi"
 include "_core_errors.pxi"
 include "_core_stats.pxi"
 include "_core_debug.pxi"

@@ -204,32 +204,6 @@ cdef inline void fi_sweep_empty(FreeIndex* fi) noexcept nogil:
             it = um_next(it)
     fi.n_empty_classes = 0
 
-cdef inline int fi_insert(FreeIndex* fi, Block* b) noexcept nogil:
-    """Add a free block. Returns -1 (and changes nothing) when out of host memory."""
-    cdef SizeClass* sc = <SizeClass*>um_find(&fi.by_size, b.size)
-    if sc == NULL:
-        sc = fi_new_class(fi, b.size)
-        if sc == NULL:
-            return -1
-    elif sc.heap.empty():
-        fi.n_empty_classes -= 1
-    heap_push(sc, b)
-    b.size_class = sc
-    b.gc_count_base = fi.get_free_blocks_call_count
-    fi.n_blocks += 1
-    return 0
-
-cdef inline SizeClass* fi_new_class(FreeIndex* fi, size_t size) noexcept nogil:
-    """A new (empty) size class; NULL when out of host memory. Out of line:
-    the hot path finds its classes."""
-    if um_reserve(&fi.by_size, fi.by_size.count + 1) != 0:
-        return NULL
-    cdef SizeClass* sc = new SizeClass()
-    sc.size = size
-    fi.classes[size] = sc
-    um_put_unchecked(&fi.by_size, size, sc)
-    return sc
-
 cdef inline void fi_remove(FreeIndex* fi, Block* b) noexcept nogil:
     fi_remove_from(fi, b.size_class, b)
 
