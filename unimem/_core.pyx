@@ -96,6 +96,7 @@ include "_core_expandable.pxi"
 include "_core_holes.pxi"
 include "_core_pools.pxi"
 include "_core_sleep.pxi"
+include "_core_sleep_pools.pxi"
 
 
 # Every allocator alive, so that fork handlers can repair their locks.
@@ -1132,7 +1133,12 @@ cdef class CachingAllocator:
         Needs a backend that can give memory back and keep its addresses:
         expandable segments (the virtual memory calls), else the backend's
         ``release_pages``/``restore_pages``; ``NotImplementedError`` says why
-        not. Waits for the device and for stream-ordered frees first.
+        not. The segments of a private pool with its own allocator
+        (``create_pool(pool_id, backend)``) sleep through that allocator's
+        ``release_pages``/``restore_pages`` (and copies); one that cannot is
+        refused with ``NotImplementedError`` before anything changes, while
+        its pool holds a segment. Waits for the device and for stream-ordered
+        frees first.
 
         ``segments``: ``f(address, size, stream) -> bool`` selects the
         segments that sleep (a private pool's); allocation is then not refused
@@ -1387,7 +1393,9 @@ cdef class CachingAllocator:
     def sleep_pool(self, pool_id, offload=True):
         """:meth:`sleep` for the segments of private pool ``pool_id`` (under
         its id as the tag); allocating from the pool raises ``RuntimeError``
-        until :meth:`wake_up_pool`."""
+        until :meth:`wake_up_pool`. A pool with its own allocator sleeps
+        through it; ``NotImplementedError``, nothing changed, where that
+        allocator cannot give memory back (or, with ``offload``, copy it)."""
         _sleep_pool(self, pool_id, offload)
 
     def wake_up_pool(self, pool_id):

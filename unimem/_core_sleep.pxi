@@ -7,9 +7,15 @@
 # (offload=True); wake_up() backs the same addresses with memory again and
 # copies the bytes back. What is given back: a whole segment from malloc
 # (the backend's release_pages/restore_pages), or each run of mapped pages
-# of an expandable segment (unmap_pages/map_pages). Free cached memory goes
-# with the rest and comes back at wake_up with its contents lost: the cache
-# is as it was (empty_cache() before sleep() gives it back for good).
+# of an expandable segment (unmap_pages/map_pages). A segment of a private
+# pool with its own allocator (MemPool(allocator=...)) goes through that
+# allocator, which handed it out: its release_pages/restore_pages, its
+# host_accessible or copy_to_host/copy_from_host; one that cannot give
+# memory back is refused before anything happens, by the pool's sleep and by
+# a whole-device sleep while the pool holds a segment (_core_sleep_pools.pxi).
+# Free cached memory goes with the rest and comes back at wake_up with its
+# contents lost: the cache is as it was (empty_cache() before sleep() gives
+# it back for good).
 #
 # In between, the sleeping segments are *marked* (sleep_marks: Segment* ->
 # the id of the sleep). Their free blocks are off the free index and *held*
@@ -73,8 +79,10 @@ class _SleepSpan:
     """Memory of a sleeping segment given back in one call: a whole segment,
     or a run of mapped pages of an expandable one. ``copies``: the live
     blocks' bytes kept in the host copy, ``[Block*, address, size, offset]``,
-    taken off the list as they are copied back."""
-    __slots__ = ("address", "size", "is_small", "expandable", "released", "copies")
+    taken off the list as they are copied back. ``owner``: the allocator of
+    the segment's pool (``pool``, the n of its id) when the pool has its own
+    (_core_sleep_pools.pxi), else None: the device's backend."""
+    __slots__ = ("address", "size", "is_small", "expandable", "released", "copies", "owner", "pool")
 
     def __init__(self, address, size, is_small, expandable):
         self.address = address
@@ -83,6 +91,8 @@ class _SleepSpan:
         self.expandable = expandable
         self.released = False
         self.copies = []
+        self.owner = None
+        self.pool = 0
 
 
 class _SleepState:
@@ -119,16 +129,15 @@ cdef int _refuse_asleep(CachingAllocator self) except -1:
                        f"(sleep() gave its memory back): call wake_up() before allocating")
 
 
-cdef str _check_can_sleep(CachingAllocator self):
+cdef str _check_can_sleep(CachingAllocator self, bint device_segments):
     """NotImplementedError, saying why, where the backend cannot give memory
-    back and keep its addresses. Else why the backend cannot give back the
-    memory of a segment from malloc ("" when it can): with expandable
-    segments, a private pool's segments come from malloc all the same
-    (_malloc_slow), and _mark refuses to put those to sleep."""
-    ask = getattr(self.backend, "page_release_unavailable_reason", None)
-    reason = ask(self.device) if ask is not None else (
-        "it has no page_release_unavailable_reason/release_pages/restore_pages")
-    if reason and not self.expandable:   # with expandable segments the virtual memory calls do it
+    back and keep its addresses (and the sleep may take ``device_segments``:
+    not that of a pool with its own allocator). Else why the backend cannot
+    give back the memory of a segment from malloc ("" when it can): with
+    expandable segments, a private pool's segments come from malloc all the
+    same (_malloc_slow), and _mark refuses to put those to sleep."""
+    reason = _release_reason(self, self.backend)
+    if reason and not self.expandable and device_segments:   # expandable: the virtual memory calls
         raise NotImplementedError(
             f"sleep mode needs memory that can be given back while its addresses stay reserved; "
             f"the {self.device_name} backend ({type(self.backend).__name__}) cannot on device "
@@ -136,11 +145,12 @@ cdef str _check_can_sleep(CachingAllocator self):
     return reason or ""
 
 
-cdef int _mark(CachingAllocator self, object state, object select, str reason) except -1:
+cdef int _mark(CachingAllocator self, object state, object select, str reason, dict reasons) except -1:
     """Mark the segments that sleep (``select(address, size, stream)`` says
     which, all when None), hold their free blocks and list their spans.
     NotImplementedError, before anything is marked, when one of them is a
-    segment from malloc that the backend cannot give back (``reason``)."""
+    segment from malloc that the backend cannot give back (``reason``), or
+    a segment of a pool whose own allocator cannot (``reasons``)."""
     cdef Segment* seg = self.segments
     cdef Block* b
     cdef Block* start
@@ -157,7 +167,10 @@ cdef int _mark(CachingAllocator self, object state, object select, str reason) e
         candidates = [c for c in candidates if select(*c)]
     for base, size, _ in candidates:
         it = self.segments_by_base.find(base)
-        if reason and it != self.segments_by_base.end() and not deref(it).second.expandable:
+        if it != self.segments_by_base.end() and deref(it).second.pool != NULL \
+                and deref(it).second.pool.has_backend:
+            _check_pool_segment(self, deref(it).second, reasons)
+        elif reason and it != self.segments_by_base.end() and not deref(it).second.expandable:
             seg = deref(it).second
             raise NotImplementedError(
                 f"sleep mode cannot give back the segment [{seg.base:#x}, {seg.base + seg.size:#x})"
@@ -182,7 +195,10 @@ cdef int _mark(CachingAllocator self, object state, object select, str reason) e
                 self.sleep_held.push_back(b)
             b = b.next
         if not seg.expandable:
-            state.spans.append(_span_of(self, state, seg.head, NULL, seg.base, seg.size, seg.is_small, False))
+            span = _span_of(self, state, seg.head, NULL, seg.base, seg.size, seg.is_small, False)
+            if seg.pool != NULL and seg.pool.has_backend:     # _core_sleep_pools.pxi
+                span.owner, span.pool = self.pool_backends[seg.pool.id], seg.pool.id
+            state.spans.append(span)
             continue
         b = seg.head
         while b != NULL:                 # each run of mapped blocks
@@ -230,11 +246,14 @@ cdef int _offload(CachingAllocator self, object state) except -1:
     staging = _round_up(<uintptr_t>p, STAGING_PAGE)
     madvise(<void*>staging, _round_up(total, STAGING_PAGE), MADV_HUGEPAGE)    # a hint: may be refused
     state.staging, state.staging_base, state.staging_length = staging, <uintptr_t>p, length
-    direct = bool(getattr(self.backend, "host_accessible", False))
-    copy_to_host = None if direct else getattr(self.backend, "copy_to_host", None)
-    if not direct and copy_to_host is None:
-        raise NotImplementedError(_no_copy_message(self, "copy_to_host"))
     for span in state.spans:
+        if not span.copies:
+            continue
+        owner = _owner_of(self, span)
+        direct = bool(getattr(owner, "host_accessible", False))
+        copy_to_host = None if direct else getattr(owner, "copy_to_host", None)
+        if not direct and copy_to_host is None:
+            raise NotImplementedError(_no_copy_message(self, span, "copy_to_host"))
         for copy in span.copies:
             b = <Block*><uintptr_t>copy[0]
             if not b.allocated:          # freed meanwhile (from a backend call): nothing to keep
@@ -245,13 +264,13 @@ cdef int _offload(CachingAllocator self, object state) except -1:
                 try:
                     copy_to_host(staging + copy[3], copy[1], copy[2], self.device)
                 except NotImplementedError as exc:
-                    raise NotImplementedError(f"{_no_copy_message(self, 'copy_to_host')} ({exc})") from None
+                    raise NotImplementedError(f"{_no_copy_message(self, span, 'copy_to_host')} ({exc})") from None
     return 0
 
 
-cdef str _no_copy_message(CachingAllocator self, str call):
-    return (f"sleep(offload=True) copies the live blocks to host memory, and the {self.device_name} "
-            f"backend ({type(self.backend).__name__}) can neither be read by the host nor {call}; "
+cdef str _no_copy_message(CachingAllocator self, object span, str call):
+    return (f"sleep(offload=True) copies the live blocks to host memory, and {_owner_words(self, span)} "
+            f"can neither be read by the host nor {call}; "
             f"sleep(offload=False) gives the memory back without keeping its contents")
 
 
@@ -265,7 +284,7 @@ cdef object _release_spans(CachingAllocator self, object state):
             if span.expandable:
                 self._vm_unmap(span.address, span.size, self.device)
             else:
-                self.backend.release_pages(span.address, span.size, self.device)
+                _owner_of(self, span).release_pages(span.address, span.size, self.device)
         except BaseException as exc:     # the memory is as it was: the backend's contract
             if first_error is None:
                 first_error = exc
@@ -285,9 +304,9 @@ cdef int _restore_span(CachingAllocator self, object span) except -1:
         if span.expandable:
             self._vm_map(span.address, span.size, self.device)
         else:
-            self.backend.restore_pages(span.address, span.size, self.device)
+            _owner_of(self, span).restore_pages(span.address, span.size, self.device)
     except BaseException as exc:
-        message = (f"wake_up: the {self.device_name} backend could not back [{span.address:#x}, "
+        message = (f"wake_up: {_owner_words(self, span)} could not back [{span.address:#x}, "
                    f"{span.address + span.size:#x}) with memory again ({type(exc).__name__}: {exc}); "
                    f"the allocator stays asleep with the memory not yet woken: call wake_up() again")
         if isinstance(exc, MemoryError):
@@ -307,14 +326,16 @@ cdef int _copy_back(CachingAllocator self, object state, object span) except -1:
     """Copy the live blocks' bytes back into a span that has memory again;
     each copy leaves the list once done (a failure leaves the rest)."""
     cdef Block* b
-    direct = bool(getattr(self.backend, "host_accessible", False))
-    copy_from_host = None if direct else getattr(self.backend, "copy_from_host", None)
+    owner = _owner_of(self, span)
+    direct = bool(getattr(owner, "host_accessible", False))
+    copy_from_host = None if direct else getattr(owner, "copy_from_host", None)
     if span.copies and not direct and copy_from_host is None:
-        raise NotImplementedError(_no_copy_message(self, "copy_from_host"))
+        raise NotImplementedError(_no_copy_message(self, span, "copy_from_host"))
     # Host memory where huge pages come only when asked for: the new pages
     # of a span with live bytes are asked for as huge pages while the bytes
-    # are copied back (512 times fewer faults, several times faster).
-    cdef bint advise = bool(span.copies) and direct and _thp_mode() == "madvise"
+    # are copied back (512 times fewer faults, several times faster). Not
+    # memory of a pool's own allocator: its mappings are not ours to advise.
+    cdef bint advise = bool(span.copies) and direct and span.owner is None and _thp_mode() == "madvise"
     if advise:
         madvise(<void*><uintptr_t>span.address, <size_t>span.size, MADV_HUGEPAGE)
     try:
@@ -413,12 +434,18 @@ cdef int _end_sleep(CachingAllocator self, object state, object tag) except -1:
     return 0
 
 
-cdef int _sleep(CachingAllocator self, bint offload, object select, object tag) except -1:
-    """CachingAllocator.sleep: see there."""
+cdef int _sleep(CachingAllocator self, bint offload, object select, object tag,
+                dict reasons=None, uint64_t pool_number=0) except -1:
+    """CachingAllocator.sleep: see there. ``reasons``: _pool_release_reasons,
+    when the caller asked already; ``pool_number``: the n of the pool
+    ``(0, n)`` that sleeps alone (_sleep_pool)."""
     self._check_usable()
     if tag in self.sleep_states:
         return 0                           # asleep already (checked again under the lock)
-    reason = _check_can_sleep(self)
+    if reasons is None:
+        reasons = _pool_release_reasons(self)
+    own = _check_pools_can_sleep(self, reasons, select is None, pool_number, offload)
+    reason = _check_can_sleep(self, not own)
     synchronize = getattr(self.backend, "synchronize", None)
     if synchronize is not None:
         synchronize(self.device)           # work still using the memory completes first
@@ -438,7 +465,7 @@ cdef int _sleep(CachingAllocator self, bint offload, object select, object tag) 
                 self.sleeping = True
                 self._update_unusual()
             try:
-                _mark(self, state, select, reason)
+                _mark(self, state, select, reason, reasons)
                 _offload(self, state)
             except BaseException:
                 _end_sleep(self, state, tag)   # nothing was given back: as before
@@ -545,80 +572,3 @@ def _segment_of_run(dict segment, list blocks):
                  allocated_size=sum(block["size"] for block in active if block["state"] == "active_allocated"),
                  active_size=sum(block["size"] for block in active),
                  requested_size=sum(block["requested_size"] for block in active))]
-
-
-# ---------------------------------------------------------------------------
-# a private pool that dies asleep
-# ---------------------------------------------------------------------------
-cdef int _end_dead_pool_sleeps(CachingAllocator self, PrivatePool* only) except -1:
-    """End the sleep of every dead private pool (of ``only`` when not NULL):
-    its MemPool is gone, so nobody can wake it, and memory that sleeps is
-    never given back. Called by _empty_dead_pool and empty_cache, whose
-    release of the pool's free segments follows in the same hold of the
-    lock. Not from inside another allocator call of this thread (a
-    finalizer, a backend call): then at the next empty_cache."""
-    cdef pair[uint64_t, PrivatePool*] entry
-    if not self.sleep_states or self.lock_depth != 1 or self.sleep_busy:
-        return 0
-    dead = [(0, entry.first) for entry in self.private_pools
-            if entry.second.use_count == 0 and (only == NULL or entry.second == only)]
-    for tag in dead:
-        if tag in self.sleep_states:
-            _end_dead_sleep(self, tag)
-    return 0
-
-
-cdef int _end_dead_sleep(CachingAllocator self, object tag) except -1:
-    """The segments of the sleep with a block still in use wake up (restore,
-    copy back): a pool's blocks outlive its MemPool, as in PyTorch. The
-    others, wholly free and about to be released, are not backed again:
-    their spans only count as reserved again, for the release to take off
-    (the peak stays: no memory was mapped). A restore that fails raises with
-    the pool still asleep and the statistics right: the next empty_cache
-    tries again."""
-    cdef size_t i
-    cdef bint debug_on = self.debug_on
-    state = self.sleep_states[tag]
-    held = {<uintptr_t>self.sleep_held[i] for i in range(self.sleep_held.size())}
-    held.update(<uintptr_t>self.sleep_freed[i] for i in range(self.sleep_freed.size()))
-    self.sleep_busy = True
-    try:
-        for span in state.spans:
-            if span.expandable or not _wholly_held(self, span.address, held):
-                if span.released:
-                    _restore_span(self, span)
-                _copy_back(self, state, span)
-        # From here on no Python code runs until the caller's release.
-        for span in state.spans:
-            if span.released:
-                span.released = False
-                self.total_allocated_memory += <size_t>span.size
-                pool_increase_without_peak(&self.stats, S_RESERVED_BYTES, span.is_small, <int64_t>span.size)
-        # Debug mode's fill would write to memory not backed; the pool's
-        # blocks are never handed out again, so no fill is needed.
-        self.debug_on = False
-        try:
-            _end_sleep(self, state, tag)
-        finally:
-            self.debug_on = debug_on
-    finally:
-        self.sleep_busy = False
-    cdef PrivatePool* pool = _find_pool(self, tag[1])
-    if pool != NULL:
-        pool.sleeping = False
-    return 0
-
-
-cdef bint _wholly_held(CachingAllocator self, uintptr_t base, object held) except -1:
-    """Whether every block of the segment at ``base`` is free and held by a
-    sleep (none in use, none waiting on a stream)."""
-    cdef cmap[uintptr_t, Segment*].iterator it = self.segments_by_base.find(base)
-    cdef Block* b
-    if it == self.segments_by_base.end():
-        return False
-    b = deref(it).second.head
-    while b != NULL:
-        if <uintptr_t>b not in held:
-            return False
-        b = b.next
-    return True

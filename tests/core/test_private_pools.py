@@ -13,6 +13,8 @@ from unimem.backends._host import PageAlignedBackend
 from unimem.backends.pluggable import PluggableAllocator
 from unimem.backends.simulated import SimulatedBackend
 
+from tests.helpers.pool_allocators import in_pool
+
 MiB = 1 << 20
 P1, P2 = (0, 1), (0, 2)
 
@@ -45,13 +47,6 @@ def allocator(device=None):
     return _core.CachingAllocator(PluggableAllocator(device.malloc, device.free), 0), device
 
 
-def in_pool(a, pool, size):
-    """Allocate ``size`` bytes with this thread routed to ``pool``."""
-    a.begin_pool(pool)
-    try:
-        return a.malloc(size)
-    finally:
-        a.end_pool(pool)
 
 
 def pool_of_block(a, ptr):

@@ -15,6 +15,7 @@ from unimem.backends.cuda import CUDABackend
 from unimem.backends._host import PageAlignedBackend
 
 from tests.helpers.fake_cuda import FakeCudaDriver, FakeCudaRuntime
+from tests.helpers.pool_allocators import in_pool
 
 MiB = 1 << 20
 POOL = (0, 1)
@@ -28,11 +29,7 @@ def stats(allocator):
 
 
 def pool_block(allocator, size):
-    allocator.begin_pool(POOL)
-    try:
-        return allocator.malloc(size)
-    finally:
-        allocator.end_pool(POOL)
+    return in_pool(allocator, POOL, size)
 
 
 def cuda_expandable_with_a_pool():

@@ -135,6 +135,18 @@ class MemPool:
         ``empty_cache()`` when the death comes inside another allocator call).
         ``RuntimeError`` while the device itself sleeps (its :func:`wake_up`
         would bring the pool's memory back): wake the device first.
+
+        A pool made with its own ``allocator`` sleeps through that allocator,
+        which handed its memory out: its ``release_pages``/``restore_pages``
+        give the memory back and back it again, and with ``offload`` the
+        bytes are copied directly (``host_accessible``) or through its
+        ``copy_to_host``/``copy_from_host`` (the sleep-mode members of
+        :class:`unimem.backends.base.Backend`). An allocator without them
+        (a plain ``PluggableAllocator``: ``page_release_unavailable_reason``
+        is not ``""``) cannot sleep: ``NotImplementedError`` naming the
+        pool, the allocator and what is missing, with nothing changed; the
+        device's :func:`sleep` is refused the same way while such a pool
+        holds memory.
         """
         if not isinstance(offload, bool):
             raise TypeError(f"offload must be a bool, got {type(offload).__name__}")

@@ -33,7 +33,10 @@ class SleepAPI(DeviceTypeAPI):
         in ``UNIMEM_ALLOC_CONF``; elsewhere ``NotImplementedError`` says why.
         Cached free memory is given back too and mapped again (without its
         contents) at :func:`wake_up`: call :func:`empty_cache` first to give
-        it back for good.
+        it back for good. A ``MemPool`` with its own allocator sleeps through
+        that allocator (see ``MemPool.sleep``); while one whose allocator
+        cannot give memory back holds memory, ``NotImplementedError`` says
+        so and nothing changes.
         """
         if not isinstance(offload, bool):
             raise TypeError(f"offload must be a bool, got {type(offload).__name__}")
