@@ -38,16 +38,21 @@ class CoreMatchesModel(RuleBasedStateMachine):
 
     @rule(target=blocks, size=sizes)
     def malloc(self, size):
+        return self.malloc_both(size, 0)
+
+    def malloc_both(self, size, stream):
+        """The same request to the core and the model: the same address, or
+        out-of-memory on both."""
         try:
-            expected = self.model.malloc(size)
+            expected = self.model.malloc(size, stream)
         except ModelOOM:
             try:
-                self.core.malloc(size)
+                self.core.malloc(size, stream)
             except OutOfMemoryError:
                 return None
             raise AssertionError(f"the core served {size} bytes the model could not")
-        got = self.core.malloc(size)
-        assert got == expected, f"malloc({size}): core {got:#x}, model {expected:#x}"
+        got = self.core.malloc(size, stream)
+        assert got == expected, f"malloc({size}, stream {stream}): core {got:#x}, model {expected:#x}"
         if got:
             self.live[got] = self.core.round_size(size)
         return got or None
@@ -143,19 +148,7 @@ class CoreMatchesModelWithMaxSplitSize(CoreMatchesModel):
     @rule(target=CoreMatchesModel.blocks, stream=st.sampled_from([0, 0, 7]), size=st.one_of(
         sizes, st.sampled_from([MAX_SPLIT - 1, MAX_SPLIT, MAX_SPLIT + 1, 2 * MAX_SPLIT])))
     def malloc_on_stream(self, size, stream):
-        try:
-            expected = self.model.malloc(size, stream)
-        except ModelOOM:
-            try:
-                self.core.malloc(size, stream)
-            except OutOfMemoryError:
-                return None
-            raise AssertionError(f"the core served {size} bytes the model could not")
-        got = self.core.malloc(size, stream)
-        assert got == expected, f"malloc({size}, stream {stream}): core {got:#x}, model {expected:#x}"
-        if got:
-            self.live[got] = self.core.round_size(size)
-        return got or None
+        return self.malloc_both(size, stream)
 
 
 CoreMatchesModelWithMaxSplitSize.TestCase.settings = settings(
@@ -184,19 +177,7 @@ class CoreMatchesModelWithExpandableSegments(CoreMatchesModel):
 
     @rule(target=CoreMatchesModel.blocks, size=sizes, stream=st.sampled_from([0, 0, 7]))
     def malloc_on_stream(self, size, stream):
-        try:
-            expected = self.model.malloc(size, stream)
-        except ModelOOM:
-            try:
-                self.core.malloc(size, stream)
-            except OutOfMemoryError:
-                return None
-            raise AssertionError(f"the core served {size} bytes the model could not")
-        got = self.core.malloc(size, stream)
-        assert got == expected, f"malloc({size}, stream {stream}): core {got:#x}, model {expected:#x}"
-        if got:
-            self.live[got] = self.core.round_size(size)
-        return got or None
+        return self.malloc_both(size, stream)
 
     @rule(count=st.integers(1, 2))
     def refuse_next_maps(self, count):
