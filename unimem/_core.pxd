@@ -148,7 +148,7 @@ cdef class CachingAllocator:
     cdef inline void _update_unusual(self) noexcept nogil
     cdef int _check_usable(self) except -1
     cdef uintptr_t c_malloc(self, size_t size, uintptr_t stream, bint by_handle=*) except? 0
-    cdef uintptr_t _malloc_unusual(self, size_t size, uintptr_t stream, bint by_handle) except? 0
+    cdef uintptr_t _before_unusual_malloc(self, size_t size, uintptr_t stream, bint by_handle) except? 0
     cdef uintptr_t _malloc_miss(self, size_t size, uintptr_t stream, bint by_handle, int status) except? 0
     cdef int _after_malloc(self, uintptr_t ptr, size_t size, bint by_handle) except -1
     cdef int _try_free(self, uintptr_t ptr, bint by_handle, bint from_finalizer) except -1

@@ -831,25 +831,26 @@ cdef class CachingAllocator:
         is out of line, so that the hit pays for none of its bookkeeping."""
         cdef Block* b
         cdef int status
+        cdef uintptr_t routed
         if size == 0:
             return 0
         if self.unusual:
-            return self._malloc_unusual(size, stream, by_handle)
+            routed = self._before_unusual_malloc(size, stream, by_handle)
+            if routed != 0:
+                return routed
         self._lock()
         b = self._malloc_cached(size, stream, by_handle, &status)
         if b == NULL:
             return self._malloc_miss(size, stream, by_handle, status)
         self._unlock()
-        if self.unusual:          # a hook installed by another thread meanwhile
+        if self.unusual:          # history, debug mode (or a hook installed meanwhile)
             self._after_malloc(b.ptr, size, by_handle)
         return b.ptr
 
-    cdef uintptr_t _malloc_unusual(self, size_t size, uintptr_t stream, bint by_handle) except? 0:
-        """c_malloc in an unusual state: poisoned, asleep, events pending,
-        routed requests, history or debug mode."""
-        cdef Block* b
-        cdef int status
-        cdef uintptr_t ptr
+    cdef uintptr_t _before_unusual_malloc(self, size_t size, uintptr_t stream, bint by_handle) except? 0:
+        """What c_malloc does first in an unusual state (poisoned, asleep,
+        events pending, routed requests): the address when a private pool or
+        the cache switch served the request, else 0 (c_malloc goes on)."""
         if self.poisoned:
             self._check_usable()
         if self.sleeping:
@@ -857,17 +858,8 @@ cdef class CachingAllocator:
         if self.n_pending_events:
             self.process_events()
         if self.cache_off or not self.routes.empty():
-            ptr = _malloc_routed(self, size, stream, by_handle)   # 0: not routed
-            if ptr != 0:
-                return ptr
-        self._lock()
-        b = self._malloc_cached(size, stream, by_handle, &status)
-        if b == NULL:
-            return self._malloc_miss(size, stream, by_handle, status)
-        self._unlock()
-        if self.unusual:
-            self._after_malloc(b.ptr, size, by_handle)
-        return b.ptr
+            return _malloc_routed(self, size, stream, by_handle)   # 0: not routed
+        return 0
 
     cdef uintptr_t _malloc_miss(self, size_t size, uintptr_t stream, bint by_handle,
                                 int status) except? 0:

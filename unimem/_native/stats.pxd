@@ -69,9 +69,13 @@ cdef inline void stat_increase(Stat* s, int64_t amount) noexcept nogil:
 cdef inline void stat_decrease(Stat* s, int64_t amount) noexcept nogil:
     s.current -= amount
 
+cdef inline int64_t pool_current(const DeviceStats* st, int which) noexcept nogil:
+    """The current value of a core statistic over both pools ("all")."""
+    return st.core[which][POOL_SMALL].current + st.core[which][POOL_LARGE].current
+
 cdef inline void pool_increase(DeviceStats* st, int which, bint is_small, int64_t amount) noexcept nogil:
     stat_increase(&st.core[which][POOL_SMALL if is_small else POOL_LARGE], amount)
-    cdef int64_t total = st.core[which][POOL_SMALL].current + st.core[which][POOL_LARGE].current
+    cdef int64_t total = pool_current(st, which)
     if total > st.core[which][POOL_ALL].peak:
         st.core[which][POOL_ALL].peak = total
 
@@ -84,10 +88,6 @@ cdef inline void pool_increase_without_peak(DeviceStats* st, int which, bint is_
     cdef Stat* s = &st.core[which][POOL_SMALL if is_small else POOL_LARGE]
     s.current += amount
     s.allocated += amount
-
-cdef inline int64_t pool_current(const DeviceStats* st, int which) noexcept nogil:
-    """The current value of a core statistic over both pools ("all")."""
-    return st.core[which][POOL_SMALL].current + st.core[which][POOL_LARGE].current
 
 cdef inline StatValues stat_values(const Stat* s) noexcept nogil:
     cdef StatValues v
