@@ -239,6 +239,25 @@ def test_without_cuda_bindings_the_reason_says_what_to_install(monkeypatch, runt
         _core.CachingAllocator(backend, 0, expandable_segments=True)
 
 
+def test_the_cuda_device_type_over_cupys_runtime_maps_with_the_real_driver(monkeypatch):
+    """``unimem.cuda`` over CuPy's own runtime must use the real driver for
+    expandable segments. It passed that runtime on as if given by the user,
+    so every real GPU refused ``expandable_segments:True`` ("given without a
+    driver"): found on the first GPU run (issue 30)."""
+    from unimem._runtime.devices import make_cuda_type
+    real_like = FakeCudaRuntime(devices=1, capacity=64 * MiB)       # stands for cupy's runtime module
+    driver = FakeCudaDriver(real_like)
+    real_like.vmm_driver = None                 # a real runtime brings no stand-in driver (the fake's attaches)
+    monkeypatch.setattr("unimem.backends.cuda._default_runtime", lambda: real_like)
+    monkeypatch.setattr("unimem.backends.cuda.load_driver", lambda: driver)
+    pytest.importorskip("cupy")
+    device_type = make_cuda_type()
+    assert device_type.backend.virtual_memory_unavailable_reason(0) == ""
+    allocator = _core.CachingAllocator(device_type.backend, 0, expandable_segments=True)
+    allocator.free(allocator.malloc(3 * MiB))
+    assert calls(driver, "cuMemMap")
+
+
 def test_a_given_runtime_without_a_driver_offers_none(runtime):
     backend = CUDABackend(runtime)              # no FakeCudaDriver attached
     assert "without a driver" in backend.virtual_memory_unavailable_reason(0)
@@ -392,7 +411,7 @@ def test_gpu_real_driver_maps_memory_cupy_can_use():
     memory = cupy.cuda.UnownedMemory(base, 5 * granularity, backend, 0)
     array = cupy.ndarray((n,), cupy.float32, cupy.cuda.MemoryPointer(memory, 0))
     array[:] = cupy.arange(n, dtype=cupy.float32)          # across pages mapped by two calls
-    assert float(array[-1]) == n - 1 and float(array.sum()) == float(n) * (n - 1) / 2
+    assert float(array[-1]) == n - 1 and float(array.sum(dtype=cupy.float64)) == float(n) * (n - 1) / 2
     del array, memory
     backend.unmap_pages(base + 2 * granularity, granularity, 0)
     backend.unmap_pages(base, 2 * granularity, 0)

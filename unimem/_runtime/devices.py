@@ -237,6 +237,7 @@ def make_cuda_type(runtime: Optional[Any] = None,
     they name none (CuPy's current stream by default). Pools key blocks by
     :func:`unimem.backends.cuda.stream_key`."""
     from ..backends import cuda as backend_module
+    given_runtime = runtime
     if runtime is None:
         try:
             import cupy  # noqa: F401
@@ -256,7 +257,9 @@ def make_cuda_type(runtime: Optional[Any] = None,
     def current_stream_key(device: int) -> int:
         return stream_key(raw_current_stream(device))
 
-    return DeviceType("cuda", backend_module.CUDABackend(runtime), current_device_fn=runtime.getDevice,
+    # CuPy's own runtime is passed on as None: the backend then maps virtual
+    # memory with the real driver (cuda-bindings); a runtime given here brings its own.
+    return DeviceType("cuda", backend_module.CUDABackend(given_runtime), current_device_fn=runtime.getDevice,
                       set_device_fn=runtime.setDevice, current_stream_fn=current_stream_key,
                       stream_handle_fn=stream_key)
 
