@@ -1509,9 +1509,15 @@ cdef class Allocation:
     :meth:`release`). Array libraries keep one alive for as long as any array
     views the memory.
 
-    Attributes: ``ptr`` (address), ``size`` (bytes requested), ``allocator``.
+    Attributes: ``ptr`` (address), ``size`` (bytes requested), ``allocator``,
+    ``block_size`` (the block's rounded size).
     """
 
+    @property
+    def block_size(self):
+        """The size of the block: ``size`` rounded as the allocator rounds
+        requests (0 for an empty allocation)."""
+        return self.allocator._round_size(self.size) if self.size else 0
 
     def __dealloc__(self):
         cdef uintptr_t ptr = self.ptr

@@ -100,8 +100,9 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'unimem.cuda' has no attribute '{name}'")
 
 
-def _memory_classes() -> Tuple[type, type]:
-    """CuPy ``Memory`` classes for pool blocks, made once CuPy is imported."""
+def _memory_classes() -> Tuple[type, type, type]:
+    """CuPy's ``MemoryPointer`` and the ``Memory`` classes for pool blocks,
+    made once CuPy is imported."""
     global _MEMORY_CLASSES
     if _MEMORY_CLASSES is None:
         memory = _cupy().cuda.memory
@@ -141,20 +142,12 @@ def _memory_classes() -> Tuple[type, type]:
 
         for cls in (PooledMemory, EmptyMemory):
             cls.__module__, cls.__qualname__ = __name__, cls.__name__
-        _MEMORY_CLASSES = (PooledMemory, EmptyMemory)
+        _MEMORY_CLASSES = (PooledMemory, EmptyMemory, memory.MemoryPointer)
     return _MEMORY_CLASSES
 
 
-_MEMORY_CLASSES: Optional[Tuple[type, type]] = None
-
-
-def _memory_pointer(allocation: _core.Allocation, device: int) -> Any:
-    """A ``cupy.cuda.MemoryPointer`` to a pool block, holding it until CuPy lets go."""
-    pooled, empty = _memory_classes()
-    if allocation.ptr == 0:
-        return _cupy().cuda.memory.MemoryPointer(empty(device), 0)
-    size = allocation.allocator.round_size(allocation.size)
-    return _cupy().cuda.memory.MemoryPointer(pooled(allocation.ptr, size, allocation, device), 0)
+_MEMORY_CLASSES: Optional[Tuple[type, type, type]] = None
+_device_types = _devices._types          # the device types made so far, by name (mutated, never rebound)
 
 
 def allocator(size: int) -> Any:
@@ -166,14 +159,24 @@ def allocator(size: int) -> Any:
     rounded size, ``free()`` to give it back early), as from CuPy's pool; for
     0 bytes, a CuPy ``Memory`` at address 0.
     """
-    dtype = get_type("cuda")
-    registry = dtype.registry
-    device = registry.current_index()
+    # Every cupy.empty comes here: no call that is not needed (issue 30: the
+    # first GPU run measured this path at 1.5-1.8x CuPy's own pool).
+    dtype = _device_types.get("cuda")
+    return _memory_pointer((dtype if dtype is not None else get_type("cuda")).registry, size)
+
+
+def _memory_pointer(registry: DeviceRegistry, size: int) -> Any:
+    """A ``cupy.cuda.MemoryPointer`` to a new block of ``registry``'s pool on
+    CuPy's current device and stream, holding it until CuPy lets go."""
     try:
-        allocation = registry.get(device).allocate(size, registry.stream_handle_of(None, device))
+        allocation = registry.allocate_current(size)
     except _core.OutOfMemoryError as error:
         raise _cupy_out_of_memory_class()(error) from None
-    return _memory_pointer(allocation, device)
+    pooled, empty, memory_pointer = _MEMORY_CLASSES or _memory_classes()
+    ptr = allocation.ptr
+    if ptr == 0:
+        return memory_pointer(empty(allocation.allocator.device), 0)
+    return memory_pointer(pooled(ptr, allocation.block_size, allocation, allocation.allocator.device), 0)
 
 
 @forward_to_inner(intercepted={"malloc", "free", "_raw_api", "_raw_owner", "host_accessible"})
@@ -280,13 +283,7 @@ class MemoryPool:
     def malloc(self, size: int) -> Any:
         """Allocate ``size`` bytes on the current device (and stream); returns
         a ``cupy.cuda.MemoryPointer``."""
-        registry = self._registry
-        device = registry.current_index()
-        try:
-            allocation = registry.get(device).allocate(size, registry.stream_handle_of(None, device))
-        except _core.OutOfMemoryError as error:
-            raise _cupy_out_of_memory_class()(error) from None
-        return _memory_pointer(allocation, device)
+        return _memory_pointer(self._registry, size)
 
     def free_all_blocks(self, stream: Any = None) -> None:
         """Releases free blocks.

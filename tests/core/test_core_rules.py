@@ -425,3 +425,35 @@ def test_max_reserved_ratio_gives_back_free_segments_before_growing(make_sim):
     plain.free(plain.malloc(60 * MiB))
     plain.malloc(80 * MiB)                      # PyTorch's policy: the cache is kept
     assert plain.memory_stats()["reserved_bytes.all.current"] == 140 * MiB
+
+
+def test_an_allocation_knows_its_blocks_rounded_size():
+    """``Allocation.block_size`` is ``round_size(size)`` (what CuPy's
+    ``PooledMemory.size`` reports), 0 for an empty allocation."""
+    from unimem._core import CachingAllocator
+    from unimem.backends.simulated import SimulatedBackend
+    allocator = CachingAllocator(SimulatedBackend(), 0)
+    for size in (0, 1, 511, 512, 513, 1000, (1 << 20) + 1, 10 << 20):
+        allocation = allocator.allocate(size)
+        assert allocation.block_size == allocator.round_size(size), size
+        allocation.release()
+    assert allocator.memory_stats()["allocated_bytes.all.current"] == 0
+
+
+def test_the_registry_allocates_on_the_current_device_and_stream():
+    from unimem._core import CachingAllocator
+    from unimem._runtime.registry import DeviceRegistry
+    from unimem.backends.simulated import SimulatedBackend
+    backend = SimulatedBackend(devices=2)
+    current = {"device": 1, "stream": 7}
+    registry = DeviceRegistry("sim", 2, lambda i: CachingAllocator(backend, i),
+                              current_device_fn=lambda: current["device"],
+                              current_stream_fn=lambda device: current["stream"])
+    allocation = registry.allocate_current(1000)
+    assert allocation.allocator is registry.get(1) and allocation.size == 1000
+    assert registry.get(1).snapshot()[0]["stream"] == 7
+    current["device"] = 0
+    assert registry.allocate_current(0).allocator is registry.get(0)
+    with pytest.raises(TypeError):
+        registry.allocate_current("10")
+    assert registry.get(0).memory_stats()["allocation.all.current"] == 0

@@ -180,6 +180,32 @@ def in_thread(function):
     return result["value"], thread.ident
 
 
+def test_cupys_current_stream_is_keyed_as_stream_key_keys_it(monkeypatch):
+    """The fast path for CuPy's current stream (one call into CuPy per
+    allocation) keys every stream as :func:`stream_key` does, the per-thread
+    default stream per thread included."""
+    from types import SimpleNamespace
+
+    from unimem.backends import cuda as cuda_backend
+    current = {0: SimpleNamespace(ptr=STREAM_1), 1: SimpleNamespace(ptr=CUDA_STREAM_PER_THREAD)}
+    monkeypatch.setattr(cuda_backend, "_get_current_stream", current.__getitem__)
+    assert cuda_backend.cupy_current_stream_key(0) == STREAM_1 == stream_key(current[0])
+    mine = cuda_backend.cupy_current_stream_key(1)
+    assert mine == per_thread_stream_key() == stream_key(CUDA_STREAM_PER_THREAD)
+    assert in_thread(lambda: cuda_backend.cupy_current_stream_key(1))[0] not in (mine, CUDA_STREAM_PER_THREAD)
+    current[0] = SimpleNamespace(ptr=0)                      # the null stream
+    assert cuda_backend.cupy_current_stream_key(0) == 0
+
+
+def test_the_cuda_device_type_uses_the_fast_current_stream_over_cupys_runtime(monkeypatch):
+    from unimem.backends import cuda as cuda_backend
+    from tests.helpers.fake_cuda import FakeCudaRuntime
+    monkeypatch.setattr(cuda_backend, "_default_runtime", lambda: FakeCudaRuntime(devices=1))
+    assert _devices.make_cuda_type().registry.current_stream_fn is cuda_backend.cupy_current_stream_key
+    given = _devices.make_cuda_type(FakeCudaRuntime(devices=1), current_stream_fn=lambda device: STREAM_2)
+    assert given.registry.stream_handle_of(None, 0) == STREAM_2
+
+
 def test_per_thread_stream_keys_are_one_per_thread_and_no_stream():
     mine = stream_key(CUDA_STREAM_PER_THREAD)
     assert mine == per_thread_stream_key() == stream_key(cupy.cuda.Stream.ptds)

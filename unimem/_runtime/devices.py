@@ -251,11 +251,14 @@ def make_cuda_type(runtime: Optional[Any] = None,
         return f"CUDA cannot be used here: {exc}"
     if count == 0:
         return "CUDA sees no GPU"
-    raw_current_stream = current_stream_fn if current_stream_fn is not None else backend_module._cupy_current_stream
     stream_key = backend_module.stream_key
+    if current_stream_fn is None:
+        current_stream_key = backend_module.cupy_current_stream_key
+    else:
+        raw_current_stream = current_stream_fn
 
-    def current_stream_key(device: int) -> int:
-        return stream_key(raw_current_stream(device))
+        def current_stream_key(device: int) -> int:
+            return stream_key(raw_current_stream(device))
 
     # CuPy's own runtime is passed on as None: the backend then maps virtual
     # memory with the real driver (cuda-bindings); a runtime given here brings its own.

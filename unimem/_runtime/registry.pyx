@@ -188,6 +188,13 @@ cdef class DeviceRegistry:
             device = self.current_index()
         return self.stream_handle(stream, device)
 
+    def allocate_current(self, size):
+        """An :class:`~unimem._core.Allocation` of ``size`` bytes on the
+        current device and its current stream (``CachingAllocator.allocate``):
+        what an array library's allocator hook asks for, in one call."""
+        cdef int index = self._default_index()
+        return self.get(index).allocate(size, self.stream_handle(None, index))
+
     def alloc(self, size, device=None, stream=None):
         """Allocate ``size`` bytes on ``device`` (an index; None: the current
         one) and ``stream``; return the address (0 for size 0)."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from .address_ranges import as_int
 from .base import Backend
@@ -339,7 +339,26 @@ def cuda_stream_of(key: int) -> int:
     return CUDA_STREAM_LEGACY
 
 
-def _cupy_current_stream(device: int) -> int:
-    """The ``cudaStream_t`` of CuPy's current stream on ``device``."""
-    import cupy
-    return cupy.cuda.get_current_stream(device).ptr
+_get_current_stream: Optional[Callable[[int], Any]] = None
+
+
+def cupy_current_stream_key(device: int) -> int:
+    """The pool key (:func:`stream_key`) of CuPy's current stream on ``device``.
+
+    Every allocation through ``unimem.cuda.allocator`` asks this, so it makes
+    one call into CuPy (bound at the first call) and no generic checks: a
+    CuPy stream's ``ptr`` is an int."""
+    get = _get_current_stream
+    if get is None:
+        get = _bind_get_current_stream()
+    pointer = get(device).ptr
+    if pointer == CUDA_STREAM_PER_THREAD:
+        return per_thread_stream_key()
+    return pointer
+
+
+def _bind_get_current_stream() -> Callable[[int], Any]:
+    global _get_current_stream
+    from cupy.cuda import get_current_stream
+    _get_current_stream = get_current_stream
+    return get_current_stream
