@@ -1,0 +1,66 @@
+"""CuPy's own tests as the judge (issue 30): a slice of CuPy's test suite
+gives the same outcome for every test with ``unimem.cuda.allocator`` (and
+unimem's pinned allocator) installed as with CuPy's own pools.
+
+Needs an NVIDIA GPU and CuPy's tests for the installed version
+(``UNIMEM_CUPY_TESTS``, see :mod:`tests.helpers.cupy_suite`); skipped
+otherwise. The plugin's own bookkeeping is tested without a GPU below."""
+import json
+import os
+
+import pytest
+
+from tests.helpers import cupy_suite
+
+cupy = pytest.importorskip("cupy")
+
+
+def _gpu_available():
+    try:
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpu_available() or cupy_suite.cupy_tests_dir() is None,
+                    reason=f"needs an NVIDIA GPU and {cupy_suite.TESTS_ENV}")
+def test_cupys_own_tests_give_the_same_outcomes_with_unimems_allocator(tmp_path):
+    try:
+        import xdist  # noqa: F401
+        workers = min(16, os.cpu_count() or 1)
+    except ImportError:
+        workers = 1
+    without = cupy_suite.run_slice(False, str(tmp_path), workers=workers)
+    with_ = cupy_suite.run_slice(True, str(tmp_path), workers=workers)
+    assert len(without.outcomes) > 1000, without.output[-3000:]
+    assert cupy_suite.served_by_unimem(with_.log_path) > 1000
+    assert cupy_suite.served_by_unimem(without.log_path) == 0
+    differing = cupy_suite.differences(without, with_)
+    assert not differing, cupy_suite.describe(differing, without, with_)
+
+
+@pytest.mark.parametrize("workers", [1, 2], ids=["one process", "two xdist workers"])
+def test_the_plugin_logs_every_test_and_says_whether_unimem_served(tmp_path, monkeypatch, workers):
+    """Without a GPU: tiny tests run through the plugin in both modes; the
+    log has each test's outcome once and one session record per process
+    that ran tests (under xdist: each worker, not the controller)."""
+    if workers > 1:
+        pytest.importorskip("xdist")
+    tests = tmp_path / "tests" / "cupy_tests"
+    tests.mkdir(parents=True)
+    (tests / "test_tiny.py").write_text("import pytest\n\n@pytest.mark.parametrize('n', range(4))\n"
+                                        "def test_passes(n):\n    pass\n\ndef test_fails():\n    assert False\n")
+    monkeypatch.setenv(cupy_suite.TESTS_ENV, str(tmp_path / "tests"))
+    runs = [cupy_suite.run_slice(hooked, str(tmp_path), ["cupy_tests/test_tiny.py"], workers=workers)
+            for hooked in (False, True)]
+    expected = {f"tests/cupy_tests/test_tiny.py::test_passes[{n}]": "passed" for n in range(4)}
+    expected["tests/cupy_tests/test_tiny.py::test_fails"] = "failed"
+    for run in runs:
+        assert run.outcomes == expected, run.output
+        sessions = cupy_suite.sessions(run.log_path)
+        assert len(sessions) == workers
+        assert all(s["hooked"] is run.hooked and s["installed"] is run.hooked for s in sessions)
+    assert cupy_suite.differences(*runs) == []
+    with open(runs[1].log_path) as f:
+        assert any("assert False" in json.loads(line).get("text", "") for line in f)
