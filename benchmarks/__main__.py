@@ -31,6 +31,7 @@ BENCHMARKS = {
     "dpnp": "bench_dpnp",
     "sycl_interposer": "bench_sycl_interposer",
     "cuda": "bench_cuda",
+    "cuda_expandable": "bench_cuda_expandable",
     "sleep": "bench_sleep",
     "soak": "soak",
 }

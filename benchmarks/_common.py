@@ -15,7 +15,7 @@ RESULTS_ENV = "UNIMEM_BENCHMARK_RESULTS"
 RESULTS_DIR = os.environ.get(RESULTS_ENV) or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 SIZE_NAMES = {512: "512 B", 4096: "4 KiB", 65536: "64 KiB", 1 << 20: "1 MiB", 4 << 20: "4 MiB",
-              16 << 20: "16 MiB", 64 << 20: "64 MiB", 256 << 20: "256 MiB"}
+              16 << 20: "16 MiB", 64 << 20: "64 MiB", 256 << 20: "256 MiB", 1 << 30: "1 GiB"}
 
 
 def size_name(size: int) -> str:

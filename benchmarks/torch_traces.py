@@ -66,7 +66,16 @@ def from_snapshot(snapshot: Dict[str, Any], device: int = 0) -> Tuple[List[Event
             peak_reserved = max(peak_reserved, reserved)
         elif action == "segment_free":
             reserved -= size
-    return events, peak_reserved
+    return close_live(events), peak_reserved
+
+
+def close_live(events: List[Event]) -> List[Event]:
+    """The trace with a free at its end for every block still live there (the
+    model and optimizer state of the recorded run), so that a replay ends
+    with nothing allocated."""
+    live = {event[1] for event in events if event[0] == "alloc"}
+    live.difference_update(event[1] for event in events if event[0] == "free")
+    return events + [("free", key) for key in sorted(live)]
 
 
 def encode(events: List[Event]) -> List[int]:

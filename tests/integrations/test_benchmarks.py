@@ -175,3 +175,27 @@ def test_the_dpnp_benchmark_runs_and_reports_every_target(tmp_path):
         assert row["identical"], row
         assert row["allocations_per_iteration"] > 0
         assert row["pooled_calls_share"] == 1.0 and row["pooled_bytes_share"] == 1.0, row
+
+
+def test_a_recorded_pytorch_trace_ends_with_nothing_allocated():
+    """A trace from a PyTorch snapshot frees at its end what the recorded run
+    still held (its model), so a replay ends with nothing allocated; the
+    saved traces in benchmarks/data are such traces."""
+    from benchmarks.torch_traces import from_snapshot, saved_traces
+    snapshot = {"device_traces": [[
+        {"action": "segment_alloc", "addr": 0, "size": 2 << 20},
+        {"action": "alloc", "addr": 0, "size": 512},
+        {"action": "alloc", "addr": 512, "size": 1024},
+        {"action": "free_requested", "addr": 512, "size": 1024},
+        {"action": "free_completed", "addr": 512, "size": 1024},
+    ]]}
+    events, peak = from_snapshot(snapshot)
+    assert events == [("alloc", 1, 512), ("alloc", 2, 1024), ("free", 2), ("free", 1)] and peak == 2 << 20
+    for trace in saved_traces():
+        live = set()
+        for event in trace["events"]:
+            if event[0] == "alloc":
+                live.add(event[1])
+            else:
+                live.remove(event[1])
+        assert not live, trace["name"]
