@@ -19,6 +19,7 @@ from unimem.backends.cuda_vmm import CudaVMM, DriverError
 
 from tests.helpers import fake_cuda
 from tests.helpers.fake_cuda import FakeCudaDriver, FakeCudaRuntime
+from tests.helpers.gpu import requires_gpu_and_driver_bindings
 
 MiB = 1 << 20
 PAGE = 2 * MiB
@@ -387,16 +388,7 @@ def test_the_simulated_driver_matches_cuda_bindings(runtime):
 # ---------------------------------------------------------------------------
 # on a real GPU, with cuda-bindings
 # ---------------------------------------------------------------------------
-def real_gpu_with_driver_bindings():
-    try:
-        import cupy
-        from cuda.bindings import driver  # noqa: F401
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:
-        return False
-
-
-@pytest.mark.skipif(not real_gpu_with_driver_bindings(), reason="needs an NVIDIA GPU and cuda-bindings")
+@requires_gpu_and_driver_bindings
 def test_gpu_real_driver_maps_memory_cupy_can_use():
     import cupy
     backend = CUDABackend()

@@ -15,23 +15,17 @@ from unimem.backends.cuda import CUDABackend, CUDAPinnedBackend
 from unimem.backends.simulated import SimulatedBackend
 
 from tests.helpers.fake_cuda import CUDA_ERROR_INVALID_DEVICE, CUDARuntimeError, fake  # noqa: F401  (fixture)
+from tests.helpers.gpu import cuda_gpu_available, requires_gpu
 
 cupy = pytest.importorskip("cupy", reason="CuPy (cupy-cuda12x) is in the test extra")
 
 MiB = 1 << 20
 
 
-def real_gpu_available():
-    try:
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:
-        return False
-
-
 # ---------------------------------------------------------------------------
 # no GPU: the fallback and its messages
 # ---------------------------------------------------------------------------
-@pytest.mark.skipif(real_gpu_available(), reason="this machine has a GPU")
+@pytest.mark.skipif(cuda_gpu_available(), reason="this machine has a GPU")
 def test_without_a_gpu_cuda_reports_nothing_and_says_why():
     import unimem.cuda as ucuda
     assert ucuda.device_count() == 0 and not ucuda.is_available()
@@ -233,7 +227,7 @@ def test_the_host_pool_pins_with_cuda_when_there_is_a_gpu(fake):
 # ---------------------------------------------------------------------------
 # on a real GPU
 # ---------------------------------------------------------------------------
-gpu = pytest.mark.skipif(not real_gpu_available(), reason="needs an NVIDIA GPU")
+gpu = requires_gpu
 
 
 @gpu

@@ -9,17 +9,10 @@ import textwrap
 
 import pytest
 
-
-def _gpu_with_driver_bindings():
-    try:
-        import cupy
-        from cuda.bindings import driver  # noqa: F401
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:
-        return False
+from tests.helpers.gpu import needs_gpu_and_driver_bindings
 
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _gpu_with_driver_bindings(), reason="needs an NVIDIA GPU and cuda-bindings")]
+pytestmark = needs_gpu_and_driver_bindings
 
 MiB = 1 << 20
 

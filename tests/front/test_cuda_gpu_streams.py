@@ -12,17 +12,12 @@ import threading
 
 import pytest
 
+from tests.helpers.gpu import needs_gpu
+
 cupy = pytest.importorskip("cupy")
 
 
-def _gpu_available():
-    try:
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:
-        return False
-
-
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _gpu_available(), reason="needs an NVIDIA GPU")]
+pytestmark = needs_gpu
 
 ELEMENTS = 1 << 18                       # 1 MiB of uint32: one block of the large pool
 ROUNDS = 1500

@@ -11,19 +11,13 @@ import os
 import pytest
 
 from tests.helpers import cupy_suite
+from tests.helpers.gpu import cuda_gpu_available
 
 cupy = pytest.importorskip("cupy")
 
 
-def _gpu_available():
-    try:
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:
-        return False
-
-
 @pytest.mark.gpu
-@pytest.mark.skipif(not _gpu_available() or cupy_suite.cupy_tests_dir() is None,
+@pytest.mark.skipif(not cuda_gpu_available() or cupy_suite.cupy_tests_dir() is None,
                     reason=f"needs an NVIDIA GPU and {cupy_suite.TESTS_ENV}")
 def test_cupys_own_tests_give_the_same_outcomes_with_unimems_allocator(tmp_path):
     try:

@@ -17,18 +17,13 @@ import textwrap
 import pytest
 import pytest_codeblocks
 from tests.helpers import REPO_ROOT
+from tests.helpers.gpu import cuda_gpu_available
 
 ROOT = str(REPO_ROOT)
 README = os.path.join(ROOT, "README.md")
 BLOCK_TIMEOUT = 240
 
 
-def real_gpu_available():
-    try:
-        import cupy
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:
-        return False
 
 
 # A small training script for the README's `python -m unimem run train.py` lines:
@@ -69,7 +64,7 @@ def _blocks():
         marks = []
         for mark in block.marks:
             if mark == "pytest.mark.gpu":
-                marks.append(pytest.mark.skipif(not real_gpu_available(), reason="needs an NVIDIA GPU"))
+                marks.append(pytest.mark.skipif(not cuda_gpu_available(), reason="needs an NVIDIA GPU"))
             marks.append(eval(mark, {"pytest": pytest, "sys": sys}))
         params.append(pytest.param(block, marks=marks, id=f"README.md line {block.lineno}"))
     return params
