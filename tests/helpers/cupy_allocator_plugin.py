@@ -29,8 +29,9 @@ _log = None
 
 def _counters():
     try:
-        device = unimem.cuda.memory_stats()["allocation.all.allocated"]
-    except RuntimeError:            # CUDA never initialised by unimem
+        # {} on a GPU where unimem has not allocated yet (as torch.cuda.memory_stats)
+        device = unimem.cuda.memory_stats().get("allocation.all.allocated", 0)
+    except RuntimeError:            # no GPU: unimem.cuda says so
         device = 0
     return {"device_allocations": int(device),
             "pinned_allocations": int(unimem.host_memory_stats().get("num_host_alloc", 0)),
