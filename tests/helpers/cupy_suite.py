@@ -147,7 +147,8 @@ def main(argv: List[str]) -> int:
             print(run.output[-5000:])
     compared = compared_ids(runs[False], runs[True])
     print(f"{len(compared)} tests compared")
-    differing = [test for test in differences(runs[False], runs[True]) if test in set(compared)]
+    reached_by_both = set(compared)
+    differing = [test for test in differences(runs[False], runs[True]) if test in reached_by_both]
     print(describe(differing, runs[False], runs[True]) if differing else "same outcome for every test")
     if arguments.json:
         with open(arguments.json, "w") as f:
