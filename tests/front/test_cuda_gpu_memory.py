@@ -9,6 +9,8 @@ import textwrap
 
 import pytest
 
+from tests.helpers import REPO_ROOT
+from tests.helpers.fresh import run_fresh
 from tests.helpers.gpu import needs_gpu_and_driver_bindings
 
 
@@ -18,8 +20,7 @@ MiB = 1 << 20
 
 
 def run_script(body, conf="expandable_segments:True"):
-    env = dict(os.environ, UNIMEM_ALLOC_CONF=conf, PYTHONUNBUFFERED="1")
-    script = textwrap.dedent("""
+    return run_fresh(textwrap.dedent("""
         import cupy, numpy as np
         import unimem.cuda as ucuda
         MiB = 1 << 20
@@ -27,10 +28,7 @@ def run_script(body, conf="expandable_segments:True"):
             cupy.cuda.Device().synchronize()
             return cupy.cuda.runtime.memGetInfo()[0]
         cupy.cuda.set_allocator(ucuda.allocator)
-    """) + textwrap.dedent(body)
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
-    return done.stdout
+    """) + textwrap.dedent(body), UNIMEM_ALLOC_CONF=conf)
 
 
 def test_gpu_expandable_segments_map_and_unmap_on_the_driver():
@@ -117,7 +115,7 @@ def test_gpu_expandable_segments_beside_pytorchs_own():
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("PyTorch has no CUDA here")
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    repo = str(REPO_ROOT)
     done = subprocess.run([sys.executable, "-m", "benchmarks.bench_cuda_expandable", "--json-only"], cwd=repo,
                           capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, PYTHONPATH=repo))

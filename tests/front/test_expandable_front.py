@@ -1,24 +1,17 @@
 """``expandable_segments:True`` through the namespaces, and
 ``empty_virt_addr_cache`` on every one of them (a fresh interpreter each:
 the option is read when a device's allocator is made)."""
-import os
-import subprocess
-import sys
-import textwrap
-
 import unimem
 import unimem.accelerator
 import unimem.cpu
 import unimem.cuda
 import unimem.xpu
 
+from tests.helpers import fresh
+
 
 def run_fresh(code, **env):
-    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=dict(os.environ, **env),
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
-    assert "Traceback" not in result.stderr and "Exception ignored" not in result.stderr, result.stderr
-    return result.stdout.split()
+    return fresh.run_fresh(code, **env).split()
 
 
 def test_every_namespace_has_empty_virt_addr_cache():

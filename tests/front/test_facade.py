@@ -1,9 +1,5 @@
 """unimem.accelerator: torch.accelerator's functions, names and semantics."""
 import collections
-import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 
@@ -11,19 +7,9 @@ import unimem
 from unimem import accelerator as acc
 from unimem._runtime.registry import DeviceRegistry
 
+from tests.helpers.fresh import run_fresh
+
 MiB = 1 << 20
-
-
-def run_fresh(code, **env):
-    """Run ``code`` in a new interpreter (the facade's state is per process)."""
-    full_env = dict(os.environ, **env)
-    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=full_env,
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
-    # Nothing may go wrong at interpreter exit either (allocators are collected then).
-    for noise in ("Exception ignored", "Error in sys.excepthook", "Traceback"):
-        assert noise not in result.stderr, result.stderr
-    return result.stdout
 
 
 def current_type():

@@ -13,7 +13,6 @@ import os
 import shutil
 import subprocess
 import sys
-import textwrap
 import types
 
 import pytest
@@ -24,7 +23,7 @@ import unimem.cpu
 import unimem.cuda
 import unimem.host
 
-from tests.helpers import REPO_ROOT
+from tests.helpers import fresh
 from tests.helpers.fake_cuda import fake  # noqa: F401  (fixture)
 
 ALLOCATOR_SOURCE = r"""
@@ -60,11 +59,7 @@ def library_counters(path):
 
 
 def run_fresh(code, **env):
-    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=dict(os.environ, **env),
-                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
-    assert "Traceback" not in result.stderr, result.stderr
-    return result.stdout.split()
+    return fresh.run_fresh(code, **env).split()
 
 
 # ---------------------------------------------------------------------------
