@@ -62,6 +62,12 @@ def best_of(measure: Callable[[], float], repeats: int = 5) -> float:
     return min(measure() for _ in range(repeats))
 
 
+def median_and_range(values: Sequence[float]) -> str:
+    """``"1.23 (1.01-1.50)"``: the median of per-round values (ratios, rates)
+    with the lowest and the highest."""
+    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+
+
 def format_time(seconds: float) -> str:
     if seconds < 1e-6:
         return f"{seconds * 1e9:.0f} ns"

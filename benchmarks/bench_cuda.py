@@ -21,7 +21,8 @@ import statistics
 import time
 from typing import Any, Callable, Dict, List, Optional
 
-from ._common import command_line, format_time, print_table, report, seconds_per_call, size_name
+from ._common import (command_line, format_time, median_and_range, print_table, report, seconds_per_call,
+                      size_name)
 
 SIZES = [512, 4096, 65536, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20, 1 << 30]
 
@@ -101,8 +102,13 @@ def _interleaved(cupy: Any, allocators: Dict[str, Any], measure: Callable[[], fl
     return times
 
 
-def _ratios(times: Dict[str, List[float]], a: str, b: str) -> List[float]:
-    return [x / y for x, y in zip(times[a], times[b])]
+def _against_cupy(times: Dict[str, List[float]]) -> Dict[str, Any]:
+    """A row's figures from interleaved times: each allocator's median and
+    unimem / CuPy per round (median, lowest and highest, every round)."""
+    ratios = [u / c for u, c in zip(times["unimem"], times["cupy"])]
+    return {"cupy_pool_s": statistics.median(times["cupy"]), "unimem_s": statistics.median(times["unimem"]),
+            "unimem_vs_cupy": statistics.median(ratios), "unimem_vs_cupy_spread": [min(ratios), max(ratios)],
+            "unimem_vs_cupy_rounds": ratios}
 
 
 def run(quick: bool = False) -> Dict[str, Any]:
@@ -122,14 +128,9 @@ def run(quick: bool = False) -> Dict[str, Any]:
     pools = {"cupy": cupy_pool.malloc, "unimem": unimem.cuda.allocator}
     rows: List[Dict[str, Any]] = []
     for size in SIZES:
-        row: Dict[str, Any] = {"size": size}
         times = _interleaved(cupy, pools, lambda: seconds_per_call(lambda: cupy.empty(size, cupy.uint8),
                                                                   repeats=1, min_time=min_time), rounds)
-        ratios = _ratios(times, "unimem", "cupy")
-        row["cupy_pool_s"] = statistics.median(times["cupy"])
-        row["unimem_s"] = statistics.median(times["unimem"])
-        row["unimem_vs_cupy"] = statistics.median(ratios)
-        row["unimem_vs_cupy_spread"] = [min(ratios), max(ratios)]
+        row: Dict[str, Any] = dict(_against_cupy(times), size=size)
         if rmm_allocator:
             with cupy.cuda.using_allocator(rmm_allocator):
                 row["rmm_s"] = seconds_per_call(lambda: cupy.empty(size, cupy.uint8), repeats=rounds,
@@ -150,14 +151,11 @@ def run(quick: bool = False) -> Dict[str, Any]:
     def cell(value: Optional[float]) -> str:
         return "-" if value is None else format_time(value)
 
-    def spread(values: List[float]) -> str:
-        return f"{min(values):.2f}-{max(values):.2f}"
-
     print_table(f"cupy.empty / torch.empty on {name}; CuPy pool and unimem interleaved, {rounds} rounds",
                 ["size", "CuPy pool", "unimem", "unimem / CuPy (spread)", "RMM pool", "torch.empty",
                  "cudaMalloc+Free"],
                 [[size_name(r["size"]), cell(r["cupy_pool_s"]), cell(r["unimem_s"]),
-                  f"{r['unimem_vs_cupy']:.2f} ({spread(r['unimem_vs_cupy_spread'])})", cell(r["rmm_s"]),
+                  median_and_range(r["unimem_vs_cupy_rounds"]), cell(r["rmm_s"]),
                   cell(r["torch_s"]), cell(r["raw_s"])] for r in rows])
 
     workload_rows: List[Dict[str, Any]] = []
@@ -170,16 +168,12 @@ def run(quick: bool = False) -> Dict[str, Any]:
         for allocator in pools.values():                       # warm: kernels compiled, pools filled
             with cupy.cuda.using_allocator(allocator):
                 workload(cupy, 2)
-        times = _interleaved(cupy, pools, measure, rounds)
-        ratios = _ratios(times, "unimem", "cupy")
-        workload_rows.append({"workload": title, "steps": steps, "cupy_pool_s": statistics.median(times["cupy"]),
-                              "unimem_s": statistics.median(times["unimem"]),
-                              "unimem_vs_cupy": statistics.median(ratios),
-                              "unimem_vs_cupy_spread": [min(ratios), max(ratios)]})
+        workload_rows.append(dict(_against_cupy(_interleaved(cupy, pools, measure, rounds)),
+                                  workload=title, steps=steps))
     print_table(f"workloads on {name}, {rounds} interleaved rounds",
                 ["workload", "CuPy pool", "unimem", "unimem / CuPy (spread)"],
                 [[r["workload"], format_time(r["cupy_pool_s"]), format_time(r["unimem_s"]),
-                  f"{r['unimem_vs_cupy']:.2f} ({spread(r['unimem_vs_cupy_spread'])})"] for r in workload_rows],
+                  median_and_range(r["unimem_vs_cupy_rounds"])] for r in workload_rows],
                 text_columns=1)
 
     worst = max(rows, key=lambda r: r["unimem_vs_cupy"])

@@ -27,7 +27,7 @@ from typing import Any, Dict, List
 
 import numpy
 
-from ._common import command_line, print_table, report
+from ._common import command_line, median_and_range, print_table, report
 
 MiB = 1 << 20
 BLOCK = 16 * MiB
@@ -37,10 +37,6 @@ TARGET = 0.8
 
 def gbps(size: int, seconds: float) -> float:
     return size / seconds / 1e9
-
-
-def spread(values: List[float]) -> str:
-    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
 
 
 def plain_memcpy(blocks: List[int], into: Any) -> float:
@@ -92,10 +88,10 @@ def run(quick: bool = False) -> Dict[str, Any]:
         allocator.empty_cache()
     base = statistics.median(fresh)
     rows = [
-        ["memcpy into new memory (the reference)", spread(fresh), "1.00"],
-        ["memcpy into touched memory (for scale)", spread(hot), f"{statistics.median(hot) / base:.2f}"],
-        ["sleep(offload=True): copy out, give back", spread(offload), f"{statistics.median(offload) / base:.2f}"],
-        ["wake_up(): map back, copy back", spread(restore), f"{statistics.median(restore) / base:.2f}"],
+        ["memcpy into new memory (the reference)", median_and_range(fresh), "1.00"],
+        ["memcpy into touched memory (for scale)", median_and_range(hot), f"{statistics.median(hot) / base:.2f}"],
+        ["sleep(offload=True): copy out, give back", median_and_range(offload), f"{statistics.median(offload) / base:.2f}"],
+        ["wake_up(): map back, copy back", median_and_range(restore), f"{statistics.median(restore) / base:.2f}"],
     ]
     print_table(f"sleep mode on the cpu pool: {total // MiB} MiB in {BLOCKS} live blocks, "
                 f"{rounds} rounds (GB/s: median, lowest-highest)",
