@@ -104,6 +104,19 @@ def test_peak_requested_and_ratios():
     assert recorded["torch_reserved_peak"] == 40 * MiB and recorded["torch_recorded"]
 
 
+def test_the_pages_holding_live_bytes_at_the_peak():
+    page = 2 * MiB
+    snapshot = [{"blocks": [
+        {"address": 0, "size": page + 1, "state": "active_allocated"},          # pages 0 and 1
+        {"address": page + 1, "size": 3 * page - 1, "state": "inactive"},       # pages 1-3: free
+        {"address": 4 * page, "size": 512, "state": "active_pending_free"},     # page 4: still in use
+    ]}, {"blocks": [{"address": 9 * page + page - 512, "size": 1024, "state": "active_allocated"}]}]
+    assert bench_memory.pages_holding_live_bytes(snapshot, page) == 5 * page     # pages 0, 1, 4, 9, 10
+    # Two blocks of 1.5 pages each on the simulated device: the peak maps 3 pages, all holding live bytes.
+    events = [("alloc", 1, 3 * MiB), ("alloc", 2, 3 * MiB), ("free", 1), ("free", 2)]
+    assert bench_memory.live_pages_at_peak(events, expandable_segments=True) == 6 * MiB
+
+
 def test_pytorch_flattens_the_nested_statistics_back_to_unimems():
     torch = pytest.importorskip("torch")
     import torch.cuda.memory as torch_memory
