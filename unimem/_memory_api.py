@@ -37,6 +37,8 @@ class MemoryAPI(AllocationAPI, ConfigurationAPI, StatisticsAPI, HistoryAPI, Priv
     def functions(self) -> Dict[str, Any]:
         """The public functions, by name, for a namespace module to export."""
         exported = {name: getattr(self, name) for name in PUBLIC_FUNCTIONS + PUBLIC_CLASSES}
+        if self.type_name == "xpu":          # torch.xpu's takes no device (its 5th argument is clear_history)
+            exported["_record_memory_history"] = self._record_xpu_memory_history
         exported.update(self._hot_functions())
         return exported
 

@@ -3,7 +3,7 @@
 arrays (``Any`` here: dpnp and dpctl ship no type information)."""
 import collections
 from contextlib import AbstractContextManager
-from typing import Any, Dict, Literal, Optional, Sequence, Union
+from typing import Any, Dict, List, Literal, Optional, Sequence, Union
 
 from unimem import _core
 from unimem._memory.mempool import MemPool as _MemPool
@@ -71,7 +71,6 @@ get_memory_info = _api.get_memory_info
 mem_get_info = _api.mem_get_info
 memory_snapshot = _api.memory_snapshot
 caching_allocator = _api.caching_allocator
-_record_memory_history = _api._record_memory_history
 _snapshot = _api._snapshot
 _dump_snapshot = _api._dump_snapshot
 
@@ -80,6 +79,11 @@ _UsmType = Literal["device", "shared", "host"]
 _Order = Literal["C", "F", "c", "f"]
 
 def record_stream(memory: MemoryLike, stream: Any) -> None: ...
+# torch.xpu's arguments, in its order (no device): MemoryAPI._record_xpu_memory_history
+def _record_memory_history(enabled: Optional[Literal["state", "all"]] = ...,
+                           context: Optional[Literal["state", "alloc", "all"]] = ...,
+                           stacks: Literal["python", "all"] = ..., max_entries: int = ...,
+                           clear_history: bool = ..., skip_actions: Optional[List[str]] = ...) -> None: ...
 def default_queue(device: Any = ...) -> Any: ...
 def stream_handle(queue: Any) -> int: ...
 def allocator_for(usm_type: _UsmType = ..., device: Any = ...) -> _core.CachingAllocator: ...

@@ -29,17 +29,19 @@ NO_GRAPHS = "unimem has no graph capture (CUDA/XPU graphs), so no graph memory p
 # device properties) is CuPy's and dpctl's business.
 MEMORY_NAME = re.compile(r"mem|alloc|cach|pool|host|process")
 
-# torch.cuda.memory's private functions that the snapshot tools and users call.
-CUDA_PRIVATE = ("_record_memory_history", "_snapshot", "_dump_snapshot")
+# torch.cuda.memory's and torch.xpu.memory's private functions that the
+# snapshot tools and users call (each module has its own parameters).
+HISTORY_PRIVATE = ("_record_memory_history", "_snapshot", "_dump_snapshot")
 
 
 def torch_cuda_names():
     return (set(torch.cuda.memory.__all__) | {name for name in torch.cuda.__all__ if MEMORY_NAME.search(name)}
-            | set(CUDA_PRIVATE))
+            | set(HISTORY_PRIVATE))
 
 
 def torch_xpu_names():
-    return set(torch.xpu.memory.__all__) | {name for name in torch.xpu.__all__ if MEMORY_NAME.search(name)}
+    return (set(torch.xpu.memory.__all__) | {name for name in torch.xpu.__all__ if MEMORY_NAME.search(name)}
+            | set(HISTORY_PRIVATE))
 
 
 def torch_accelerator_names():
@@ -73,9 +75,8 @@ SIGNATURE_DIFFERENCES = {
     # augment_with_fx_traces adds torch.compile's FX frames to the stacks
     ("cuda", "_snapshot"): "no torch.compile in unimem: no FX traces to add",
     ("cuda", "_dump_snapshot"): "no torch.compile in unimem: no FX traces to add",
-    # compile_context and global_record_annotations record torch.compile's
-    # context and the profiler's annotations with each event
-    ("cuda", "_record_memory_history"): "no torch.compile or profiler annotations in unimem",
+    ("xpu", "_snapshot"): "no torch.compile in unimem: no FX traces to add",
+    ("xpu", "_dump_snapshot"): "no torch.compile in unimem: no FX traces to add",
 }
 
 

@@ -470,3 +470,21 @@ def test_record_stream_with_a_handle_that_names_no_queue_is_refused(xpu, dpctl):
     xpu.empty_cache()
     assert pool.memory_stats()["active.all.current"] == 0
     pool._check_invariants()
+
+
+def test_record_memory_history_takes_torch_xpus_arguments_in_its_order(xpu):
+    """torch.xpu's _record_memory_history has no ``device``: its fifth
+    argument is ``clear_history`` (it went into an ignored ``device`` before)."""
+    xpu._record_memory_history("all")
+    try:
+        xpu.caching_allocator_delete(xpu.caching_allocator_alloc(1000))
+        assert len(xpu._snapshot()["device_traces"][0]) >= 2
+        xpu._record_memory_history("all", "all", "all", 1000, True)
+        assert xpu._snapshot()["device_traces"][0] == []
+        xpu.caching_allocator_delete(xpu.caching_allocator_alloc(1000))
+        xpu._record_memory_history("all", "all", "all", 1000, False, ["free_requested", "free_completed"])
+        xpu.caching_allocator_delete(xpu.caching_allocator_alloc(1000))
+        actions = [event["action"] for event in xpu._snapshot()["device_traces"][0]]
+        assert actions.count("alloc") == 2 and actions.count("free_requested") == 1   # not cleared, then skipped
+    finally:
+        xpu._record_memory_history(None, clear_history=True)

@@ -43,6 +43,7 @@ class HistoryAPI(DeviceTypeAPI):
                                context: Optional[Literal["state", "alloc", "all"]] = "all",
                                stacks: Literal["python", "all"] = "python", max_entries: int = sys.maxsize,
                                device: DeviceLike = None, clear_history: bool = False,
+                               compile_context: bool = False, global_record_annotations: bool = False,
                                skip_actions: Optional[List[str]] = None) -> None:
         r"""Enable recording of stack traces associated with memory
         allocations, so you can tell what allocated any piece of memory in
@@ -75,12 +76,37 @@ class HistoryAPI(DeviceTypeAPI):
                 alloc/free events in the recorded history recorded.
             device: ignored; recording applies to every device of this type, as in PyTorch.
             clear_history (bool, optional): Clear history when enabling, defaults to False.
+            compile_context (bool, optional), global_record_annotations (bool,
+                optional): accepted where ``torch.cuda`` has them, with no
+                effect: there is no compiled graph or annotation to record.
             skip_actions (list[str], optional): action types not to record
                 (``"alloc"``, ``"free_requested"``, ``"free_completed"``,
                 ``"segment_alloc"``, ``"segment_free"``, ``"oom"``).
+
+        The arguments are ``torch.cuda.memory._record_memory_history``'s, in
+        its order; the ``xpu`` namespace takes ``torch.xpu``'s, which has no
+        ``device`` (:meth:`_record_xpu_memory_history`).
         """
+        for name, flag in (("compile_context", compile_context),
+                           ("global_record_annotations", global_record_annotations)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, not {type(flag).__name__}")
         _history.record_memory_history(self.pool, self._type().registry, enabled, context,
                                        stacks, max_entries, clear_history, skip_actions)
+
+    def _record_xpu_memory_history(self, enabled: Optional[Literal["state", "all"]] = "all",
+                                   context: Optional[Literal["state", "alloc", "all"]] = "all",
+                                   stacks: Literal["python", "all"] = "python", max_entries: int = sys.maxsize,
+                                   clear_history: bool = False,
+                                   skip_actions: Optional[List[str]] = None) -> None:
+        r"""Enable recording of stack traces associated with memory
+        allocations, so you can tell what allocated any piece of memory in
+        :func:`_snapshot()`; ``torch.xpu.memory._record_memory_history``'s
+        arguments, in its order (no ``device``). See
+        :func:`unimem.cuda._record_memory_history` for what each means.
+        """
+        self._record_memory_history(enabled, context, stacks, max_entries,
+                                    clear_history=clear_history, skip_actions=skip_actions)
 
     def _snapshot(self, device: DeviceLike = None) -> Dict[str, Any]:
         r"""Save a snapshot of memory state at the time it was called: a dict
