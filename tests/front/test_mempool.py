@@ -324,6 +324,27 @@ def test_caching_allocator_enable(ns):
     assert ns.memory_reserved() == 2 * MiB
 
 
+@pytest.mark.parametrize("value", [None, 0, 1, "no", 0.0])
+def test_caching_allocator_enable_takes_a_bool_only(ns, value):
+    """As torch's (THPUtils_checkBool: a bool or a NumPy bool): None read as
+    false gave the cached segment back before."""
+    ns.caching_allocator_delete(alloc(ns, 100))
+    before = ns.memory_stats()
+    with pytest.raises(TypeError, match="expects a bool"):
+        ns.caching_allocator_enable(value)
+    assert ns.memory_stats() == before and ns.memory_reserved() == 2 * MiB
+
+
+def test_caching_allocator_enable_takes_numpy_bools(ns):
+    import numpy
+    ns.caching_allocator_delete(alloc(ns, 100))
+    ns.caching_allocator_enable(numpy.bool_(False))
+    assert ns.memory_reserved() == 0
+    ns.caching_allocator_enable(numpy.bool_(True))
+    ns.caching_allocator_delete(alloc(ns, 100))
+    assert ns.memory_reserved() == 2 * MiB
+
+
 def test_dpnp_arrays_made_in_a_pool(xpu, dpnp):
     xpu.set_allocator()
     try:

@@ -16,6 +16,8 @@ import threading
 import weakref
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
+import numpy
+
 from .. import _core
 from .._runtime.devices import DeviceLike, current_type, device_index, get_type, on_allocator_created
 from .._runtime.pools import Pool, PoolKind
@@ -243,7 +245,12 @@ class PrivatePoolAPI(DeviceTypeAPI):
         (its rounded size), every free gives it back at once, and the
         statistics are still kept; what is cached when it is disabled goes
         back too. :func:`use_mem_pool` routes nothing while it is disabled.
+        ``value`` must be a bool or a NumPy bool (``TypeError`` otherwise,
+        changing nothing), as in PyTorch: ``None`` read as false would give
+        the cache back.
         """
+        if not isinstance(value, (bool, numpy.bool_)):
+            raise TypeError(f"caching_allocator_enable expects a bool, not {type(value).__name__}")
         if value:
             _caching_off.discard(self.type_name)
         else:
