@@ -17,6 +17,8 @@ TRACE_ACTIONS: Tuple[str, ...]
 
 class WriteAfterFreeWarning(RuntimeWarning): ...
 
+class InvalidDeviceError(ValueError, RuntimeError): ...
+
 class OutOfMemoryError(MemoryError, RuntimeError):
     device: Optional[int]
     requested: int

@@ -2,6 +2,13 @@
 # it must not raise (from finalizers and observers), and the out-of-memory
 # message, worded as PyTorch's.
 
+class InvalidDeviceError(ValueError, RuntimeError):
+    """A device index that names no device of its type (out of range, or
+    negative). A ``ValueError``, as unimem's other bad arguments, and a
+    ``RuntimeError``, as PyTorch's "Invalid device argument" is:
+    ``except RuntimeError`` written for PyTorch catches it."""
+
+
 class WriteAfterFreeWarning(RuntimeWarning):
     """Debug mode (``UNIMEM_DEBUG=1``) found memory changed after it was
     freed: something wrote through a pointer it no longer owned."""

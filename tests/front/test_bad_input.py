@@ -253,3 +253,19 @@ def test_a_dtype_numpy_cannot_parse_is_a_type_error(namespace):
     with pytest.raises(TypeError, match="not understood"):
         namespace.zeros(3, b",")
     assert unchanged(before, state())
+
+
+@pytest.mark.parametrize("call", [
+    lambda: cpu.memory_stats(7), lambda: cpu.memory_allocated("cpu:3"), lambda: cpu.reset_peak_memory_stats(7),
+    lambda: cpu.set_per_process_memory_fraction(0.5, 7), lambda: cpu.caching_allocator_alloc(64, 7),
+    lambda: cpu.caching_allocator_alloc(64, -5), lambda: cpu.caching_allocator_alloc(64, 1 << 30),
+    lambda: accelerator.memory_stats(99),
+], ids=["memory_stats", "device string", "reset", "fraction", "alloc", "negative", "huge", "accelerator"])
+def test_a_device_index_naming_no_device_is_a_runtime_error_as_in_pytorch(call):
+    """PyTorch's "Invalid device argument" is a RuntimeError; unimem's stays a
+    ValueError as well (InvalidDeviceError is both), and changes nothing."""
+    before = cpu.memory_stats()
+    with pytest.raises(unimem.InvalidDeviceError, match="device index") as raised:
+        call()
+    assert isinstance(raised.value, RuntimeError) and isinstance(raised.value, ValueError)
+    assert cpu.memory_stats() == before

@@ -443,6 +443,6 @@ def device_index(device_arg: DeviceLike, dtype: DeviceType, *, optional: bool = 
                 return dtype.current_index()
             index = device_arg.index
     if not 0 <= index < dtype.device_count:
-        raise ValueError(f"device index {index} is out of range: {dtype.name} has "
+        raise _core.InvalidDeviceError(f"device index {index} is out of range: {dtype.name} has "
                          f"{dtype.device_count} device{'s' if dtype.device_count != 1 else ''}")
     return index

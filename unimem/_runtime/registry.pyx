@@ -20,7 +20,7 @@ from unimem._native.stats cimport S_ALLOCATED_BYTES, pool_current
 import threading
 import weakref
 
-from unimem._core import HANDLE_OWNED_MESSAGE
+from unimem._core import HANDLE_OWNED_MESSAGE, InvalidDeviceError
 
 
 # Per-thread current device index, one slot per live device registry; the
@@ -104,7 +104,7 @@ cdef class DeviceRegistry:
 
     cdef int check_index(self, int index) except -1:
         if index < 0 or index >= self.device_count:
-            raise ValueError(
+            raise InvalidDeviceError(
                 f"device index {index} is out of range: {self.device_type} has "
                 f"{self.device_count} device{'s' if self.device_count != 1 else ''}")
         return 0
@@ -266,9 +266,9 @@ cdef int _device_int(object device) except? -1:
     if isinstance(device, bool) or not isinstance(device, int):
         raise TypeError(f"device index must be an int, not {type(device).__name__}")
     if device < 0:
-        raise ValueError(f"device index must be non-negative, got {device}")
+        raise InvalidDeviceError(f"device index must be non-negative, got {device}")
     if device > 1 << 20:
-        raise ValueError(f"device index {device} is out of range")
+        raise InvalidDeviceError(f"device index {device} is out of range")
     return device
 
 
