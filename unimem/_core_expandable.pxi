@@ -308,8 +308,9 @@ cdef Block* _expandable_alloc(CachingAllocator self, size_t size, uintptr_t stre
 
 cdef void _merge_unmapped(CachingAllocator self, Block* dst, Block* src) noexcept nogil:
     """Merge the unmapped span ``src`` into its neighbour ``dst`` (not yet
-    indexed)."""
-    if src == NULL or not src.unmapped or src.lost:
+    indexed). A span being mapped (marked allocated by _map_block while the
+    backend's map runs Python, which may re-enter) is left where it is."""
+    if src == NULL or not src.unmapped or src.lost or src.allocated:
         return
     _unindex_span(src)
     if dst.prev == src:
@@ -497,7 +498,10 @@ cdef int _unmap_free_pages(CachingAllocator self, bint has_stream, uintptr_t str
 
 
 cdef inline bint _range_is_empty(Segment* seg) noexcept nogil:
-    return seg.expandable and seg.head.next == NULL and seg.head.unmapped and not seg.head.lost
+    """A range with no page mapped, and none being mapped (_map_block marks
+    the span it maps allocated while the backend's map runs)."""
+    return (seg.expandable and seg.head.next == NULL and seg.head.unmapped and not seg.head.lost
+            and not seg.head.allocated)
 
 
 cdef int _release_empty_ranges(CachingAllocator self, bint has_stream, uintptr_t stream) except -1:
