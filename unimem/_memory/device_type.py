@@ -27,6 +27,17 @@ class DeviceTypeAPI:
         dtype = self._type()
         return dtype.registry.peek(device_index(device, dtype))
 
+    def _existing_if_available(self, device: DeviceLike) -> Optional[_core.CachingAllocator]:
+        """:meth:`_existing`, or None where this device type has no device
+        (``unimem.cuda`` without a GPU): the statistics then read as
+        PyTorch's do before CUDA is initialised ({} and 0), whatever the
+        device argument, so that code measuring memory runs on CPU machines."""
+        try:
+            dtype = self._type()
+        except RuntimeError:
+            return None
+        return dtype.registry.peek(device_index(device, dtype))
+
     def caching_allocator(self, device: DeviceLike = None) -> _core.CachingAllocator:
         """The caching allocator of ``device`` (created if needed)."""
         dtype = self._type()

@@ -84,10 +84,11 @@ class StatisticsAPI(DeviceTypeAPI):
         ``"max_split_size"`` itself (-1 when unlimited).
 
         Returns an empty ``OrderedDict`` before the device type's first
-        allocator is made (PyTorch: before CUDA is initialised); after that,
-        a device not used yet has every statistic at 0.
+        allocator is made (PyTorch: before CUDA is initialised), and where the
+        device type has no device; after that, a device not used yet has
+        every statistic at 0.
         """
-        allocator = self._existing(device)
+        allocator = self._existing_if_available(device)
         if allocator is not None:
             return allocator.memory_stats()
         made = self._initialized()
@@ -145,7 +146,10 @@ class StatisticsAPI(DeviceTypeAPI):
 
     def memory_allocated(self, device: DeviceLike = None) -> int:
         r"""Return the current memory occupied by tensors in bytes for a given device."""
-        dtype = self._type()
+        try:
+            dtype = self._type()
+        except RuntimeError:             # no device of this type: 0, as PyTorch's before CUDA is initialised
+            return 0
         return dtype.registry.memory_allocated(device_index(device, dtype))
 
     def max_memory_allocated(self, device: DeviceLike = None) -> int:
@@ -155,12 +159,12 @@ class StatisticsAPI(DeviceTypeAPI):
         this program. :func:`reset_peak_memory_stats` can be used to
         reset the starting point in tracking this metric.
         """
-        allocator = self._existing(device)
+        allocator = self._existing_if_available(device)
         return 0 if allocator is None else allocator.max_memory_allocated()
 
     def memory_reserved(self, device: DeviceLike = None) -> int:
         r"""Return the current memory managed by the caching allocator in bytes for a given device."""
-        allocator = self._existing(device)
+        allocator = self._existing_if_available(device)
         return 0 if allocator is None else allocator.memory_reserved()
 
     def max_memory_reserved(self, device: DeviceLike = None) -> int:
@@ -170,7 +174,7 @@ class StatisticsAPI(DeviceTypeAPI):
         program. :func:`reset_peak_memory_stats` can be used to reset
         the starting point in tracking this metric.
         """
-        allocator = self._existing(device)
+        allocator = self._existing_if_available(device)
         return 0 if allocator is None else allocator.max_memory_reserved()
 
     def memory_cached(self, device: DeviceLike = None) -> int:
