@@ -556,3 +556,43 @@ def test_prometheus_collector_exposes_every_statistic():
                  "num_device_alloc", "oversize_segments", "max_split_size"):
         assert f"unimem_{name}" in names
     unimem.cpu.caching_allocator_delete(p)
+
+
+def test_the_legacy_bool_form_of_record_memory_history():
+    """torch.cuda takes ``_record_memory_history(True, trace_alloc_max_entries=n)``
+    (_record_memory_history_legacy), which older tutorials use; unimem
+    refused it (ValueError for True, TypeError for the keyword)."""
+    cpu = unimem.cpu
+    try:
+        cpu._record_memory_history(True, trace_alloc_max_entries=100, clear_history=True)
+        for _ in range(3):
+            cpu.caching_allocator_delete(allocate_here(1000))
+        actions = [event["action"] for event in cpu._snapshot()["device_traces"][0]]
+        assert actions.count("alloc") == 3 and actions.count("free_requested") == 3
+        cpu._record_memory_history(False)
+        cpu.caching_allocator_delete(allocate_here(1000))
+        assert [e["action"] for e in cpu._snapshot()["device_traces"][0]] == []    # stopped, history dropped
+        cpu._record_memory_history(True)        # the legacy default: one entry kept (PyTorch's "state")
+        for _ in range(3):
+            cpu.caching_allocator_delete(allocate_here(1000))
+        assert len(cpu._snapshot()["device_traces"][0]) <= 1
+        with pytest.raises(TypeError, match="trace_alloc_max_entries"):
+            cpu._record_memory_history(True, trace_alloc_max_entries="many")
+        with pytest.raises(TypeError, match="record_context"):
+            cpu._record_memory_history(True, None)
+    finally:
+        cpu._record_memory_history(None, clear_history=True)
+
+
+def test_augment_with_fx_traces_is_taken_as_torch_takes_it(tmp_path):
+    """No torch.compile in unimem, so no FX frames to add: the argument is a
+    bool with no effect (it was a TypeError, breaking calls ported as written)."""
+    keep = allocate_here(1000)
+    try:
+        assert unimem.cpu._snapshot(augment_with_fx_traces=True)["segments"] == unimem.cpu._snapshot()["segments"]
+        unimem.cpu._dump_snapshot(str(tmp_path / "s.pickle"), augment_with_fx_traces=False)
+        assert (tmp_path / "s.pickle").stat().st_size > 0
+        with pytest.raises(TypeError, match="augment_with_fx_traces must be a bool"):
+            unimem.cpu._snapshot(augment_with_fx_traces="yes")
+    finally:
+        unimem.cpu.caching_allocator_delete(keep)

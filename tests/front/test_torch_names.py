@@ -72,11 +72,6 @@ NAMESPACES = {
 SIGNATURE_DIFFERENCES = {
     # no_split: a pool that hands out whole blocks, on every device type
     ("xpu", "MemPool"): "unimem's XPU pools take no_split too (torch.xpu.MemPool has no such argument)",
-    # augment_with_fx_traces adds torch.compile's FX frames to the stacks
-    ("cuda", "_snapshot"): "no torch.compile in unimem: no FX traces to add",
-    ("cuda", "_dump_snapshot"): "no torch.compile in unimem: no FX traces to add",
-    ("xpu", "_snapshot"): "no torch.compile in unimem: no FX traces to add",
-    ("xpu", "_dump_snapshot"): "no torch.compile in unimem: no FX traces to add",
 }
 
 

@@ -2,6 +2,7 @@
 ``_snapshot`` and ``_dump_snapshot``, in PyTorch's layout."""
 from __future__ import annotations
 
+import inspect
 import sys
 from typing import Any, Dict, List, Literal, Optional, Tuple
 
@@ -9,6 +10,11 @@ from .._observe import history as _history
 from .._runtime.devices import DeviceLike
 from .device_type import DeviceTypeAPI
 from .mempool import _snapshot_filter
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, not {type(value).__name__}")
 
 
 class HistoryAPI(DeviceTypeAPI):
@@ -39,12 +45,51 @@ class HistoryAPI(DeviceTypeAPI):
             return segments
         return [segment for segment in segments if segment["segment_pool_id"] == only]
 
-    def _record_memory_history(self, enabled: Optional[Literal["state", "all"]] = "all",
-                               context: Optional[Literal["state", "alloc", "all"]] = "all",
-                               stacks: Literal["python", "all"] = "python", max_entries: int = sys.maxsize,
-                               device: DeviceLike = None, clear_history: bool = False,
-                               compile_context: bool = False, global_record_annotations: bool = False,
-                               skip_actions: Optional[List[str]] = None) -> None:
+    def _record_memory_history(self, enabled: Optional[Literal["state", "all"]] = "all", *args: Any,
+                               **kwargs: Any) -> None:
+        r"""Enable recording of stack traces associated with memory
+        allocations (see :meth:`_record_memory_history_impl` for the
+        arguments). As in ``torch.cuda``, a bool ``enabled`` selects the
+        legacy form, ``_record_memory_history(True, trace_alloc_max_entries=...)``
+        (:meth:`_record_memory_history_legacy`).
+        """
+        if isinstance(enabled, bool):
+            self._record_memory_history_legacy(enabled, *args, **kwargs)
+        else:
+            self._record_memory_history_impl(enabled, *args, **kwargs)
+
+    def _record_memory_history_legacy(self, enabled: bool, record_context: bool = True,
+                                      trace_alloc_max_entries: int = 1, trace_alloc_record_context: bool = False,
+                                      device: DeviceLike = None, record_context_cpp: bool = False,
+                                      clear_history: bool = False, compile_context: bool = False,
+                                      global_record_annotations: bool = False,
+                                      skip_actions: Optional[List[str]] = None) -> None:
+        r"""``torch.cuda.memory._record_memory_history_legacy``: the bool form,
+        in the current form's terms. ``enabled`` False stops recording; True
+        keeps ``trace_alloc_max_entries`` alloc/free events ("state" when that
+        is 1, as PyTorch's core treats it), with tracebacks of allocations
+        (``trace_alloc_record_context``), of live memory (``record_context``)
+        or none. ``record_context_cpp``: there are no C++ frames to add.
+        """
+        _check_bool("record_context", record_context)
+        _check_bool("trace_alloc_record_context", trace_alloc_record_context)
+        _check_bool("record_context_cpp", record_context_cpp)
+        if not enabled:
+            self._record_memory_history_impl(None, device=device, clear_history=clear_history)
+            return
+        if isinstance(trace_alloc_max_entries, bool) or not isinstance(trace_alloc_max_entries, int):
+            raise TypeError(f"trace_alloc_max_entries must be an int, not {type(trace_alloc_max_entries).__name__}")
+        context = "alloc" if trace_alloc_record_context else ("state" if record_context else None)
+        self._record_memory_history_impl("all" if trace_alloc_max_entries > 1 else "state", context, "python",
+                                         trace_alloc_max_entries, device, clear_history, compile_context,
+                                         global_record_annotations, skip_actions)
+
+    def _record_memory_history_impl(self, enabled: Optional[Literal["state", "all"]] = "all",
+                                    context: Optional[Literal["state", "alloc", "all"]] = "all",
+                                    stacks: Literal["python", "all"] = "python", max_entries: int = sys.maxsize,
+                                    device: DeviceLike = None, clear_history: bool = False,
+                                    compile_context: bool = False, global_record_annotations: bool = False,
+                                    skip_actions: Optional[List[str]] = None) -> None:
         r"""Enable recording of stack traces associated with memory
         allocations, so you can tell what allocated any piece of memory in
         :func:`_snapshot()`.
@@ -87,10 +132,8 @@ class HistoryAPI(DeviceTypeAPI):
         its order; the ``xpu`` namespace takes ``torch.xpu``'s, which has no
         ``device`` (:meth:`_record_xpu_memory_history`).
         """
-        for name, flag in (("compile_context", compile_context),
-                           ("global_record_annotations", global_record_annotations)):
-            if not isinstance(flag, bool):
-                raise TypeError(f"{name} must be a bool, not {type(flag).__name__}")
+        _check_bool("compile_context", compile_context)
+        _check_bool("global_record_annotations", global_record_annotations)
         _history.record_memory_history(self.pool, self._type().registry, enabled, context,
                                        stacks, max_entries, clear_history, skip_actions)
 
@@ -105,17 +148,23 @@ class HistoryAPI(DeviceTypeAPI):
         arguments, in its order (no ``device``). See
         :func:`unimem.cuda._record_memory_history` for what each means.
         """
-        self._record_memory_history(enabled, context, stacks, max_entries,
-                                    clear_history=clear_history, skip_actions=skip_actions)
+        self._record_memory_history_impl(enabled, context, stacks, max_entries,
+                                         clear_history=clear_history, skip_actions=skip_actions)
 
-    def _snapshot(self, device: DeviceLike = None) -> Dict[str, Any]:
+    # As torch.cuda's: the current form's parameters (what the arguments mean), either form taken.
+    _record_memory_history.__signature__ = inspect.signature(_record_memory_history_impl)  # type: ignore[attr-defined]
+
+    def _snapshot(self, device: DeviceLike = None, augment_with_fx_traces: bool = False) -> Dict[str, Any]:
         r"""Save a snapshot of memory state at the time it was called: a dict
         with ``segments`` and ``device_traces`` in PyTorch's layout (see
         ``torch.cuda.memory._snapshot``), readable by ``torch.cuda._memory_viz``
-        and pytorch.org/memory_viz."""
+        and pytorch.org/memory_viz. ``augment_with_fx_traces`` (a bool) is
+        taken with no effect: no torch.compile graph, so no FX frames to add."""
+        _check_bool("augment_with_fx_traces", augment_with_fx_traces)
         return _history.snapshot(self.pool, self._type().registry)
 
-    def _dump_snapshot(self, filename: "_history.PathLike" = "dump_snapshot.pickle") -> None:
+    def _dump_snapshot(self, filename: "_history.PathLike" = "dump_snapshot.pickle",
+                       augment_with_fx_traces: bool = False) -> None:
         r"""Save a pickled version of the :func:`_snapshot` dictionary to a file.
 
         This file can be opened by the interactive snapshot viewer at pytorch.org/memory_viz
@@ -124,5 +173,7 @@ class HistoryAPI(DeviceTypeAPI):
             filename (str or os.PathLike, optional): Name of the file to create.
                 Defaults to "dump_snapshot.pickle". Anything but a path (a file
                 descriptor, say) is a ``TypeError``.
+            augment_with_fx_traces (bool, optional): no effect (see :func:`_snapshot`).
         """
+        _check_bool("augment_with_fx_traces", augment_with_fx_traces)
         _history.dump_snapshot(self.pool, self._type().registry, filename)
