@@ -646,6 +646,12 @@ cdef class CachingAllocator:
                 _unmap_free_pages(self, False, 0)
                 _release_empty_ranges(self, False, 0)
                 b = _expandable_alloc(self, size, stream, is_small, True)
+                if b == NULL:
+                    # A range made for a request larger than a range is (1 TiB
+                    # for a 1 TiB request) and left with no page mapped goes
+                    # back; one of the usual size stays for the next miss, as
+                    # PyTorch keeps its segment.
+                    _release_empty_ranges(self, False, 0, _default_range_size(self))
         else:
             b = self._alloc_block(alloc_size, size, stream, is_small, False, pool)
             if b == NULL and _release_available_cached_blocks(self, size, stream, pool):

@@ -131,7 +131,7 @@ cdef Block* _new_range(CachingAllocator self, size_t size, uintptr_t stream, bin
     """Reserve a new range for (stream, pool), big enough for ``size``:
     its one block, unmapped. NULL when the backend has no address space left."""
     cdef size_t page = _page_of(self, is_small)
-    cdef size_t range_size = self.capacity + self.capacity // 8 if self.capacity else DEFAULT_RANGE_SIZE
+    cdef size_t range_size = _default_range_size(self)
     if range_size < size:
         range_size = size
     range_size = _round_up(range_size, page)
@@ -504,17 +504,25 @@ cdef inline bint _range_is_empty(Segment* seg) noexcept nogil:
             and not seg.head.allocated)
 
 
-cdef int _release_empty_ranges(CachingAllocator self, bint has_stream, uintptr_t stream) except -1:
+cdef inline size_t _default_range_size(CachingAllocator self) noexcept nogil:
+    """The size of a new range, unless a request needs more."""
+    return self.capacity + self.capacity // 8 if self.capacity else DEFAULT_RANGE_SIZE
+
+
+cdef int _release_empty_ranges(CachingAllocator self, bint has_stream, uintptr_t stream,
+                               size_t larger_than=0) except -1:
     """Give back the ranges that hold no mapped page (of ``stream`` only,
-    when given). They leave the allocator under the lock and go back to the
-    backend outside it, as segments do; a release that raises forgets the
-    range (its address space may be gone) and is raised after the others."""
+    when given; larger than ``larger_than`` bytes only). They leave the
+    allocator under the lock and go back to the backend outside it, as
+    segments do; a release that raises forgets the range (its address space
+    may be gone) and is raised after the others."""
     cdef vector[Segment*] empty
     cdef Segment* seg = self.segments
     cdef StreamPools* sp
     cdef size_t i
     while seg != NULL:
-        if _range_is_empty(seg) and not (has_stream and seg.stream != stream):
+        if (_range_is_empty(seg) and not (has_stream and seg.stream != stream)
+                and seg.size > larger_than):
             empty.push_back(seg)
         seg = seg.next_seg
     if empty.empty():

@@ -186,6 +186,25 @@ def test_the_device_filling_up_while_mapping_is_out_of_memory():
     assert a.malloc(100 * MiB) == live[0]
 
 
+@pytest.mark.parametrize("request_size", [1 << 40, 3 << 40])
+def test_a_request_no_range_can_hold_gives_its_address_space_back(request_size):
+    """Without a known capacity a range is 64 GiB, or the request's size when
+    larger: an impossible request must not leave its (unmapped) range behind."""
+    backend = SimulatedBackend(capacity=CAPACITY)
+    a = _core.CachingAllocator(backend, 0, expandable_segments=True)    # capacity unknown
+    live = a.malloc(4 * MiB)
+    address_space = a.reserved_address_space()
+    ranges = dict(backend.ranges[0])
+    for _ in range(2):
+        with pytest.raises(OutOfMemoryError):
+            a.malloc(request_size)
+    assert a.reserved_address_space() == address_space
+    assert backend.ranges[0] == ranges
+    assert a.memory_stats()["num_ooms"] == 2
+    assert_exact(a)
+    a.free(live)
+
+
 def test_a_failed_unmap_loses_the_pages_and_the_error_is_raised():
     class FailingUnmap(SimulatedBackend):
         def unmap_pages(self, address, size, device):
