@@ -501,6 +501,10 @@ cdef class CachingAllocator:
         ``pool``: the private pool it is for (its allocator's memory), or NULL."""
         if is_retry:
             self.stats.num_alloc_retries += 1
+        # A reclaim before this attempt let the lock go around a backend call,
+        # whose Python (or another thread) may have put the allocator or the
+        # pool to sleep: no new segment then.
+        _refuse_if_asleep(self, pool)
         if self.set_fraction and self.total_allocated_memory + alloc_size > self.allowed_memory_maximum:
             if not (self.limit_in_bytes and self.total_allocated_memory + size <= self.allowed_memory_maximum):
                 return NULL
@@ -618,10 +622,9 @@ cdef class CachingAllocator:
         cdef Block* b
         oom[0] = False
         tried[0] = alloc_size
-        if self.sleeping:
-            # c_malloc's check ran before the lock: a sleep() may have come in
-            # between (its blocks are held, so only a miss can get here)
-            _refuse_asleep(self)
+        # c_malloc's check ran before the lock: a sleep() may have come in
+        # between (its blocks are held, so only a miss can get here)
+        _refuse_if_asleep(self, pool)
         # Reserve the bookkeeping first, so that nothing fails after the
         # backend handed memory over.
         if fi == NULL or self._reserve_for_alloc(fi) != 0:

@@ -272,6 +272,7 @@ cdef Block* _expandable_alloc(CachingAllocator self, size_t size, uintptr_t stre
     max_reserved_ratio, holes are unmapped first (_unmap_to_ratio)."""
     if is_retry:
         self.stats.num_alloc_retries += 1
+    _refuse_if_asleep(self, NULL)      # as _alloc_block: a reclaim before may have let a sleep() in
     cdef FreeIndex* fi = self._pool(stream, is_small)
     if fi == NULL:
         raise MemoryError("host memory for the allocator's bookkeeping ran out")

@@ -371,10 +371,12 @@ cdef uintptr_t _malloc_routed(CachingAllocator self, size_t size, uintptr_t stre
             self._unlock()
             return 0
         pool = deref(it).second.back()
+        # This request's own use of the pool: a reclaim below lets the lock go
+        # around backend calls, whose Python may end the thread's use_mem_pool
+        # and the MemPool itself; the pool must outlive the request.
+        pool.use_count += 1
     try:
-        if pool != NULL and pool.sleeping:
-            raise RuntimeError(f"memory pool (0, {pool.id}) is asleep (MemPool.sleep): "
-                               f"call its wake_up() before allocating from it")
+        _refuse_if_asleep(self, pool)
         if pool != NULL:
             rounded = self._round_size(size)
             fi = _pool_index(self, pool, stream, rounded <= K_SMALL_SIZE)
@@ -386,9 +388,13 @@ cdef uintptr_t _malloc_routed(CachingAllocator self, size_t size, uintptr_t stre
         if b == NULL:
             b = self._malloc_slow(size, stream, by_handle, &oom, &tried, pool, self.cache_off)
     finally:
-        if pool != NULL and b == NULL:
-            _drop_pool_stream_if_unused(pool, stream)    # made by _pool_index for this request
-        self._unlock()
+        try:
+            if pool != NULL:
+                if b == NULL:
+                    _drop_pool_stream_if_unused(pool, stream)    # made by _pool_index for this request
+                _drop_pool_use(self, pool)     # the last use, if the MemPool ended meanwhile
+        finally:
+            self._unlock()
     if oom:
         self._after_free()          # history, and the streams the retries dropped
         raise self._out_of_memory(size, tried)

@@ -129,6 +129,17 @@ cdef int _refuse_asleep(CachingAllocator self) except -1:
                        f"(sleep() gave its memory back): call wake_up() before allocating")
 
 
+cdef int _refuse_if_asleep(CachingAllocator self, PrivatePool* pool) except -1:
+    """RuntimeError when the allocator sleeps, or ``pool`` (NULL: the device's
+    own pools) does (MemPool.sleep). Lock held."""
+    if self.sleeping:
+        _refuse_asleep(self)
+    if pool != NULL and pool.sleeping:
+        raise RuntimeError(f"memory pool (0, {pool.id}) is asleep (MemPool.sleep): "
+                           f"call its wake_up() before allocating from it")
+    return 0
+
+
 cdef str _check_can_sleep(CachingAllocator self, bint device_segments):
     """NotImplementedError, saying why, where the backend cannot give memory
     back and keep its addresses (and the sleep may take ``device_segments``:

@@ -13,7 +13,8 @@ from unimem.backends._host import PageAlignedBackend
 from unimem.backends.pluggable import PluggableAllocator
 from unimem.backends.simulated import SimulatedBackend
 
-from tests.helpers.pool_allocators import in_pool
+from tests.helpers.crash_guard import run_python
+from tests.helpers.pool_allocators import PageAllocator, in_pool
 
 MiB = 1 << 20
 P1, P2 = (0, 1), (0, 2)
@@ -470,3 +471,96 @@ def test_a_pool_request_that_fails_leaves_no_free_index_behind(stream):
         a._check_invariants()
     finally:
         a.end_pool(P1)
+
+
+class HookedDevice(Device):
+    """A Device whose free runs ``hook`` once (Python run while the
+    allocator let its lock go around the backend call)."""
+    hook = None
+
+    def free(self, ptr, size, device, stream):
+        super().free(ptr, size, device, stream)
+        if self.hook is not None:
+            hook, self.hook = self.hook, None
+            hook()
+
+
+REQUEST_OUTLIVING_ITS_POOL = """
+from unimem import _core
+from unimem.backends.pluggable import PluggableAllocator
+from tests.core.test_private_pools import HookedDevice, MiB, P1
+dev = HookedDevice(capacity=24 * MiB)
+a = _core.CachingAllocator(PluggableAllocator(dev.malloc, dev.free), 0)
+a.free(a.malloc(4 * MiB))           # a cached 20 MiB segment of the device's own pools
+a.create_pool(P1)
+a.begin_pool(P1)
+ended = []
+def end_the_pool():                 # a generator inside use_mem_pool, collected just then
+    a.end_pool(P1)
+    a.release_pool(P1)
+    junk = [bytearray(64) for _ in range(10000)]     # reuse the freed memory, if any
+    ended.append(a.pool_use_count(P1))
+dev.hook = end_the_pool
+p = a.malloc(4 * MiB)               # routed to P1: misses, the retry frees the cached segment
+assert ended == [1], ended          # the request's own use kept the pool alive
+assert [s["segment_pool_id"] for s in a.snapshot()] == [P1]
+assert a.pool_use_count(P1) == 0    # and let it go when done
+a._check_invariants()
+a.free(p)
+a.empty_cache()
+assert a.memory_reserved() == 0 and dev.used == 0, (a.memory_reserved(), dev.used)
+a._check_invariants()
+print("PASSED")
+"""
+
+
+def test_a_pool_ended_by_a_backend_call_during_its_own_request_outlives_the_request():
+    """The pool a routed request allocates from stays while the request runs:
+    the retry's backend free (Python, the lock let go) may end the thread's
+    use_mem_pool and the MemPool. It was freed under the request (SIGSEGV)."""
+    run_python(REQUEST_OUTLIVING_ITS_POOL)
+
+
+class FullPageAllocator(PageAllocator):
+    """PageAllocator (which can sleep) holding ``capacity`` bytes, whose free
+    runs ``free_hook`` once."""
+    capacity = 45 * MiB
+    free_hook = None
+
+    def malloc(self, size, device, stream):
+        if sum(self.live.values()) + size > self.capacity:
+            return 0
+        return super().malloc(size, device, stream)
+
+    def free(self, ptr, size, device, stream):
+        super().free(ptr, size, device, stream)
+        if self.free_hook is not None:
+            hook, self.free_hook = self.free_hook, None
+            hook()
+
+
+@pytest.mark.parametrize("whole_device", [True, False])
+def test_a_sleep_during_a_requests_retry_refuses_the_new_segment(whole_device):
+    """sleep() run by the retry's backend free (the lock let go) came before
+    the new segment: the request is refused, as any request while asleep,
+    and nothing is reserved while asleep. It used to get a new segment."""
+    backend = FullPageAllocator()
+    a = _core.CachingAllocator(backend, 0)
+    keep = a.malloc(12 * MiB)                  # 20 MiB segment, live
+    a.free(a.malloc(15 * MiB))                 # 16 MiB segment, cached
+    if not whole_device:                       # the request goes to a pool
+        a.create_pool(P1)
+        a.begin_pool(P1)
+    backend.free_hook = (lambda: a.sleep(offload=True)) if whole_device else (lambda: a.sleep_pool(P1))
+    with pytest.raises(RuntimeError, match="asleep"):
+        a.malloc(22 * MiB)                     # misses; the retry frees the cached segment: sleep()
+    assert backend.free_hook is None           # (the sleep did run in the retry)
+    a._check_invariants()
+    if whole_device:
+        assert a.is_sleeping() and a.memory_reserved() == 0
+        a.wake_up()
+    else:
+        a.wake_up_pool(P1)
+        a.end_pool(P1)
+    a.free(keep)
+    a._check_invariants()
