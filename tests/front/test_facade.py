@@ -113,6 +113,25 @@ def test_bad_input_changes_nothing():
         acc.caching_allocator_delete(p)
 
 
+def test_caching_allocator_alloc_takes_a_device_as_every_accelerator_function_does():
+    """``"xpu:0"`` or a device object, as memory_allocated and the namespaces
+    take them (it was a TypeError on the accelerator's function alone)."""
+    kind = current_type()
+    acc.caching_allocator_delete(acc.caching_allocator_alloc(1000))
+    before = acc.memory_stats(0)
+    for device in (f"{kind}:0", kind, acc.current_accelerator(), unimem.device(kind, 0)):
+        p = acc.caching_allocator_alloc(1000, device)
+        assert acc.memory_stats(0)["requested_bytes.all.current"] == before["requested_bytes.all.current"] + 1000
+        acc.caching_allocator_delete(p)
+    before = acc.memory_stats(0)
+    other = next(t for t in ("cuda", "xpu", "cpu") if t != kind)
+    for bad, error in ((f"{other}:0", ValueError), (f"{kind}:99", RuntimeError), ("junk", ValueError),
+                       (True, TypeError), (1.5, TypeError)):
+        with pytest.raises(error):
+            acc.caching_allocator_alloc(16, bad)
+    assert acc.memory_stats(0) == before
+
+
 def test_size_beyond_the_device_is_an_oom_counted_once():
     before = acc.memory_stats(0)
     total = acc.get_memory_info(0)[1]

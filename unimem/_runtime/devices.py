@@ -22,7 +22,7 @@ import weakref
 from typing import Any, Callable, Dict, List, Optional, Union
 
 from .. import _core
-from .registry import DeviceRegistry, set_current_registry_resolver
+from .registry import DeviceRegistry, set_current_registry_resolver, set_device_index_resolver
 from .config import settings_from_env
 from .pools import DEVICE_TYPES, Pool, PoolKind, register_named_pool
 from ..backends import opencl_env
@@ -373,6 +373,9 @@ def current_type_name() -> str:
 
 
 set_current_registry_resolver(lambda: current_type().registry)
+# unimem.accelerator.caching_allocator_alloc(n, "xpu:0"): read as every other
+# accelerator function reads a device (device_index is defined below).
+set_device_index_resolver(lambda device_arg: device_index(device_arg, current_type()))
 
 
 def replace_backend(name: str, backend: Backend) -> DeviceType:

@@ -287,6 +287,17 @@ def set_current_registry_resolver(resolver):
     _current_registry = None
 
 
+_device_index_resolver = None
+
+
+def set_device_index_resolver(resolver):
+    """Install the function that turns what the front takes for a device
+    (``"xpu:0"``, a device object) into the current accelerator's device
+    index, for ``unimem.accelerator.caching_allocator_alloc``'s checked path."""
+    global _device_index_resolver
+    _device_index_resolver = resolver
+
+
 cdef inline DeviceRegistry _current():
     # Inlined into the fast functions: once resolved, one test and no call.
     if _current_registry is not None:

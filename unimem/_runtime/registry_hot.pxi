@@ -137,7 +137,11 @@ def _checked_functions():
     """The full-signature functions every other call goes to (named as the
     public ones: their argument errors name them)."""
     def caching_allocator_alloc(size, device=None, stream=None):
-        return _current()._alloc(size, device, stream)
+        registry = _current()
+        if (device is not None and _device_index_resolver is not None
+                and (isinstance(device, bool) or not isinstance(device, int))):
+            device = _device_index_resolver(device)    # "xpu:0", a device: as every accelerator function
+        return registry._alloc(size, device, stream)
 
     def caching_allocator_delete(mem_ptr):
         _current()._delete(mem_ptr)
