@@ -154,7 +154,9 @@ cdef int _wake_up_pool(CachingAllocator self, object pool_id) except -1:
     self._lock()
     try:
         pool = _find_pool(self, _pool_id_number(pool_id))
-        if pool != NULL:
+        # _wake_up ran Python after the wake (the history hook, outside the
+        # lock), which may have put the pool back to sleep: it stays refused.
+        if pool != NULL and pool_id not in self.sleep_states:
             pool.sleeping = False
     finally:
         self._unlock()

@@ -174,3 +174,36 @@ def test_a_mempool_that_dies_asleep_leaves_nothing_behind():
     assert unimem.cpu.memory_snapshot(pool_id) == []
     assert unimem.cpu.memory_reserved() == reserved
     assert unimem.cpu.memory_stats()["segment.all.current"] == segments
+
+
+def test_a_pool_put_back_to_sleep_by_the_wake_ups_history_hook_stays_refused(pool):
+    """wake_up() runs the history hook after the wake; a hook that puts the
+    pool back to sleep leaves it asleep, and allocating from it refused (it
+    was marked awake: allocation from a sleeping pool succeeded)."""
+    allocator = unimem.cpu.caching_allocator()
+    with unimem.cpu.use_mem_pool(pool):
+        freed = unimem.cpu.caching_allocator_alloc(MiB)
+        kept = unimem.cpu.caching_allocator_alloc(MiB)
+    fill(kept, MiB, 3)
+    pool.sleep()
+    unimem.cpu.caching_allocator_delete(freed)      # completed (and traced) at wake_up
+    armed = [True]
+
+    def hook(events):
+        if armed[0]:
+            armed[0] = False
+            pool.sleep()                            # a scheduler reacting to memory events
+
+    allocator.set_trace_hook(hook)
+    try:
+        pool.wake_up()
+    finally:
+        allocator.set_trace_hook(None)
+    assert not armed[0] and pool.is_sleeping()
+    with pytest.raises(RuntimeError, match="asleep"):
+        with unimem.cpu.use_mem_pool(pool):
+            unimem.cpu.caching_allocator_alloc(4096)
+    pool.wake_up()
+    assert same_bytes(kept, MiB, 3)
+    unimem.cpu.caching_allocator_delete(kept)
+    allocator._check_invariants()
