@@ -291,27 +291,45 @@ cdef int _begin_pool(CachingAllocator self, object pool_id) except -1:
     return 0
 
 
+cdef PrivatePool* _end_route(CachingAllocator self, RouteIterator it, uint64_t n) noexcept nogil:
+    """Take the innermost use of pool ``n`` off the routes of ``it``'s
+    thread (and the thread off ``routes`` when none is left): the pool, or
+    NULL when the thread has no use of it. Lock held."""
+    cdef PrivatePool* pool = NULL
+    cdef size_t i = deref(it).second.size()
+    while i > 0:
+        i -= 1
+        if deref(it).second[i].id == n:
+            pool = deref(it).second[i]
+            deref(it).second.erase(deref(it).second.begin() + i)
+            break
+    if deref(it).second.empty():
+        self.routes.erase(it)
+    return pool
+
+
 cdef int _end_pool(CachingAllocator self, object pool_id) except -1:
     cdef uint64_t n = _pool_id_number(pool_id)
     cdef unsigned long thread = PyThread_get_thread_ident()
     cdef PrivatePool* pool = NULL
-    cdef size_t i
     cdef RouteIterator it
     self._lock()
     try:
         it = self.routes.find(thread)
         if it != self.routes.end():
-            i = deref(it).second.size()
-            while i > 0:                       # the innermost use of the pool
-                i -= 1
-                if deref(it).second[i].id == n:
-                    pool = deref(it).second[i]
-                    deref(it).second.erase(deref(it).second.begin() + i)
-                    break
-            if deref(it).second.empty():
-                self.routes.erase(it)
+            pool = _end_route(self, it, n)
         if pool == NULL:
-            raise ValueError(f"this thread is not allocating from memory pool {pool_id!r} "
+            # PyTorch's endAllocateToPool ends a use of the pool whatever
+            # thread began it: a use_mem_pool context entered in a generator
+            # on one thread may be closed on another.
+            it = self.routes.begin()
+            while it != self.routes.end():
+                pool = _end_route(self, it, n)    # erases ``it`` only when it found the pool
+                if pool != NULL:
+                    break
+                inc(it)
+        if pool == NULL:
+            raise ValueError(f"no thread is allocating from memory pool {pool_id!r} "
                              f"on device {self.device}")
         self._update_unusual()
         _drop_pool_use(self, pool)

@@ -303,7 +303,7 @@ def test_bad_input_changes_nothing():
         a.create_pool(P1)
     with pytest.raises(ValueError):
         a.begin_pool(P2)
-    with pytest.raises(ValueError, match="not allocating from"):
+    with pytest.raises(ValueError, match="no thread is allocating from"):
         a.end_pool(P1)
     with pytest.raises(ValueError):
         a.release_pool(P2)
@@ -564,3 +564,53 @@ def test_a_sleep_during_a_requests_retry_refuses_the_new_segment(whole_device):
         a.end_pool(P1)
     a.free(keep)
     a._check_invariants()
+
+
+def test_a_use_begun_on_one_thread_may_end_on_another():
+    """PyTorch's endAllocateToPool ends a use of the pool whatever thread
+    began it: a use_mem_pool context in a generator started on a worker and
+    closed on the main thread. It was a ValueError that left the worker's
+    route (and the pool's use) behind."""
+    a, _ = allocator()
+    a.create_pool(P1)
+    worker = threading.Thread(target=lambda: a.begin_pool(P1))
+    worker.start()
+    worker.join()
+    assert a.pool_use_count(P1) == 2
+    a.begin_pool(P1)                       # this thread's own use is ended first
+    a.end_pool(P1)
+    assert pool_of_block(a, a.malloc(MiB)) == (0, 0)
+    assert a.pool_use_count(P1) == 2
+    a.end_pool(P1)                         # the worker's
+    assert a.pool_use_count(P1) == 1
+    with pytest.raises(ValueError, match="no thread is allocating from memory pool"):
+        a.end_pool(P1)
+    assert a.pool_use_count(P1) == 1
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(a.malloc(MiB)))
+    thread.start()
+    thread.join()
+    assert pool_of_block(a, seen[0]) == (0, 0)
+    a._check_invariants()
+
+
+def test_use_mem_pool_closed_on_another_thread():
+    """The front's use_mem_pool, suspended in a generator on a worker thread
+    and closed on this one."""
+    import unimem.cpu
+
+    pool = unimem.cpu.MemPool()
+
+    def allocating():
+        with unimem.cpu.use_mem_pool(pool):
+            yield unimem.cpu.caching_allocator_alloc(4096)
+
+    gen = allocating()
+    out = []
+    worker = threading.Thread(target=lambda: out.append(next(gen)))
+    worker.start()
+    worker.join()
+    assert pool.use_count() == 2
+    gen.close()
+    assert pool.use_count() == 1
+    unimem.cpu.caching_allocator_delete(out[0])
