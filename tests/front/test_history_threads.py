@@ -11,6 +11,8 @@ import threading
 
 import unimem
 
+from tests.helpers.crash_guard import run_python
+
 THREADS = 4
 OPERATIONS = 1500
 SIZES = (512, 4096, 70_000, 1 << 20, 3 << 20)
@@ -63,3 +65,44 @@ def test_history_of_several_threads_is_in_the_allocators_order():
     assert not wrong, f"{len(wrong)} impossible per-address sequences, the first: {wrong[:5]}"
     backwards = [i for i in range(1, len(trace)) if trace[i]["time_us"] < trace[i - 1]["time_us"]]
     assert not backwards, f"time_us goes backwards at {len(backwards)} entries, the first at {backwards[:5]}"
+
+
+REENTERED_HOOK = """
+import gc, signal
+import unimem.cpu as c
+c._record_memory_history(context="all", max_entries=1000)
+
+class Owner:                      # frees its block in __del__; only the collector frees it
+    def __init__(self):
+        self.ptr = c.caching_allocator_alloc(4096)
+        self.me = self
+    def __del__(self):
+        c.caching_allocator_delete(self.ptr)
+
+gc.set_threshold(1)               # the hook's own allocations start the collector
+for i in range(300):
+    Owner()
+    c.caching_allocator_delete(c.caching_allocator_alloc(1024))
+gc.set_threshold(700)
+
+snapshots = []
+def on_signal(signum, frame):     # "dump a snapshot on a signal"
+    snapshots.append(c._snapshot())
+    signal.setitimer(signal.ITIMER_REAL, 0.0002)
+signal.signal(signal.SIGALRM, on_signal)
+signal.setitimer(signal.ITIMER_REAL, 0.0002)
+for i in range(30000):
+    c.caching_allocator_delete(c.caching_allocator_alloc(4096))
+signal.setitimer(signal.ITIMER_REAL, 0)
+assert snapshots
+c._record_memory_history(None)
+print("PASSED")
+"""
+
+
+def test_a_finalizer_or_a_signal_handler_reentering_the_history_hook_does_not_hang():
+    """The history hook runs Python (the stack walk, its entries) that may
+    start the cyclic collector, whose finalizer frees a block, or run a
+    signal handler that takes a snapshot: both come back to the history on
+    the same thread. Its lock was not reentrant: the process hung."""
+    run_python(REENTERED_HOOK, timeout=60)

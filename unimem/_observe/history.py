@@ -85,7 +85,11 @@ class History:
         # recording stopped; once they move, the remembered frames may
         # belong to freed memory and are dropped (see _drop_stale_frames).
         self.paused_counters: Dict[int, Tuple[int, int]] = {}
-        self.lock = threading.Lock()
+        # Reentrant: Python runs while it is held (the hook builds frames and
+        # entries, which may start the cyclic collector, and a signal handler
+        # may run between any two bytecodes), and a finalizer's free or a
+        # handler's _snapshot() comes back here on the same thread.
+        self.lock = threading.RLock()
 
     @staticmethod
     def check_arguments(enabled: Optional[str], context: Optional[str], stacks: str,
@@ -168,6 +172,17 @@ class History:
             context = self.context
             on_entries = context in ("alloc", "all")
             here: Optional[List[Frame]] = None
+            # What runs other code (the stack walk, a Python backend's
+            # memory_info) is done before the lock.
+            if context is not None and any(e[0] in ("alloc", "segment_alloc", "oom") for e in events) \
+                    or context == "all":
+                here = python_frames()
+            device_free = 0
+            if any(e[0] == "oom" for e in events):
+                try:
+                    device_free = allocator_ref().backend.memory_info(device)[0]
+                except Exception:
+                    device_free = 0
             with self.lock:
                 trace = self.traces.get(device)
                 if trace is None:
@@ -177,8 +192,6 @@ class History:
                 for action, addr, size, stream, time_ns in events:
                     entry_frames: List[Frame] = []
                     if action in ("alloc", "segment_alloc", "oom") or context == "all":
-                        if context is not None and here is None:
-                            here = python_frames()
                         entry_frames = here or []
                     known = blocks if action in ("alloc", "free_requested", "free_completed") else segments
                     if action in ("alloc", "segment_alloc"):
@@ -198,10 +211,7 @@ class History:
                              "frames": entry_frames if on_entries else []}
                     if action == "oom":
                         del entry["addr"]
-                        try:
-                            entry["device_free"] = allocator_ref().backend.memory_info(device)[0]
-                        except Exception:
-                            entry["device_free"] = 0
+                        entry["device_free"] = device_free
                     trace.append(entry)
         return hook
 
