@@ -326,10 +326,28 @@ def test_recording_stops_and_bad_arguments_are_errors():
     unimem.cpu._record_memory_history(None)
     unimem.cpu.caching_allocator_delete(allocate_here(100))
     assert unimem.cpu._snapshot()["device_traces"][0] == []
-    for bad in (dict(enabled="yes"), dict(context="some"), dict(stacks="cpp"), dict(max_entries=0),
-                dict(skip_actions=["teleport"])):
+    for bad in (dict(enabled="yes"), dict(context="some"), dict(stacks="cpp"), dict(max_entries=-1),
+                dict(max_entries=1 << 64), dict(skip_actions=["teleport"])):
         with pytest.raises(ValueError):
             unimem.cpu._record_memory_history(**bad)
+    for bad in (dict(skip_actions="alloc"), dict(skip_actions=[["alloc"]])):
+        with pytest.raises(TypeError, match="skip_actions must be a list of action names"):
+            unimem.cpu._record_memory_history(**bad)
+
+
+@pytest.mark.parametrize("max_entries, kept", [(0, 1), (1 << 63, 6), ((1 << 64) - 1, 6)])
+def test_max_entries_is_a_size_t_as_in_pytorch(max_entries, kept):
+    """PyTorch keeps max(1, max_entries) entries, any size_t; one past
+    sys.maxsize used to be taken and then record nothing (the hook's deque
+    refused it)."""
+    unimem.cpu._record_memory_history(max_entries=max_entries, clear_history=True)
+    try:
+        unimem.cpu.caching_allocator_delete(allocate_here(100))
+        unimem.cpu.caching_allocator_delete(allocate_here(100))
+        actions = [e["action"] for e in unimem.cpu._snapshot()["device_traces"][0]]
+        assert len(actions) == kept and actions[-1] == "free_completed"
+    finally:
+        unimem.cpu._record_memory_history(None, clear_history=True)
 
 
 def test_dump_snapshot_round_trips(tmp_path, recording):

@@ -101,8 +101,13 @@ class History:
             raise ValueError(f"context must be None, 'state', 'alloc' or 'all', got {context!r}")
         if stacks not in ("python", "all"):
             raise ValueError(f"stacks must be 'python' or 'all', got {stacks!r}")
-        if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 1:
-            raise ValueError(f"max_entries must be a positive int, got {max_entries!r}")
+        if isinstance(max_entries, bool) or not isinstance(max_entries, int) or not 0 <= max_entries < 1 << 64:
+            # PyTorch's max_entries is a size_t
+            raise ValueError(f"max_entries must be an int from 0 to 2**64 - 1, got {max_entries!r}")
+        if isinstance(skip_actions, str) or not isinstance(skip_actions, (list, tuple, set, frozenset, type(None))):
+            raise TypeError(f"skip_actions must be a list of action names, got {skip_actions!r}")
+        if not all(isinstance(action, str) for action in skip_actions or ()):
+            raise TypeError(f"skip_actions must be a list of action names, got {skip_actions!r}")
         skip = frozenset(skip_actions or ())
         unknown = skip - set(ACTIONS) - {"snapshot"}
         if unknown:
@@ -124,8 +129,10 @@ class History:
             # PyTorch's recordHistory: disabling, or clear_history, drops the
             # recorded actions; re-enabling without it appends to them.
             drop = enabled is None or clear_history
-            # As PyTorch's _record_memory_history: "state" keeps one entry, the last.
-            max_entries = max_entries if enabled == "all" else 1
+            # As PyTorch's _record_memory_history: "state" keeps one entry, the
+            # last; and at least one (its max(1, max_entries)). A deque holds
+            # at most sys.maxsize: more is no limit either.
+            max_entries = min(max(max_entries, 1), sys.maxsize) if enabled == "all" else 1
             self.traces = {d: collections.deque(() if drop else t, maxlen=max_entries)
                            for d, t in self.traces.items()}
             self.max_entries = max_entries
