@@ -29,11 +29,12 @@ from .snapshot_file import SnapshotError, load_snapshot
 
 __all__ = ["SnapshotError", "Timeline", "load_snapshot", "plot_snapshot"]
 
-MAX_DRAWN = 20_000        # allocations drawn individually; the rest join the grey base
+MAX_DRAWN = 2_000         # allocations drawn individually (fewer on a long trace); the rest are grey
 MAX_SEGMENT_ROWS = 40
 LEGEND_SITES = 8
 FREE_COLOUR = "#e3e3e3"
 BEFORE_COLOUR = "#a8a8a8"
+OTHER_COLOUR = "#cfcfcf"     # active memory with no band of its own (as the report)
 PENDING_COLOUR = "#ef8636"
 
 
@@ -64,7 +65,7 @@ def plot_snapshot(snapshot: Dict[str, Any], output: str, device: Optional[int] =
     from matplotlib.patches import Patch
 
     device = pick_device(snapshot, device)
-    tl = Timeline(snapshot, device, site=lambda frames: _site(frames, source_lines))
+    tl = Timeline(snapshot, device, site=lambda frames: _site(frames, source_lines), tracked=MAX_DRAWN)
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(12, 9), gridspec_kw={"height_ratios": [3, 2]})
     pool = snapshot.get("allocator_settings", {}).get("pool", "device")
     fig.suptitle(title or f"unimem memory: {_literal(pool)} device {device}", fontsize=13)
@@ -80,11 +81,16 @@ def plot_snapshot(snapshot: Dict[str, Any], output: str, device: Optional[int] =
         end = tl.end_time if tl.end_time > 0 else 1.0
         base_x = [t for t, _ in tl.base_steps] + [end]
         base_y = [y / MiB for _, y in tl.base_steps]
+        # All active memory in grey beneath: what has no band of its own shows
+        top.fill_between(tl.times + [end], [a / MiB for a in tl.active] + [tl.active[-1] / MiB], step="post",
+                         color=OTHER_COLOUR, linewidth=0)
+        if len(tl.tracked_bands) < len(tl.bands):
+            handles.append(Patch(color=OTHER_COLOUR, label="smaller allocations (no band of their own)"))
         if any(base_y):
             top.fill_between(base_x[:-1] + [end], base_y + [base_y[-1]], step="post",
                              color=BEFORE_COLOUR, linewidth=0)
             handles.append(Patch(color=BEFORE_COLOUR, label="allocated before the recording"))
-        drawn = sorted(tl.bands, key=lambda b: b["size"], reverse=True)[:MAX_DRAWN]
+        drawn = tl.tracked_bands
         top.add_collection(PolyCollection([band_polygon(b, end) for b in drawn],
                                           facecolors=[colour_of[b["site"]] for b in drawn],
                                           edgecolors="none"))

@@ -238,7 +238,7 @@ def report_html(snapshot: Dict[str, Any], device: Optional[int] = None, title: O
     import plotly.io
 
     device = pick_device(snapshot, device)
-    tl = Timeline(snapshot, device, site=data.site_of)
+    tl = Timeline(snapshot, device, site=data.site_of, tracked=data.MAX_BANDS)
     traces = snapshot.get("device_traces") or []
     events = traces[device] if device < len(traces) else []
     bands = data.largest_bands(tl)

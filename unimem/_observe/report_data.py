@@ -97,7 +97,7 @@ def largest_bands(timeline: Timeline, count: int = MAX_BANDS) -> List[Band]:
     """The ``count`` largest allocations of the trace (the longest lived
     first among equals), in the order they were made, each with its outline
     at its place in the stack (its bottom cut down to what a screen shows)."""
-    order = sorted(range(len(timeline.bands)), key=lambda k: (
+    order = sorted((k for k, band in enumerate(timeline.bands) if band["tracked"]), key=lambda k: (
         -timeline.bands[k]["size"],
         -((timeline.bands[k]["end"] if timeline.bands[k]["end"] is not None else timeline.end_time)
           - timeline.bands[k]["start"]), k))

@@ -10,6 +10,7 @@ unless asked to.
 """
 from __future__ import annotations
 
+import bisect
 import functools
 import os
 import site
@@ -26,6 +27,9 @@ GROWS = ("segment_alloc", "segment_map")
 SHRINKS = ("segment_free", "segment_unmap")
 NO_FRAMES = "(no Python frame recorded)"
 MiB = float(1 << 20)
+# The band steps one timeline records at most (a band's bottom each time it
+# moves): what a screen shows, within a second or two and well under a GiB.
+STEP_BUDGET = 500_000
 
 
 def pick_device(snapshot: Dict[str, Any], device: Optional[int]) -> int:
@@ -92,10 +96,12 @@ class Timeline:
     """The trace of one device, swept once: allocation lifetimes, their
     stacked positions over time, active and reserved memory after each
     event, OOMs, and the peak. ``site`` names an allocation's place from its
-    frames (:func:`allocation_site` by default, which opens no file)."""
+    frames (:func:`allocation_site` by default, which opens no file).
+    ``tracked``: how many of the largest allocations get a band of their own
+    (at most; fewer on a long trace, see STEP_BUDGET)."""
 
     def __init__(self, snapshot: Dict[str, Any], device: int,
-                 site: Callable[[List[Frame]], str] = allocation_site) -> None:
+                 site: Callable[[List[Frame]], str] = allocation_site, tracked: int = 20_000) -> None:
         traces = snapshot.get("device_traces") or []
         events = [e for e in (traces[device] if device < len(traces) else [])
                   if e["action"] in ("alloc", "free_completed", "segment_alloc", "segment_free", "segment_map",
@@ -126,40 +132,59 @@ class Timeline:
         base_end = max(final_active - sum(open_at_end.values()), 0)
         base = base_end + sum(size for _, size in freed_before)
 
-        # The sweep: the live allocations in stacking order, each one's
-        # bottom recorded whenever it moves.
-        self.bands: List[Dict[str, Any]] = []     # addr, size, site, frames, start, end, steps [(t, bottom)]
-        live: List[Dict[str, Any]] = []
+        # Which allocations get their own band (their bottom recorded as it
+        # moves): the ``tracked`` largest, the longest lived first among
+        # equals, as long as their steps stay within STEP_BUDGET. A band moves
+        # whenever one below it is freed, so a trace that frees its oldest
+        # allocations first moves every band at every free: recording them
+        # all cost time and memory growing with the square of the live
+        # allocations.
+        with_band = _bands_within_budget(events, self.times, tracked)
+
+        # The sweep: the live allocations in stacking order (the order they
+        # were made); of the tracked ones, each one's bottom recorded
+        # whenever it moves.
+        self.bands: List[Dict[str, Any]] = []     # addr, size, site, frames, start, end, tracked, steps [(t, bottom)]
         index_of: Dict[int, Dict[str, Any]] = {}
+        tracked_orders: List[int] = []             # the live tracked bands, by the order they were made
+        tracked_live: List[Dict[str, Any]] = []
+        live_bytes = 0
         reserved = sum(s["total_size"] for s in self.segments) - sum(
             e["size"] if e["action"] in GROWS else -e["size"]
             for e in events if e["action"] in GROWS + SHRINKS)
         self.base_steps: List[Tuple[float, float]] = []
         self.peak = (0.0, -1)                     # (active bytes, event index)
-        self.live_at_peak: List[Dict[str, Any]] = []
         for i, e in enumerate(events):
             t = self.times[i]
             action = e["action"]
-            moved_from = None
             if action == "alloc":
                 frames = e.get("frames", [])
                 band = {"addr": e["addr"], "size": e["size"], "site": site(frames), "frames": frames,
-                        "start": t, "end": None, "steps": []}
-                live.append(band)
+                        "start": t, "end": None, "tracked": i in with_band, "steps": [],
+                        "order": len(self.bands), "first": i, "last": None}
+                if band["tracked"]:
+                    band["bottom"] = float(base + live_bytes)
+                    band["steps"].append((t, band["bottom"]))
+                    tracked_orders.append(band["order"])
+                    tracked_live.append(band)
+                live_bytes += e["size"]
                 index_of[e["addr"]] = band
                 self.bands.append(band)
-                moved_from = len(live) - 1
             elif action == "free_completed":
                 band = index_of.pop(e["addr"], None)
                 if band is not None:
                     band["end"] = t
-                    position = live.index(band)
-                    live.pop(position)
-                    moved_from = position
+                    band["last"] = i
+                    live_bytes -= band["size"]
+                    above = bisect.bisect_right(tracked_orders, band["order"])
+                    if band["tracked"]:
+                        del tracked_orders[above - 1], tracked_live[above - 1]
+                        above -= 1
+                    _move_down(tracked_live, above, band["size"], t)
                 else:
                     base -= e["size"]
-                    moved_from = 0
                     self.base_steps.append((t, base))
+                    _move_down(tracked_live, 0, e["size"], t)
             elif action in GROWS:
                 reserved += e["size"]
             elif action in SHRINKS:
@@ -167,20 +192,22 @@ class Timeline:
             elif action == "oom":
                 self.ooms.append((t, e["size"]))
             self.reserved.append(reserved)
-            y = float(base)
-            for position, band in enumerate(live):
-                if moved_from is not None and position >= moved_from:
-                    if not band["steps"] or band["steps"][-1][1] != y:
-                        band["steps"].append((t, y))
-                y += band["size"]
+            y = float(base + live_bytes)
             self.active.append(y)
             if y > self.peak[0]:
                 self.peak = (y, i)
-                self.live_at_peak = list(live)
+        peak = self.peak[1]
+        self.live_at_peak = [b for b in self.bands
+                             if b["first"] <= peak and (b["last"] is None or b["last"] > peak)]
         if not self.base_steps or self.base_steps[0][0] != (self.times[0] if events else 0.0):
             first = base_end + sum(size for _, size in freed_before)
             self.base_steps.insert(0, (self.times[0] if events else 0.0, float(first)))
         self.end_time = self.times[-1] if events else 0.0
+
+    @property
+    def tracked_bands(self) -> List[Dict[str, Any]]:
+        """The allocations with a band of their own, in the order they were made."""
+        return [b for b in self.bands if b["tracked"]]
 
     def site_totals(self) -> List[Tuple[str, int]]:
         """Allocation sites by the bytes they hold at the peak (then by total)."""
@@ -191,6 +218,72 @@ class Timeline:
         for band in self.bands:
             overall[band["site"]] = overall.get(band["site"], 0) + band["size"]
         return sorted(overall.items(), key=lambda kv: (at_peak.get(kv[0], 0), kv[1]), reverse=True)
+
+
+def _bands_within_budget(events: List[Dict[str, Any]], times: List[float], tracked: int) -> set:
+    """The event indices of the allocations that get a band of their own: at
+    most ``tracked``, the largest first (the longest lived among equals),
+    skipping any whose steps would pass what STEP_BUDGET has left.
+
+    A band's steps are 1 + the frees below it during its life: the frees of
+    allocations made before it, and of memory from before the recording. In
+    one pass, a Fenwick tree over the order in which allocations were made
+    counts the frees so far below each order (position 0: memory from before
+    the recording, below everything); the difference between a band's end
+    and its start is its count."""
+    n_allocs = sum(1 for e in events if e["action"] == "alloc")
+    tree = [0] * (n_allocs + 2)
+
+    def add(position: int) -> None:          # one free at ``position`` (0-based)
+        position += 1
+        while position < len(tree):
+            tree[position] += 1
+            position += position & -position
+
+    def below(position: int) -> int:          # frees at positions < ``position``
+        total = 0
+        while position > 0:
+            total += tree[position]
+            position -= position & -position
+        return total
+
+    order_of: Dict[int, int] = {}             # live address -> (order + 1), 0 kept for "before"
+    started: Dict[int, Tuple[int, int]] = {}  # order -> (event index, frees below it at its start)
+    steps: Dict[int, int] = {}                # event index of the alloc -> steps
+    lifetime: Dict[int, float] = {}
+    end_time = times[-1] if times else 0.0
+    for i, e in enumerate(events):
+        if e["action"] == "alloc":
+            order = len(started) + 1
+            order_of[e["addr"]] = order
+            started[order] = (i, below(order))
+        elif e["action"] == "free_completed":
+            order = order_of.pop(e["addr"], 0)
+            if order:
+                first, at_start = started[order]
+                steps[first] = 1 + below(order) - at_start
+                lifetime[first] = times[i] - times[first]
+            add(order)
+    for order in order_of.values():           # alive at the end
+        first, at_start = started[order]
+        steps[first] = 1 + below(order) - at_start
+        lifetime[first] = end_time - times[first]
+    chosen = set()
+    left = STEP_BUDGET
+    for i in sorted(steps, key=lambda i: (-events[i]["size"], -lifetime[i], i)):
+        if len(chosen) == tracked:
+            break
+        if steps[i] <= left:
+            chosen.add(i)
+            left -= steps[i]
+    return chosen
+
+
+def _move_down(tracked_live: List[Dict[str, Any]], first: int, size: int, t: float) -> None:
+    """The tracked bands from position ``first`` up move ``size`` bytes down at ``t``."""
+    for band in tracked_live[first:]:
+        band["bottom"] -= size
+        band["steps"].append((t, band["bottom"]))
 
 
 def band_polygon(band: Dict[str, Any], end_time: float,
