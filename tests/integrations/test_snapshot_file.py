@@ -255,6 +255,12 @@ HOSTILE = {
     "a pool that is a dict": (_with(_set(("allocator_settings", "pool"), {})), "'pool' is a dict"),
     "an action that is an int": (_with(_set(EVENT + ("action",), 1)), "'action' is an int"),
     "an alloc without addr": (_with(_drop(("device_traces", 0, 1, "addr"))), "has no 'addr'"),
+    # view read these two without the schema's check (TypeError, KeyError)
+    "a pool id that is an int": (_with(_set(("segments", 0, "segment_pool_id"), 5)),
+                                 "segment 0 'segment_pool_id' is an int"),
+    "a pool id that is negative": (_with(_set(("segments", 0, "segment_pool_id"), (0, -1))),
+                                   "'segment_pool_id' item 1 is below 0"),
+    "a free_requested without size": (_with(_drop(("device_traces", 0, 3, "size"))), "event 3 has no 'size'"),
     "a pool nested 100,000 lists deep": (_pool_nested(100_000), "deep"),
     "a file of lists nested 200,000 deep": (_nested_list_pickle(200_000), "deep"),
 }
@@ -279,6 +285,11 @@ def test_a_malformed_snapshot_is_refused_in_one_line(tmp_path, case):
     assert says in str(refused.value) and "\n" not in str(refused.value), str(refused.value)
     refused_in_one_line(plot_cli(path, "-o", tmp_path / "out.png"), "bad.pickle", says)
     assert not (tmp_path / "out.png").exists()
+    err = io.StringIO()
+    with redirect_stderr(err):
+        status = cli_main(["view", str(path), "-o", str(tmp_path / "out.html")])
+    assert status == 2 and len(error_lines(err.getvalue())) == 1, err.getvalue()
+    assert says in err.getvalue()
 
 
 def test_a_snapshot_that_shared_references_blow_up_is_refused(tmp_path):

@@ -56,7 +56,8 @@ FRAME_SCHEMA: Dict[str, Any] = {
                    # None: Python has no line number for some frames.
                    "line": {"type": ["integer", "null"], "minimum": _I64_MIN, "maximum": _U64_MAX}}}
 # Trace actions whose entries the plot reads the size of, and the address of.
-_SIZED_ACTIONS = ["alloc", "free_completed", "segment_alloc", "segment_free", "segment_map", "segment_unmap", "oom"]
+_SIZED_ACTIONS = ["alloc", "free_requested", "free_completed", "segment_alloc", "segment_free", "segment_map",
+                  "segment_unmap", "oom"]
 _ADDRESSED_ACTIONS = ["alloc", "free_completed"]
 
 
@@ -76,6 +77,8 @@ def _snapshot_schema(frames: Dict[str, Any]) -> Dict[str, Any]:
                     "device": _SIZE, "address": _SIZE, "total_size": _SIZE, "allocated_size": _SIZE,
                     "active_size": _SIZE, "requested_size": _SIZE, "stream": _SIGNED,
                     "segment_type": _STRING, "frames": frames,
+                    # a MemPool's id, (0, n) (PyTorch's CUDA graph pools: (n, 0))
+                    "segment_pool_id": {"type": "array", "minItems": 2, "maxItems": 2, "items": _SIZE},
                     "blocks": {"type": "array", "items": {
                         "type": "object",
                         "required": ["size", "state"],
