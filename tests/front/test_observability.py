@@ -614,3 +614,15 @@ def test_augment_with_fx_traces_is_taken_as_torch_takes_it(tmp_path):
             unimem.cpu._snapshot(augment_with_fx_traces="yes")
     finally:
         unimem.cpu.caching_allocator_delete(keep)
+
+
+def test_code_in_a_folder_named_like_the_package_is_user_code():
+    """unimem's own frames are left out of stacks by their folder: a folder
+    whose path only starts with the package's (``.../unimem_experiments/``)
+    is the user's, and keeps its frames (it lost them)."""
+    import os
+    from unimem._observe.history import is_unimem_code
+    package = os.path.dirname(os.path.abspath(unimem.__file__))
+    assert is_unimem_code(os.path.join(package, "_observe", "history.py"))
+    assert not is_unimem_code(package + "_experiments" + os.sep + "train.py")
+    assert not is_unimem_code(os.path.join(package, "cli", "demo.py"))     # an example program

@@ -30,7 +30,8 @@ from .._runtime.pools import Pool
 
 ACTIONS = _core.TRACE_ACTIONS
 OOM_SNAPSHOT_ENV = "UNIMEM_OOM_SNAPSHOT"
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# With a trailing separator: /site/unimem_experiments/ is not unimem's code.
+_PACKAGE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "")
 # unimem's own modules are left out of recorded stacks; its example programs
 # (the demo) are user code and stay in.
 _USER_CODE_IN_PACKAGE = (os.path.join(_PACKAGE_DIR, "cli", "demo.py"),)
