@@ -417,3 +417,25 @@ def test_plot_of_any_mutation_draws_or_refuses_in_one_line(tmp_path, mutated, so
     assert len(error_lines(err.getvalue())) == (0 if status == 0 else 1), err.getvalue()
     if status == 0:
         assert stat.S_ISREG(os.stat(tmp_path / "out.png").st_mode)
+
+
+def test_names_python_could_not_decode_are_drawn_as_their_escapes(tmp_path):
+    """A script named in Latin-1 ("café.py") is recorded as 'caf\\udce9.py'
+    (a lone surrogate): plot raised inside matplotlib, and view and
+    run --report failed half-way, leaving a 0-byte file where the last
+    report was. Both now draw the escape."""
+    snapshot = valid_snapshot(filename="/home/someone/caf\udce9.py")
+    snapshot["allocator_settings"]["pool"] = "cpu\udce9"
+    path = write(tmp_path, snapshot)
+    for command, out in (("plot", tmp_path / "out.png"), ("view", tmp_path / "out.html")):
+        out.write_text("the last report")
+        err = io.StringIO()
+        with redirect_stdout(io.StringIO()), redirect_stderr(err):
+            assert cli_main([command, str(path), "-o", str(out)]) == 0, err.getvalue()
+        assert out.stat().st_size > 1000
+    assert "caf\\udce9.py" in (tmp_path / "out.html").read_text(encoding="utf-8")
+
+
+def test_a_long_name_is_cut_in_the_plot():
+    assert len(plot._literal("x" * 200_000)) == plot.MAX_LABEL
+    assert plot._literal("a$b\udce9") == "a\\$b\\udce9"

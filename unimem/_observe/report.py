@@ -282,7 +282,10 @@ def write_report(snapshot: Dict[str, Any], output: "str | os.PathLike[str]", dev
                  title: Optional[str] = None, stats: Optional[Mapping[str, int]] = None) -> str:
     """Write :func:`report_html` of ``snapshot`` into ``output``; returns the path."""
     page = report_html(snapshot, device=device, title=title, stats=stats)
-    with open(output, "w", encoding="utf-8") as f:
+    # A file name Python could not decode (recorded with a lone surrogate,
+    # as "caf\udce9.py") is written as its escape, not refused half-way
+    # through the file.
+    with open(output, "w", encoding="utf-8", errors="backslashreplace") as f:
         f.write(page)
     return os.fspath(output)
 
