@@ -1488,10 +1488,12 @@ cdef class CachingAllocator:
         return got
 
     def _reset_lock_after_fork(self):
-        """In the child: only this thread survived. The lock is free, and the
-        events another thread was waiting on are pending again."""
+        """In the child: only this thread survived. The lock is free, the
+        events another thread was waiting on are pending again, and the
+        other threads' uses of pools are over."""
         self.lock.reset_after_fork()
         self.lock_depth = 0
+        _forget_other_threads_routes(self)
         self.trace_buffer.clear()
         if self.trace_delivery is not None:     # another thread may have held it
             self.trace_delivery = threading.RLock()

@@ -308,6 +308,26 @@ cdef PrivatePool* _end_route(CachingAllocator self, RouteIterator it, uint64_t n
     return pool
 
 
+cdef void _forget_other_threads_routes(CachingAllocator self) noexcept:
+    """After fork(): only this thread lives on, so the other threads' uses of
+    pools end (their use_mem_pool contexts will never exit; a thread the
+    child starts may get one of their idents). A pool left with no use dies
+    at the next empty_cache (no backend call here)."""
+    cdef unsigned long thread = PyThread_get_thread_ident()
+    cdef RouteIterator it = self.routes.begin()
+    cdef size_t i
+    while it != self.routes.end():
+        if deref(it).first == thread:
+            inc(it)
+            continue
+        for i in range(deref(it).second.size()):
+            deref(it).second[i].use_count -= 1
+            if deref(it).second[i].use_count == 0:
+                deref(it).second[i].use_on_oom = False
+        it = self.routes.erase(it)
+    self._update_unusual()
+
+
 cdef int _end_pool(CachingAllocator self, object pool_id) except -1:
     cdef uint64_t n = _pool_id_number(pool_id)
     cdef unsigned long thread = PyThread_get_thread_ident()

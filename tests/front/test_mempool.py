@@ -5,6 +5,7 @@ ported to the simulated CUDA runtime (tests/helpers/fake_cuda.py, with
 CuPy's allocator entry ``unimem.cuda.allocator``) and to the ``cpu`` pool;
 dpnp arrays made inside a pool context on the real SYCL device."""
 import gc
+import os
 import threading
 from collections import defaultdict
 
@@ -361,3 +362,46 @@ def test_dpnp_arrays_made_in_a_pool(xpu, dpnp):
     finally:
         xpu.reset_allocator()
         xpu.synchronize()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
+def test_after_fork_another_threads_use_of_a_pool_is_over_in_the_child():
+    """Only the forking thread lives on in the child: a parent thread's
+    use_mem_pool context will never exit there. Its route stayed: a thread
+    the child started got the dead thread's ident (the system reuses it)
+    and allocated into the pool, which also kept that use forever."""
+    pool = unimem.cpu.MemPool()
+    inside, leave = threading.Event(), threading.Event()
+
+    def parent_thread():
+        with unimem.cpu.use_mem_pool(pool):
+            inside.set()
+            leave.wait()
+
+    worker = threading.Thread(target=parent_thread)
+    worker.start()
+    inside.wait()
+    assert pool.use_count() == 2
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:                                         # the child
+        try:
+            seen = []
+            child = threading.Thread(target=lambda: seen.append(
+                (threading.get_ident(), unimem.cpu.caching_allocator_alloc(4096))))
+            child.start()
+            child.join()
+            ident, ptr = seen[0]
+            pool_of = next(s["segment_pool_id"] for s in unimem.cpu.memory_snapshot()
+                           if s["address"] <= ptr < s["address"] + s["total_size"])
+            os.write(write, repr((pool_of, pool.use_count())).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        told = pipe.read()
+    os.waitpid(pid, 0)
+    leave.set()
+    worker.join()
+    assert told == repr(((0, 0), 1))
+    assert pool.use_count() == 1                         # the parent is as it was
