@@ -39,6 +39,8 @@ class MemoryAPI(AllocationAPI, ConfigurationAPI, StatisticsAPI, HistoryAPI, Priv
         exported = {name: getattr(self, name) for name in PUBLIC_FUNCTIONS + PUBLIC_CLASSES}
         if self.type_name == "xpu":          # torch.xpu's takes no device (its 5th argument is clear_history)
             exported["_record_memory_history"] = self._record_xpu_memory_history
+        else:                                # torch.cuda's takes include_traces (torch.xpu's does not)
+            exported["memory_snapshot"] = self._memory_snapshot_with_traces
         exported.update(self._hot_functions())
         return exported
 

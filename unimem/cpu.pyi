@@ -1,6 +1,6 @@
 """Type stubs for unimem/cpu.py: the memory functions it builds at import
 (their signatures are :class:`unimem._memory_api.MemoryAPI`'s), and its arrays."""
-from typing import Any, Literal, Sequence, Union
+from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple, Union
 
 from numpy.typing import DTypeLike, NDArray
 
@@ -59,7 +59,8 @@ memory_cached = _api.memory_cached
 max_memory_cached = _api.max_memory_cached
 get_memory_info = _api.get_memory_info
 mem_get_info = _api.mem_get_info
-memory_snapshot = _api.memory_snapshot
+def memory_snapshot(mempool_id: Optional[Tuple[int, int]] = None,
+                    include_traces: bool = True) -> List[Dict[str, Any]]: ...
 memory_summary = _api.memory_summary
 caching_allocator = _api.caching_allocator
 _record_memory_history = _api._record_memory_history

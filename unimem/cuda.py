@@ -350,7 +350,7 @@ def memory_snapshot(mempool_id: Optional[Tuple[int, int]] = None,
         include_traces: accepted for PyTorch's signature: the segments of a
             snapshot carry no trace entries (``_snapshot()`` has them).
     """
-    return _api.memory_snapshot(mempool_id)
+    return _api._memory_snapshot_with_traces(mempool_id, include_traces)
 
 
 # ---------------------------------------------------------------------------

@@ -5,6 +5,7 @@ ported to the simulated CUDA runtime (tests/helpers/fake_cuda.py, with
 CuPy's allocator entry ``unimem.cuda.allocator``) and to the ``cpu`` pool;
 dpnp arrays made inside a pool context on the real SYCL device."""
 import gc
+import inspect
 import os
 import threading
 from collections import defaultdict
@@ -14,6 +15,7 @@ import pytest
 import unimem
 import unimem.cpu
 import unimem.cuda
+import unimem.xpu
 from unimem.backends.pluggable import PluggableAllocator
 
 from tests.helpers.fake_cuda import fake  # noqa: F401  (fixture)
@@ -405,3 +407,27 @@ def test_after_fork_another_threads_use_of_a_pool_is_over_in_the_child():
     worker.join()
     assert told == repr(((0, 0), 1))
     assert pool.use_count() == 1                         # the parent is as it was
+
+
+def test_memory_snapshot_takes_pytorchs_include_traces_and_refuses_ids_no_pool_has():
+    """torch.cuda's memory_snapshot(mempool_id, include_traces) and
+    MemPool.snapshot(include_traces), on the cpu pool (which takes
+    torch.cuda's history signatures; torch.xpu's has no include_traces).
+    A negative or too large id was an empty list, as if a pool had nothing."""
+    pool = unimem.cpu.MemPool()
+    with unimem.cpu.use_mem_pool(pool):
+        p = unimem.cpu.caching_allocator_alloc(4096)
+    try:
+        whole = unimem.cpu.memory_snapshot(pool.id)
+        assert whole and unimem.cpu.memory_snapshot(pool.id, include_traces=False) == whole
+        assert pool.snapshot(include_traces=False) == pool.snapshot()
+        for bad, error in (((0, -1), ValueError), ((0, 1 << 64), ValueError), ((0, 1.0), TypeError)):
+            with pytest.raises(error):
+                unimem.cpu.memory_snapshot(bad)
+        for call in (lambda: unimem.cpu.memory_snapshot(pool.id, include_traces="no"),
+                     lambda: pool.snapshot(include_traces=None)):
+            with pytest.raises(TypeError, match="include_traces must be a bool"):
+                call()
+        assert "include_traces" not in inspect.signature(unimem.xpu.memory_snapshot).parameters
+    finally:
+        unimem.cpu.caching_allocator_delete(p)

@@ -35,6 +35,25 @@ class HistoryAPI(DeviceTypeAPI):
         Interpreting the output of this function requires familiarity with the
         memory allocator internals.
         """
+        return self._memory_snapshot(mempool_id)
+
+    def _memory_snapshot_with_traces(self, mempool_id: Optional[Tuple[int, int]] = None,
+                                     include_traces: bool = True) -> List[Dict[str, Any]]:
+        r"""Return a snapshot of the memory allocator state across all devices.
+
+        Interpreting the output of this function requires familiarity with the
+        memory allocator internals.
+
+        Args:
+            mempool_id: Optional memory pool ID to get snapshot for a specific pool
+            include_traces: accepted for PyTorch's signature (torch.cuda's): the
+                segments of a snapshot carry no trace entries (``_snapshot()``
+                has them).
+        """
+        _check_bool("include_traces", include_traces)
+        return self._memory_snapshot(mempool_id)
+
+    def _memory_snapshot(self, mempool_id: Optional[Tuple[int, int]]) -> List[Dict[str, Any]]:
         only = _snapshot_filter(mempool_id)
         try:
             registry = self._type().registry

@@ -115,6 +115,8 @@ class MemPool:
             include_traces: accepted for PyTorch's signature; segments carry
                 no trace entries.
         """
+        if not isinstance(include_traces, bool):
+            raise TypeError(f"include_traces must be a bool, not {type(include_traces).__name__}")
         return self._core.snapshot(self._id)
 
     def sleep(self, offload: bool = True) -> None:
@@ -182,6 +184,8 @@ def _snapshot_filter(mempool_id: Optional[Tuple[int, int]]) -> Optional[Tuple[in
     if not (isinstance(mempool_id, tuple) and len(mempool_id) == 2
             and all(isinstance(part, int) and not isinstance(part, bool) for part in mempool_id)):
         raise TypeError(f"mempool_id must be a tuple of two ints (a MemPool's id), got {mempool_id!r}")
+    if not all(0 <= part < 1 << 64 for part in mempool_id):      # PyTorch's ids are unsigned
+        raise ValueError(f"{mempool_id!r} is not the id of a memory pool (two ints from 0 to 2**64 - 1)")
     return None if mempool_id == (0, 0) else mempool_id
 
 
