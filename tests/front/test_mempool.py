@@ -431,3 +431,6 @@ def test_memory_snapshot_takes_pytorchs_include_traces_and_refuses_ids_no_pool_h
         assert "include_traces" not in inspect.signature(unimem.xpu.memory_snapshot).parameters
     finally:
         unimem.cpu.caching_allocator_delete(p)
+    assert unimem.accelerator.memory_snapshot(include_traces=False) == unimem.accelerator.memory_snapshot()
+    with pytest.raises(TypeError, match="include_traces must be a bool"):
+        unimem.accelerator.memory_snapshot(None, 1)

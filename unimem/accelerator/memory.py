@@ -295,11 +295,14 @@ def memory_summary(device: DeviceLike = None, abbreviated: bool = False) -> str:
     return _current()[1].memory_summary(device, abbreviated)
 
 
-def memory_snapshot(mempool_id: Optional[Tuple[int, int]] = None) -> List[Dict[str, Any]]:
+def memory_snapshot(mempool_id: Optional[Tuple[int, int]] = None,
+                    include_traces: bool = True) -> List[Dict[str, Any]]:
     r"""Return a snapshot of the memory allocator state across all devices of
     the current accelerator (segments and their blocks, PyTorch's layout);
-    only the segments of pool ``mempool_id`` (a :class:`MemPool`'s id) when given."""
-    return _current()[1].memory_snapshot(mempool_id)
+    only the segments of pool ``mempool_id`` (a :class:`MemPool`'s id) when given.
+    ``include_traces``: torch.cuda's argument, accepted (segments carry no
+    trace entries)."""
+    return _current()[1]._memory_snapshot_with_traces(mempool_id, include_traces)
 
 
 # ---------------------------------------------------------------------------
