@@ -1154,8 +1154,11 @@ cdef class CachingAllocator:
         memory again, copy the offloaded bytes back, and allow allocation
         again. Every live block is at the address it had. Awake: nothing is
         done. A failure (the device is full) raises with what was not woken
-        still asleep: call it again."""
+        still asleep: call it again. With the cache off (set_caching(False)),
+        the free memory that comes back goes back to the backend at once."""
         _wake_up(self, tag)
+        if self.cache_off:
+            self.empty_cache()
 
     def is_sleeping(self, tag=None):
         """Whether the sleep named ``tag`` is in force."""

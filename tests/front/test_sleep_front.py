@@ -119,3 +119,26 @@ def test_what_reads_the_snapshot_of_a_sleeping_cpu_agrees_with_its_statistics(aw
     for ptr in blocks:
         cpu.caching_allocator_delete(ptr)
     cpu.empty_cache()
+
+
+@pytest.mark.parametrize("case", ["freed while asleep", "cache turned off while asleep"])
+def test_with_the_cache_off_what_wake_up_brings_back_free_goes_back(awake_cpu, case):
+    """caching_allocator_enable(False): every free gives memory back at once,
+    and what is cached when it is turned off goes back too. Memory freed (or
+    cached) while asleep came back at wake_up into the cache and stayed."""
+    cpu.empty_cache()
+    try:
+        if case == "freed while asleep":
+            cpu.caching_allocator_enable(False)
+            p = cpu.caching_allocator_alloc(4 * MiB)
+            cpu.sleep(offload=False)
+            cpu.caching_allocator_delete(p)
+            cpu.wake_up()
+        else:
+            cpu.caching_allocator_delete(cpu.caching_allocator_alloc(4 * MiB))     # cached
+            cpu.sleep(offload=False)
+            cpu.caching_allocator_enable(False)
+            cpu.wake_up()
+        assert cpu.memory_allocated() == 0 and cpu.memory_reserved() == 0
+    finally:
+        cpu.caching_allocator_enable(True)
