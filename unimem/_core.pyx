@@ -1496,6 +1496,9 @@ cdef class CachingAllocator:
         other threads' uses of pools are over."""
         self.lock.reset_after_fork()
         self.lock_depth = 0
+        # A sleep() or wake_up() another thread had under way stops where it
+        # was: its state stays, and wake_up() in the child ends it.
+        self.sleep_busy = False
         _forget_other_threads_routes(self)
         self.trace_buffer.clear()
         if self.trace_delivery is not None:     # another thread may have held it

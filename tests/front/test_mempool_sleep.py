@@ -6,6 +6,8 @@ goes back while the device's other memory and allocations are untouched;
 allocating from the sleeping pool is refused, allocating outside it is not."""
 import ctypes
 import gc
+import os
+import threading
 
 import pytest
 
@@ -207,3 +209,54 @@ def test_a_pool_put_back_to_sleep_by_the_wake_ups_history_hook_stays_refused(poo
     assert same_bytes(kept, MiB, 3)
     unimem.cpu.caching_allocator_delete(kept)
     allocator._check_invariants()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
+def test_a_fork_while_another_thread_puts_a_pool_to_sleep_leaves_a_child_that_can_wake_it():
+    """The fork handler resets the lock another thread held in a slow
+    release_pages (a device synchronisation); the sleep stays half-way in
+    the child. Its 'under way' mark stayed too: every sleep() and wake_up()
+    in the child was refused for ever."""
+    from tests.helpers.pool_allocators import PageAllocator
+    entered, leave = threading.Event(), threading.Event()
+
+    class Slow(PageAllocator):
+        def release_pages(self, address, size, device):
+            entered.set()
+            leave.wait()
+            super().release_pages(address, size, device)
+
+    slow_pool = unimem.cpu.MemPool(allocator=Slow())
+    with unimem.cpu.use_mem_pool(slow_pool):
+        p = unimem.cpu.caching_allocator_alloc(MiB)
+    fill(p, MiB, 9)
+    sleeper = threading.Thread(target=slow_pool.sleep)
+    sleeper.start()
+    entered.wait()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:                                         # the child
+        told = "?"
+        leave.set()                                      # the child's own release_pages need not wait
+        try:
+            slow_pool.wake_up()
+            awake = not slow_pool.is_sleeping() and same_bytes(p, MiB, 9)
+            unimem.cpu.sleep(offload=True)
+            unimem.cpu.wake_up()
+            unimem.cpu.caching_allocator()._check_invariants()
+            told = f"awake={awake}"
+        except BaseException as exc:
+            told = f"{type(exc).__name__}: {exc}"
+        finally:
+            os.write(write, told.encode())
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        told = pipe.read()
+    os.waitpid(pid, 0)
+    leave.set()
+    sleeper.join()
+    slow_pool.wake_up()
+    assert told == "awake=True"
+    assert same_bytes(p, MiB, 9)
+    unimem.cpu.caching_allocator_delete(p)
