@@ -480,3 +480,31 @@ def test_soak_reports_progress(monkeypatch, capsys):
     soak.soak(200_000, samples=2)
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  soak: ")]
     assert len(lines) >= 3 and "of 200,000 operations" in lines[0]
+
+
+@pytest.mark.parametrize("args", [("plot", "SNAPSHOT", "-o", ""), ("plot", "SNAPSHOT", "-o", "FOLDER"),
+                                  ("view", "SNAPSHOT", "-o", ""), ("view", "SNAPSHOT", "-o", "FOLDER"),
+                                  ("run", "--report", "", "SCRIPT"), ("run", "--report", "FOLDER", "SCRIPT"),
+                                  ("stats", "-o", "FOLDER")])
+def test_an_output_that_is_no_file_is_refused_before_anything_runs(tmp_path, args):
+    """plot -o '' wrote a hidden '.png' and said nothing; run --report ''
+    wrote nothing, silently; run --report FOLDER ran the whole script and
+    only then failed. Each is now a usage error (exit 2) before anything."""
+    script = tmp_path / "script.py"
+    script.write_text("open(__file__ + '.ran', 'w').close()\n")
+    snapshot = tmp_path / "s.pickle"
+    snapshot.write_bytes(pickle.dumps({"segments": [], "device_traces": [[]]}))
+    argv = [{"SNAPSHOT": str(snapshot), "FOLDER": str(tmp_path), "SCRIPT": str(script)}.get(a, a) for a in args]
+    done = unimem_cli(*argv, cwd=str(tmp_path))
+    assert done.returncode == 2, done.stderr
+    assert "expected a file name" in done.stderr or "is a folder, not a file" in done.stderr, done.stderr
+    assert sorted(os.listdir(tmp_path)) == ["s.pickle", "script.py"]
+
+
+def test_plot_writes_a_png_whatever_the_name_ends_with(tmp_path):
+    """plot -o x.foo blamed the snapshot for matplotlib's unknown format."""
+    snapshot = tmp_path / "s.pickle"
+    snapshot.write_bytes(pickle.dumps({"segments": [], "device_traces": [[]]}))
+    done = unimem_cli("plot", str(snapshot), "-o", str(tmp_path / "x.foo"))
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "x.foo").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -174,6 +174,6 @@ def plot_snapshot(snapshot: Dict[str, Any], output: str, device: Optional[int] =
     if not segments:
         bottom.text(0.5, 0.5, "no segments", ha="center", va="center", transform=bottom.transAxes)
     fig.tight_layout()
-    fig.savefig(output, dpi=100)
+    fig.savefig(output, dpi=100, format="png")     # a PNG whatever the name ends with (x.foo too)
     plt.close(fig)
     return output

@@ -63,6 +63,16 @@ def _device_index(text: str) -> int:
     return value
 
 
+def _output_file(text: str) -> str:
+    """A file to write: named, and not a folder (checked before any script
+    runs or any snapshot is read, not after)."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected a file name, got an empty one")
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text} is a folder, not a file")
+    return text
+
+
 def _positive_seconds(text: str) -> float:
     try:
         value = float(text)
@@ -419,7 +429,8 @@ def build_parser(prog: str = "unimem") -> argparse.ArgumentParser:
     plot = commands.add_parser("plot", help="draw a snapshot's memory timeline and segment map (PNG)")
     plot.add_argument("snapshot", help="a pickled snapshot (_dump_snapshot, or the demo's snapshot.pickle); "
                                        "read without running any code it names")
-    plot.add_argument("-o", "--output", default="timeline.png", help="the PNG to write (default: %(default)s)")
+    plot.add_argument("-o", "--output", default="timeline.png", type=_output_file,
+                      help="the PNG to write (default: %(default)s)")
     plot.add_argument("-d", "--device", type=_device_index, default=None,
                       help="device index (default: the busiest)")
     plot.add_argument("--source-lines", action="store_true",
@@ -432,7 +443,8 @@ def build_parser(prog: str = "unimem") -> argparse.ArgumentParser:
                                             "that opens offline")
     view.add_argument("snapshot", help="a pickled snapshot (_dump_snapshot, or the demo's snapshot.pickle); "
                                        "read without running any code it names")
-    view.add_argument("-o", "--output", default="memory.html", help="the HTML file to write (default: %(default)s)")
+    view.add_argument("-o", "--output", default="memory.html", type=_output_file,
+                      help="the HTML file to write (default: %(default)s)")
     view.add_argument("-d", "--device", type=_device_index, default=None,
                       help="device index (default: the busiest)")
     view.set_defaults(handler=_view)
@@ -446,7 +458,7 @@ def build_parser(prog: str = "unimem") -> argparse.ArgumentParser:
                      help="also serve dpnp's C++ scratch buffers (its extensions' sycl::aligned_alloc and "
                           "sycl::free) from unimem's pools, by interposing SYCL's USM functions before dpnp "
                           f"is imported; {SYCL_INTERPOSE_ENV}=1 does the same for run, summary and stats")
-    run.add_argument("--report", metavar="HTML", default=None,
+    run.add_argument("--report", metavar="HTML", default=None, type=_output_file,
                      help="record the memory history while the script runs and write its memory report "
                           "(as `view` does) into HTML")
     run.set_defaults(handler=_run)
@@ -463,7 +475,7 @@ def build_parser(prog: str = "unimem") -> argparse.ArgumentParser:
                                               "(after running SCRIPT, if given)")
     stats.add_argument("--json", action="store_true",
                        help="as JSON (on stdout, the script's own output sent to stderr; or into -o FILE)")
-    stats.add_argument("-o", "--output", default=None, metavar="FILE",
+    stats.add_argument("-o", "--output", default=None, metavar="FILE", type=_output_file,
                        help="write the statistics to FILE instead of stdout")
     stats.add_argument("--device", type=_device_index, default=None,
                        help="device index of the current accelerator (default: every pool in use)")
