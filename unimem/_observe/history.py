@@ -105,9 +105,8 @@ class History:
         if isinstance(max_entries, bool) or not isinstance(max_entries, int) or not 0 <= max_entries < 1 << 64:
             # PyTorch's max_entries is a size_t
             raise ValueError(f"max_entries must be an int from 0 to 2**64 - 1, got {max_entries!r}")
-        if isinstance(skip_actions, str) or not isinstance(skip_actions, (list, tuple, set, frozenset, type(None))):
-            raise TypeError(f"skip_actions must be a list of action names, got {skip_actions!r}")
-        if not all(isinstance(action, str) for action in skip_actions or ()):
+        if (not isinstance(skip_actions, (list, tuple, set, frozenset, type(None)))
+                or not all(isinstance(action, str) for action in skip_actions or ())):
             raise TypeError(f"skip_actions must be a list of action names, got {skip_actions!r}")
         skip = frozenset(skip_actions or ())
         unknown = skip - set(ACTIONS) - {"snapshot"}
