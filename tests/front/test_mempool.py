@@ -18,6 +18,7 @@ import unimem.cuda
 import unimem.xpu
 from unimem.backends.pluggable import PluggableAllocator
 
+from tests.helpers.crash_guard import answer_of_forked_child
 from tests.helpers.fake_cuda import fake  # noqa: F401  (fixture)
 
 MiB = 1 << 20
@@ -384,25 +385,16 @@ def test_after_fork_another_threads_use_of_a_pool_is_over_in_the_child():
     worker.start()
     inside.wait()
     assert pool.use_count() == 2
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:                                         # the child
-        try:
-            seen = []
-            child = threading.Thread(target=lambda: seen.append(
-                (threading.get_ident(), unimem.cpu.caching_allocator_alloc(4096))))
-            child.start()
-            child.join()
-            ident, ptr = seen[0]
-            pool_of = next(s["segment_pool_id"] for s in unimem.cpu.memory_snapshot()
-                           if s["address"] <= ptr < s["address"] + s["total_size"])
-            os.write(write, repr((pool_of, pool.use_count())).encode())
-        finally:
-            os._exit(0)
-    os.close(write)
-    with os.fdopen(read) as pipe:
-        told = pipe.read()
-    os.waitpid(pid, 0)
+    def in_the_child():
+        seen = []
+        child = threading.Thread(target=lambda: seen.append(unimem.cpu.caching_allocator_alloc(4096)))
+        child.start()
+        child.join()
+        pool_of = next(s["segment_pool_id"] for s in unimem.cpu.memory_snapshot()
+                       if s["address"] <= seen[0] < s["address"] + s["total_size"])
+        return repr((pool_of, pool.use_count()))
+
+    told = answer_of_forked_child(in_the_child)
     leave.set()
     worker.join()
     assert told == repr(((0, 0), 1))

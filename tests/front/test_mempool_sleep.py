@@ -13,6 +13,8 @@ import pytest
 
 import unimem.cpu
 
+from tests.helpers.crash_guard import answer_of_forked_child
+
 MiB = 1 << 20
 
 
@@ -233,27 +235,16 @@ def test_a_fork_while_another_thread_puts_a_pool_to_sleep_leaves_a_child_that_ca
     sleeper = threading.Thread(target=slow_pool.sleep)
     sleeper.start()
     entered.wait()
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:                                         # the child
-        told = "?"
+    def in_the_child():
         leave.set()                                      # the child's own release_pages need not wait
-        try:
-            slow_pool.wake_up()
-            awake = not slow_pool.is_sleeping() and same_bytes(p, MiB, 9)
-            unimem.cpu.sleep(offload=True)
-            unimem.cpu.wake_up()
-            unimem.cpu.caching_allocator()._check_invariants()
-            told = f"awake={awake}"
-        except BaseException as exc:
-            told = f"{type(exc).__name__}: {exc}"
-        finally:
-            os.write(write, told.encode())
-            os._exit(0)
-    os.close(write)
-    with os.fdopen(read) as pipe:
-        told = pipe.read()
-    os.waitpid(pid, 0)
+        slow_pool.wake_up()
+        awake = not slow_pool.is_sleeping() and same_bytes(p, MiB, 9)
+        unimem.cpu.sleep(offload=True)
+        unimem.cpu.wake_up()
+        unimem.cpu.caching_allocator()._check_invariants()
+        return f"awake={awake}"
+
+    told = answer_of_forked_child(in_the_child)
     leave.set()
     sleeper.join()
     slow_pool.wake_up()

@@ -69,6 +69,28 @@ def run_python(code: str, *, env: Optional[Dict[str, str]] = None, marker: str =
     return done.stdout
 
 
+def answer_of_forked_child(child: Callable[[], str]) -> str:
+    """Run ``child`` in a forked copy of this process (the threads of this
+    one are gone there, as after any fork) and return what it returned, or
+    its exception as ``"Type: message"``; the copy exits at once after."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        told = "?"
+        try:
+            told = child()
+        except BaseException as exc:
+            told = f"{type(exc).__name__}: {exc}"
+        finally:
+            os.write(write, told.encode())
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        told = pipe.read()
+    os.waitpid(pid, 0)
+    return told
+
+
 #: Machines whose copy failed: kept alive, so that no finalizer or
 #: deallocator ever walks a damaged allocator's bookkeeping in this process.
 QUARANTINE: list = []
