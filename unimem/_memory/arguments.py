@@ -150,6 +150,13 @@ def record_stream_on_pools(memory: MemoryLike, stream: Any,
     raise ValueError(f"address {address:#x} is not a live block of {pools_name}")
 
 
+def check_bool(name: str, value: Any) -> None:
+    """``TypeError`` unless ``value`` is a bool (PyTorch's bool arguments take
+    nothing else: not None, not 0 or 1)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, not {type(value).__name__}")
+
+
 def check_fraction(fraction: Any) -> float:
     if isinstance(fraction, bool) or not isinstance(fraction, numbers.Real):
         raise TypeError("Invalid type for fraction argument, must be `float`")

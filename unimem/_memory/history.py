@@ -8,13 +8,9 @@ from typing import Any, Dict, List, Literal, Optional, Tuple
 
 from .._observe import history as _history
 from .._runtime.devices import DeviceLike
+from .arguments import check_bool
 from .device_type import DeviceTypeAPI
 from .mempool import _snapshot_filter
-
-
-def _check_bool(name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, not {type(value).__name__}")
 
 
 class HistoryAPI(DeviceTypeAPI):
@@ -50,7 +46,7 @@ class HistoryAPI(DeviceTypeAPI):
                 segments of a snapshot carry no trace entries (``_snapshot()``
                 has them).
         """
-        _check_bool("include_traces", include_traces)
+        check_bool("include_traces", include_traces)
         return self._memory_snapshot(mempool_id)
 
     def _memory_snapshot(self, mempool_id: Optional[Tuple[int, int]]) -> List[Dict[str, Any]]:
@@ -90,9 +86,9 @@ class HistoryAPI(DeviceTypeAPI):
         (``trace_alloc_record_context``), of live memory (``record_context``)
         or none. ``record_context_cpp``: there are no C++ frames to add.
         """
-        _check_bool("record_context", record_context)
-        _check_bool("trace_alloc_record_context", trace_alloc_record_context)
-        _check_bool("record_context_cpp", record_context_cpp)
+        check_bool("record_context", record_context)
+        check_bool("trace_alloc_record_context", trace_alloc_record_context)
+        check_bool("record_context_cpp", record_context_cpp)
         if not enabled:
             self._record_memory_history_impl(None, device=device, clear_history=clear_history)
             return
@@ -151,8 +147,8 @@ class HistoryAPI(DeviceTypeAPI):
         its order; the ``xpu`` namespace takes ``torch.xpu``'s, which has no
         ``device`` (:meth:`_record_xpu_memory_history`).
         """
-        _check_bool("compile_context", compile_context)
-        _check_bool("global_record_annotations", global_record_annotations)
+        check_bool("compile_context", compile_context)
+        check_bool("global_record_annotations", global_record_annotations)
         _history.record_memory_history(self.pool, self._type().registry, enabled, context,
                                        stacks, max_entries, clear_history, skip_actions)
 
@@ -179,7 +175,7 @@ class HistoryAPI(DeviceTypeAPI):
         ``torch.cuda.memory._snapshot``), readable by ``torch.cuda._memory_viz``
         and pytorch.org/memory_viz. ``augment_with_fx_traces`` (a bool) is
         taken with no effect: no torch.compile graph, so no FX frames to add."""
-        _check_bool("augment_with_fx_traces", augment_with_fx_traces)
+        check_bool("augment_with_fx_traces", augment_with_fx_traces)
         return _history.snapshot(self.pool, self._type().registry)
 
     def _dump_snapshot(self, filename: "_history.PathLike" = "dump_snapshot.pickle",
@@ -194,5 +190,5 @@ class HistoryAPI(DeviceTypeAPI):
                 descriptor, say) is a ``TypeError``.
             augment_with_fx_traces (bool, optional): no effect (see :func:`_snapshot`).
         """
-        _check_bool("augment_with_fx_traces", augment_with_fx_traces)
+        check_bool("augment_with_fx_traces", augment_with_fx_traces)
         _history.dump_snapshot(self.pool, self._type().registry, filename)

@@ -21,6 +21,7 @@ import numpy
 from .. import _core
 from .._runtime.devices import DeviceLike, current_type, device_index, get_type, on_allocator_created
 from .._runtime.pools import Pool, PoolKind
+from .arguments import check_bool
 from .device_type import DeviceTypeAPI
 
 # PyTorch's user-created pool ids: (0, n), n counting up from 1 in the process.
@@ -115,8 +116,7 @@ class MemPool:
             include_traces: accepted for PyTorch's signature; segments carry
                 no trace entries.
         """
-        if not isinstance(include_traces, bool):
-            raise TypeError(f"include_traces must be a bool, not {type(include_traces).__name__}")
+        check_bool("include_traces", include_traces)
         return self._core.snapshot(self._id)
 
     def sleep(self, offload: bool = True) -> None:
@@ -152,8 +152,7 @@ class MemPool:
         device's :func:`sleep` is refused the same way while such a pool
         holds memory.
         """
-        if not isinstance(offload, bool):
-            raise TypeError(f"offload must be a bool, got {type(offload).__name__}")
+        check_bool("offload", offload)
         self._core.sleep_pool(self._id, offload)
 
     def wake_up(self) -> None:

@@ -6,6 +6,7 @@ namespace functions, one device at a time."""
 from __future__ import annotations
 
 from .._runtime.devices import DeviceLike
+from .arguments import check_bool
 from .device_type import DeviceTypeAPI
 
 
@@ -38,8 +39,7 @@ class SleepAPI(DeviceTypeAPI):
         cannot give memory back holds memory, ``NotImplementedError`` says
         so and nothing changes.
         """
-        if not isinstance(offload, bool):
-            raise TypeError(f"offload must be a bool, got {type(offload).__name__}")
+        check_bool("offload", offload)
         self.caching_allocator(device).sleep(offload)
 
     def wake_up(self, device: DeviceLike = None) -> None:

@@ -447,5 +447,5 @@ def device_index(device_arg: DeviceLike, dtype: DeviceType, *, optional: bool = 
             index = device_arg.index
     if not 0 <= index < dtype.device_count:
         raise _core.InvalidDeviceError(f"device index {index} is out of range: {dtype.name} has "
-                         f"{dtype.device_count} device{'s' if dtype.device_count != 1 else ''}")
+                                       f"{dtype.device_count} device{'s' if dtype.device_count != 1 else ''}")
     return index
