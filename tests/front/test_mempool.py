@@ -294,6 +294,28 @@ def test_bad_input(fake):
         ns.set_device(0)
 
 
+@pytest.mark.parametrize("flag", ["use_on_oom", "no_split"])
+def test_mempool_flags_take_what_pytorchs_bool_arguments_take(ns, flag):
+    """torch's MemPool hands its flags to a C++ bool (pybind11): True, False,
+    None and numbers are taken by their truth; a string or a list is a
+    TypeError, and makes no pool."""
+    import numpy
+    for value, meant in ((None, False), (0, False), (2, True), (numpy.bool_(True), True), (0.0, False)):
+        pool = ns.MemPool(**{flag: value})
+        if flag == "no_split":              # what the flag means is seen in the pool's blocks
+            with ns.use_mem_pool(pool):
+                p = alloc(ns, 4 * MiB)
+            blocks = [len(segment["blocks"]) for segment in pool.snapshot()]
+            assert blocks == ([1] if meant else [2]), (value, blocks)
+            ns.caching_allocator_delete(p)
+        del pool
+    before = ns.MemPool().id
+    for value in ("no", "", [], [0], {}):
+        with pytest.raises(TypeError, match=f"{flag} must be a bool"):
+            ns.MemPool(**{flag: value})
+    assert ns.MemPool().id == (before[0], before[1] + 1)     # no id spent on a refusal
+
+
 def test_cupy_allocations_in_a_pool(fake):
     import unimem.cuda as ns
     pool = ns.MemPool()

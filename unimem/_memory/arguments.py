@@ -157,6 +157,22 @@ def check_bool(name: str, value: Any) -> None:
         raise TypeError(f"{name} must be a bool, not {type(value).__name__}")
 
 
+def native_bool(name: str, value: Any) -> bool:
+    """``value`` as a C++ bool argument of PyTorch's (a pybind11 ``bool``,
+    such as ``MemPool``'s flags) takes it: ``True``/``False``, ``None`` (false),
+    or an object of a type with ``__bool__`` (a number, a NumPy bool).
+    ``TypeError`` for the rest, such as a string or a list, whose truth is only
+    their length."""
+    if value is None or isinstance(value, bool):
+        return bool(value)
+    if getattr(type(value), "__bool__", None) is None:
+        raise TypeError(f"{name} must be a bool, not {type(value).__name__}")
+    try:
+        return bool(value)
+    except Exception as exc:
+        raise TypeError(f"{name} must be a bool; bool({value!r}) failed: {exc}") from exc
+
+
 def check_fraction(fraction: Any) -> float:
     if isinstance(fraction, bool) or not isinstance(fraction, numbers.Real):
         raise TypeError("Invalid type for fraction argument, must be `float`")

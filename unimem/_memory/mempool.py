@@ -21,7 +21,7 @@ import numpy
 from .. import _core
 from .._runtime.devices import DeviceLike, current_type, device_index, get_type, on_allocator_created
 from .._runtime.pools import Pool, PoolKind
-from .arguments import check_bool
+from .arguments import check_bool, native_bool
 from .device_type import DeviceTypeAPI
 
 # PyTorch's user-created pool ids: (0, n), n counting up from 1 in the process.
@@ -74,11 +74,13 @@ class MemPool:
     _type_name: Optional[str] = None
 
     def __init__(self, allocator: Any = None, use_on_oom: bool = False, no_split: bool = False) -> None:
+        use_on_oom = native_bool("use_on_oom", use_on_oom)
+        no_split = native_bool("no_split", no_split)
         dtype = get_type(self._type_name) if self._type_name is not None else current_type()
         index = dtype.current_index()
         core = dtype.allocator(index)
         pool_id = _new_pool_id()
-        core.create_pool(pool_id, allocator, bool(use_on_oom), bool(no_split))
+        core.create_pool(pool_id, allocator, use_on_oom, no_split)
         self._id = pool_id
         self._allocator = allocator
         self._device_type = dtype.name
