@@ -176,11 +176,12 @@ def allocator_for(usm_type: str = "device", device: Any = None) -> _core.Caching
 
 def _pool_for(usm_type: str, index: int, queue: Any) -> Optional[_core.CachingAllocator]:
     """The dpnp allocator's pool lookup: :func:`_pool`, None where it has none
-    (host USM when the pinned pool is not SYCL host USM of that context)."""
-    try:
-        return _pool(usm_type, index, queue)
-    except ValueError:
-        return None
+    (host USM when the pinned pool is not SYCL host USM of that context).
+    What making a pool raises (a malformed UNIMEM_ALLOC_CONF) goes through."""
+    if usm_type == "host":
+        pool = host.caching_allocator()
+        return None if _why_no_host_pool(pool, queue) else pool
+    return _pool(usm_type, index, queue)
 
 
 def _keep_alive_guard(index: int) -> Optional[Any]:
@@ -208,12 +209,20 @@ def _keep_alive_guard(index: int) -> Optional[Any]:
 
 def _host_pool_for(queue) -> _core.CachingAllocator:
     pool = host.caching_allocator()
-    if host.backend_name() != "sycl":
-        raise ValueError(f"host USM arrays come from the pinned host pool, which here is "
-                         f"{host.backend_name()!r} memory, not SYCL host USM")
-    if queue.sycl_context != pool.backend.default_queue(0).sycl_context:
-        raise ValueError("host USM arrays from the pool must use the default SYCL context of the platform")
+    reason = _why_no_host_pool(pool, queue)
+    if reason:
+        raise ValueError(reason)
     return pool
+
+
+def _why_no_host_pool(pool: _core.CachingAllocator, queue: Any) -> Optional[str]:
+    """Why the pinned host pool cannot serve host USM of ``queue``; None when it can."""
+    if host.backend_name() != "sycl":
+        return (f"host USM arrays come from the pinned host pool, which here is "
+                f"{host.backend_name()!r} memory, not SYCL host USM")
+    if queue.sycl_context != pool.backend.default_queue(0).sycl_context:
+        return "host USM arrays from the pool must use the default SYCL context of the platform"
+    return None
 
 
 # ---------------------------------------------------------------------------

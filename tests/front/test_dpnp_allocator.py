@@ -362,3 +362,22 @@ def test_run_serves_a_plain_dpnp_script_and_reports_the_bytes(tmp_path, xpu):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "dpnp arrays:" in done.stdout and "from unimem's pools" in done.stdout
+
+
+def test_set_allocator_raises_a_malformed_configuration(xpu):
+    """set_allocator swallowed the ValueError of a malformed UNIMEM_ALLOC_CONF
+    (taken for "no pool for host USM here"): the hook was installed and every
+    dpnp array silently bypassed the pools."""
+    import os
+    import subprocess
+    code = ("import unimem, dpnp\n"
+            "try:\n"
+            "    unimem.xpu.set_allocator()\n"
+            "except ValueError as exc:\n"
+            "    print('refused:', exc)\n"
+            "print('installed:', unimem.xpu.allocator_installed())\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, UNIMEM_ALLOC_CONF="max_split_size_mb:abc"))
+    assert done.returncode == 0, done.stderr
+    assert "refused: UNIMEM_ALLOC_CONF='max_split_size_mb:abc'" in done.stdout, done.stdout
+    assert "installed: False" in done.stdout, done.stdout

@@ -508,3 +508,37 @@ def test_plot_writes_a_png_whatever_the_name_ends_with(tmp_path):
     done = unimem_cli("plot", str(snapshot), "-o", str(tmp_path / "x.foo"))
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "x.foo").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_demo_out_naming_a_file_is_refused_before_the_demo_trains(tmp_path):
+    """demo --out FILE trained for the whole run and then ended in a
+    FileExistsError traceback."""
+    existing = tmp_path / "a-file"
+    existing.write_text("")
+    done = unimem_cli("demo", "--steps", "1", "--out", str(existing))
+    assert done.returncode == 2, done.stderr
+    assert done.stdout == "" and "is a file, not a folder" in done.stderr, (done.stdout, done.stderr)
+    assert "Traceback" not in done.stderr
+
+
+def _accelerator_is_xpu() -> bool:
+    done = subprocess.run([sys.executable, "-c", "import unimem; print(unimem.accelerator.current_accelerator())"],
+                          capture_output=True, text=True, timeout=300)
+    return done.stdout.strip().startswith("xpu")
+
+
+@pytest.mark.parametrize("conf", ["max_split_size_mb:abc", "expandable_segments:True"])
+def test_run_with_a_configuration_the_pools_refuse_stops_before_the_script(tmp_path, conf):
+    """A malformed UNIMEM_ALLOC_CONF was swallowed by the dpnp hook (the run
+    said it served dpnp, and every array bypassed the pools); on XPU,
+    expandable_segments:True ended in a traceback of unimem's own frames.
+    Both are now one line and exit status 2, before the script runs."""
+    if conf.startswith("expandable") and not _accelerator_is_xpu():
+        pytest.skip("expandable segments are refused on XPU only")
+    script = tmp_path / "script.py"
+    script.write_text("open(__file__ + '.ran', 'w').close()\n")
+    done = unimem_cli("run", str(script), env={"UNIMEM_ALLOC_CONF": conf})
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr and "cannot serve arrays from unimem's pools" in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert not (tmp_path / "script.py.ran").exists()

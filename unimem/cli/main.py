@@ -73,6 +73,16 @@ def _output_file(text: str) -> str:
     return text
 
 
+def _output_folder(text: str) -> str:
+    """A folder to write into: named, and not an existing file (checked before
+    the demo trains, not after)."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected a folder name, got an empty one")
+    if os.path.exists(text) and not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text} is a file, not a folder")
+    return text
+
+
 def _positive_seconds(text: str) -> float:
     try:
         value = float(text)
@@ -197,6 +207,8 @@ def _run_script(argv: List[str], install: bool, quiet_stdout: bool = False, sycl
         from .._integrations.install import POOL_OF_LIBRARY, install_allocators
         try:
             installed = install_allocators(sycl_interpose=sycl_interpose)
+        except (ValueError, NotImplementedError) as exc:    # UNIMEM_ALLOC_CONF, before the script runs
+            raise UsageError(f"cannot serve arrays from unimem's pools: {exc}") from None
         except RuntimeError as exc:
             if not sycl_interpose:
                 raise
@@ -421,7 +433,7 @@ def build_parser(prog: str = "unimem") -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="train a small MLP on the default device through the pool "
                                             "and show what the pool did")
     demo.add_argument("--steps", type=_positive_int, default=300, help="training steps (default: %(default)s)")
-    demo.add_argument("--out", default="unimem-demo",
+    demo.add_argument("--out", default="unimem-demo", type=_output_folder,
                       help="folder for snapshot.pickle and timeline.png (default: %(default)s)")
     demo.add_argument("--no-oom", action="store_true", help="do not provoke the example out-of-memory error")
     demo.set_defaults(handler=_demo)
