@@ -24,22 +24,18 @@ __all__ = list(PUBLIC_FUNCTIONS) + list(PUBLIC_CLASSES) + ["empty", "zeros"]
 
 
 class _PoolBuffer:
-    """Exposes a pool block to NumPy; NumPy keeps it (and so the block) alive
-    for as long as any array or view uses the memory."""
+    """Exposes a pool block to NumPy as bytes; NumPy keeps it (and so the
+    block) alive for as long as any array or view uses the memory. The array
+    itself is made over those bytes by ``numpy.ndarray``: an interface's
+    ``typestr``/``descr`` do not carry every dtype (a subarray dtype, an
+    aligned structure's padding)."""
 
     __slots__ = ("block", "__array_interface__")
 
-    def __init__(self, block: Any, shape: Tuple[int, ...], dtype: numpy.dtype, order: str) -> None:
+    def __init__(self, block: Any, nbytes: int) -> None:
         self.block = block
-        strides = None
-        if order == "F" and len(shape) > 1:
-            strides, step = [], dtype.itemsize
-            for dim in shape:
-                strides.append(step)
-                step *= dim
-            strides = tuple(strides)
-        self.__array_interface__ = {"data": (block.ptr, False), "shape": shape, "strides": strides,
-                                    "typestr": dtype.str, "descr": dtype.descr, "version": 3}
+        self.__array_interface__ = {"data": (block.ptr, False), "shape": (nbytes,), "typestr": "|u1",
+                                    "version": 3}
 
 
 def empty(shape: Union[int, Sequence[int]], dtype: DTypeLike = float, order: Literal["C", "F"] = "C",
@@ -62,7 +58,7 @@ def empty(shape: Union[int, Sequence[int]], dtype: DTypeLike = float, order: Lit
     if nbytes == 0:
         return numpy.empty(dims, dt, order=order)
     block = _api.caching_allocator(device).allocate(nbytes)
-    return numpy.asarray(_PoolBuffer(block, dims, dt, order))
+    return numpy.ndarray(dims, dt, buffer=numpy.asarray(_PoolBuffer(block, nbytes)), order=order)
 
 
 def zeros(shape: Union[int, Sequence[int]], dtype: DTypeLike = float, order: Literal["C", "F"] = "C",
