@@ -22,7 +22,7 @@ import contextlib
 import numbers
 import operator
 import threading
-from typing import Any, Dict, Iterator, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy
 
@@ -533,6 +533,15 @@ def _used_shared_pool(index: int) -> Optional[_core.CachingAllocator]:
         return None
     pool = _shared_registry.initialized().get(index)
     return pool if pool is not None and pool.memory_stats() else None
+
+
+def _shared_pools_made(index: Optional[int]) -> List[_core.CachingAllocator]:
+    """The shared USM pools made so far: device ``index``'s, or every device's for None."""
+    made = _shared_registry.initialized() if _shared_registry is not None else {}
+    return [pool for i, pool in made.items() if index is None or i == index]
+
+
+_api.pools_beside = _shared_pools_made
 
 
 def memory_stats(device: DeviceLike = None) -> "collections.OrderedDict[str, Any]":

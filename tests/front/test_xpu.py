@@ -231,6 +231,25 @@ def test_host_and_shared_usm_come_from_pools(xpu, dpnp):
     del h, s
 
 
+def test_the_reset_functions_and_empty_cache_reach_the_shared_pools_statistics(xpu, dpnp):
+    """memory_stats shows the shared USM pool under "usm_shared."; the reset
+    functions left its peaks and accumulated counts as they were, and
+    empty_cache left its free segments reserved."""
+    s = xpu.ones(1 << 20, usm_type="shared")
+    del s
+    xpu.synchronize()
+    xpu.reset_peak_memory_stats()
+    xpu.reset_accumulated_memory_stats()
+    xpu.empty_cache()
+    stats = xpu.memory_stats()
+    assert stats["usm_shared.allocated_bytes.all.peak"] == 0, stats["usm_shared.allocated_bytes.all.peak"]
+    assert stats["usm_shared.allocation.all.allocated"] == 0
+    assert stats["usm_shared.reserved_bytes.all.current"] == 0
+    s = xpu.ones(1 << 20, usm_type="shared")
+    assert xpu.memory_stats()["usm_shared.allocated_bytes.all.peak"] >= 4 << 20
+    del s
+
+
 def test_the_host_pool_of_an_xpu_program_does_not_import_cupy(xpu):
     """The first host USM array of an XPU program chooses the host pool's
     backend: from the SYCL runtime already up, without importing CuPy to

@@ -77,7 +77,7 @@ class AllocationAPI(DeviceTypeAPI):
 
         .. note:: This function is a no-op if the memory allocator has not been initialized.
         """
-        for allocator in self._initialized():
+        for allocator in self._initialized() + self.pools_beside(None):
             allocator.empty_cache()
 
     def empty_virt_addr_cache(self, device: DeviceLike = None) -> None:

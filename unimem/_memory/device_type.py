@@ -2,7 +2,7 @@
 allocators, and the device functions (``is_available``, ``set_device``...)."""
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 from .. import _core
 from .._runtime.devices import DEVICE_POOLS, DeviceLike, DeviceType, device_index, get_type
@@ -15,6 +15,10 @@ class DeviceTypeAPI:
     def __init__(self, type_name: str) -> None:
         self.type_name = type_name
         self.pool = DEVICE_POOLS[type_name]
+        # The pools made so far whose statistics memory_stats shows beside a
+        # device's own (XPU: its shared USM pool), for a device index or, for
+        # None, every device: the reset functions and empty_cache reach them too.
+        self.pools_beside: Callable[[Optional[int]], List[_core.CachingAllocator]] = lambda index: []
 
     # -- plumbing ---------------------------------------------------------
     def _type(self) -> DeviceType:

@@ -112,6 +112,8 @@ class StatisticsAPI(DeviceTypeAPI):
         allocator = self._existing(device)
         if allocator is not None:
             allocator.reset_accumulated_stats()
+        for pool in self.pools_beside(self._index(device)):
+            pool.reset_accumulated_stats()
 
     def reset_peak_memory_stats(self, device: DeviceLike = None) -> None:
         r"""Reset the "peak" stats tracked by the memory allocator.
@@ -121,6 +123,8 @@ class StatisticsAPI(DeviceTypeAPI):
         allocator = self._existing(device)
         if allocator is not None:
             allocator.reset_peak_stats()
+        for pool in self.pools_beside(self._index(device)):
+            pool.reset_peak_stats()
 
     def reset_max_memory_allocated(self, device: DeviceLike = None) -> None:
         r"""Reset the starting point in tracking maximum memory occupied by tensors for a given device.
