@@ -4,6 +4,11 @@
 # blocks, and the opt-in max_reserved_ratio. All on the miss path or in
 # empty_cache: memory is returned outside the lock.
 
+# Segments to release, ordered by a key (a C++ vector: a scan that holds
+# Segment pointers makes no Python object, see _release).
+ctypedef pair[pair[int64_t, uintptr_t], uintptr_t] RankedSegment
+
+
 cdef int _release(CachingAllocator self, vector[Segment*]& victims) except -1:
     """Give wholly free, unsplit segments back to the backend (PyTorch's
     release_block). They leave the allocator under the lock; the backend
@@ -11,23 +16,33 @@ cdef int _release(CachingAllocator self, vector[Segment*]& victims) except -1:
     because giving memory back may wait for the device (the XPU backend
     waits on the queue, whose host tasks may need the GIL and this lock).
 
+    Between choosing the victims (the caller) and taking them out of the
+    allocator (here) no Python object is made: making one may run the
+    garbage collector, whose finalizers can re-enter the allocator on this
+    thread (the lock is recursive) and allocate from a victim, or release
+    it (empty_cache), leaving a pointer to freed memory. Once detached, the
+    segments are this call's alone, and Python may run.
+
     A backend free that raises may or may not have released the memory
     (a Ctrl-C can arrive after the driver let go): such a segment is never
     cached again, since handing it out could hand out freed memory. It is
     forgotten, counted in :meth:`lost_segments`, and the first error is
     raised once the other segments were given back."""
     cdef vector[Segment*] detached
+    cdef vector[uint64_t] freed_by_pool     # the private pool whose allocator frees it; 0: the backend
     cdef Segment* seg
     cdef size_t i
-    free_fns = []       # a private pool's allocator, read while its pool surely lives
     for i in range(victims.size()):
         seg = victims[i]
         if _segment_is_free(self, seg):   # it may have been reused meanwhile
-            free_fns.append(_segment_free_fn(self, seg))
+            freed_by_pool.push_back(seg.pool.id if seg.pool != NULL and seg.pool.has_backend else 0)
             _detach_segment(self, seg)
             detached.push_back(seg)
     if detached.empty():
         return 0
+    # A detached pool's entry in pool_backends stays: only _reap_private_pools
+    # drops it, and not while this call holds the lock.
+    free_fns = [self.pool_backends[pool_id].free if pool_id else None for pool_id in freed_by_pool]
     cdef bint outside = self.lock_depth == 1
     first_error = None
     if outside:
@@ -111,12 +126,14 @@ cdef bint _release_available_cached_blocks(CachingAllocator self, size_t size, u
     cdef Segment* seg = self.segments
     cdef Segment* best = NULL
     cdef vector[Segment*] victims
-    candidates = []
+    cdef vector[RankedSegment] candidates       # (size, base), taken from the last
     while seg != NULL:
         if (not seg.is_small and seg.stream == stream and seg.pool == pool and _segment_is_free(self, seg)
                 and seg.size >= self.max_split_size):
-            candidates.append((seg.size, seg.base, <uintptr_t>seg))
-            if seg.size >= key and (best == NULL or (seg.size, seg.base) < (best.size, best.base)):
+            candidates.push_back(RankedSegment(pair[int64_t, uintptr_t](<int64_t>seg.size, seg.base),
+                                               <uintptr_t>seg))
+            if seg.size >= key and (best == NULL or seg.size < best.size
+                                    or (seg.size == best.size and seg.base < best.base)):
                 best = seg
         seg = seg.next_seg
     if best != NULL:
@@ -124,11 +141,14 @@ cdef bint _release_available_cached_blocks(CachingAllocator self, size_t size, u
         _release(self, victims)
         return True
     cdef size_t released = 0
-    for seg_size, _, seg_addr in sorted(candidates, reverse=True):
+    cdef Py_ssize_t i
+    cpp_sort(candidates.begin(), candidates.end())
+    for i in range(<Py_ssize_t>candidates.size() - 1, -1, -1):   # PyTorch walks its set back from the largest
         if released >= key:
             break
-        released += seg_size
-        victims.push_back(<Segment*><uintptr_t>seg_addr)
+        seg = <Segment*>candidates[i].second
+        released += seg.size
+        victims.push_back(seg)
     _release(self, victims)
     return released >= key
 
@@ -191,16 +211,20 @@ cdef int _release_to_reserved_ratio(CachingAllocator self, size_t size, size_t a
         return 0
     cdef Segment* seg = self.segments
     cdef vector[Segment*] victims
-    free_segments = []
+    cdef vector[RankedSegment] free_segments    # (-size, base): largest first
+    cdef size_t i
     while seg != NULL:
         if _segment_is_free(self, seg) and _releasable(seg):
-            free_segments.append((-<int64_t>seg.size, seg.base, <uintptr_t>seg))
+            free_segments.push_back(RankedSegment(pair[int64_t, uintptr_t](-<int64_t>seg.size, seg.base),
+                                                  <uintptr_t>seg))
         seg = seg.next_seg
-    for negative_size, _, address in sorted(free_segments):
+    cpp_sort(free_segments.begin(), free_segments.end())
+    for i in range(free_segments.size()):
         if reserved <= limit:
             break
-        victims.push_back(<Segment*><uintptr_t>address)
-        reserved += negative_size
+        seg = <Segment*>free_segments[i].second
+        victims.push_back(seg)
+        reserved -= <double>seg.size
     return _release(self, victims)
 
 

@@ -521,6 +521,51 @@ def test_a_pool_ended_by_a_backend_call_during_its_own_request_outlives_the_requ
     run_python(REQUEST_OUTLIVING_ITS_POOL)
 
 
+EMPTY_CACHE_BY_A_FINALIZER_DURING_A_POOLS_RELEASE = r"""
+import ctypes, gc, sys
+import unimem.cpu as m
+import unimem
+K = int(sys.argv[1]) if len(sys.argv) > 1 else %d
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+alloc = unimem.PluggableAllocator(lambda s, d, st: libc.malloc(s) or 0, lambda p, s, d, st: libc.free(p))
+pool = m.MemPool(allocator=alloc)
+with m.use_mem_pool(pool):
+    blocks = [m.caching_allocator_alloc(30 << 20) for _ in range(4)]     # 4 segments of the pool
+for b in blocks:
+    m.caching_allocator_delete(b)
+fired, armed = [0], [False]
+class Cleanup:                        # in a cycle: the collector finalizes it
+    def __init__(self):
+        self.me = self
+    def __del__(self):
+        if not armed[0]:
+            return
+        fired[0] += 1
+        if fired[0] < K:
+            Cleanup()                 # found by a later collection
+        elif fired[0] == K:
+            m.empty_cache()
+gc.collect(); Cleanup(); armed[0] = True
+gc.set_threshold(1)                   # a collection at every object made
+del pool                              # its free segments go back: the collections land in the release
+armed[0] = False; gc.set_threshold(700)
+assert fired[0] >= K, fired
+assert m.memory_reserved() == 0, m.memory_reserved()
+print("PASSED")
+"""
+
+
+@pytest.mark.parametrize("finalizers", [1, 3, 4])
+def test_a_finalizer_emptying_the_cache_while_a_dead_pool_is_released(finalizers):
+    """A collection run while a dead MemPool's segments were being given back
+    (a Python object made with the victims chosen but still linked) let a
+    finalizer's empty_cache release the same segments first: the release
+    then used freed Segments (SIGSEGV with 3 or 4 finalizers in the chain)."""
+    run_python(EMPTY_CACHE_BY_A_FINALIZER_DURING_A_POOLS_RELEASE % finalizers, env={"UNIMEM_DEVICE": "cpu"})
+
+
 class FullPageAllocator(PageAllocator):
     """PageAllocator (which can sleep) holding ``capacity`` bytes, whose free
     runs ``free_hook`` once."""
