@@ -1223,7 +1223,7 @@ cdef class CachingAllocator:
         """Limit this allocator to ``fraction`` of the device's total memory."""
         if not (0.0 <= fraction <= 1.0):
             raise ValueError(f"Invalid fraction value: {fraction}. Allowed range: 0~1")
-        free, total = self.backend.memory_info(self.device)
+        free, total = backend_memory_info(self.backend, self.device)
         self._lock()
         self.capacity = total
         self.fraction = fraction

@@ -73,3 +73,24 @@ cdef int _tell_backend_dropped_streams(CachingAllocator self) except -1:
         _tell_each(release, [(stream, self.device) for stream in dropped],
                    "unimem: a backend's release_stream")
     return 0
+
+
+def backend_memory_info(backend, int device):
+    """``backend.memory_info(device)`` as ``(free, total)`` ints, checked:
+    ``NotImplementedError`` when the backend has no ``memory_info`` (it is
+    optional), ``RuntimeError`` when what it returned is no pair of
+    byte counts (neither can be used as a capacity)."""
+    memory_info = getattr(backend, "memory_info", None)
+    if memory_info is None:
+        raise NotImplementedError(f"the backend {type(backend).__name__} has no memory_info: "
+                                  f"the device's free and total memory are not known")
+    answer = memory_info(device)
+    try:
+        free, total = answer
+        free, total = as_integer(free, "free bytes"), as_integer(total, "total bytes")
+        if not (0 <= free < 1 << 64 and 0 <= total < 1 << 64):
+            raise ValueError
+    except (TypeError, ValueError, OverflowError):
+        raise RuntimeError(f"the backend {type(backend).__name__}'s memory_info({device}) returned "
+                           f"{answer!r}: expected (free, total) bytes as two non-negative ints") from None
+    return free, total

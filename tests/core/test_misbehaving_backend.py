@@ -33,6 +33,7 @@ with the expandable-segments machine (test_misbehaving_expandable.py) in
 tests/helpers/misbehaving.py.
 """
 import functools
+import threading
 import sys
 
 import pytest
@@ -460,3 +461,60 @@ def test_an_interrupt_in_event_done_loses_no_event():
     a.empty_cache()
     assert a.memory_stats()["active.all.current"] == 0, "the block waits for an event no one has"
     assert a.memory_reserved() == 0
+
+
+class AnsweringMemoryInfo(SimulatedBackend):
+    """A simulated device whose memory_info answers ``answer``."""
+
+    answer = (1 << 30, 4 << 30)
+
+    def memory_info(self, device):
+        return self.answer
+
+
+@pytest.mark.parametrize("answer", [(0, -1), (-5, 1 << 30), (0, 1 << 64), (0, 2.5), (0, True), (1,), None, "ab"])
+def test_a_memory_info_answer_that_is_no_pair_of_byte_counts(answer):
+    """set_memory_fraction converted memory_info's total into the allocator
+    with its lock taken: a negative total raised OverflowError and left the
+    lock held, and the next allocator call from another thread hung. Now a
+    RuntimeError before anything changed; mem_get_info says the same."""
+    backend = AnsweringMemoryInfo(1 << 40)
+    a = _core.CachingAllocator(backend, 0)
+    keep = a.malloc(1 << 20)
+    backend.answer = answer
+    with pytest.raises(RuntimeError, match="memory_info"):
+        a.set_memory_fraction(0.5)
+    assert a.get_memory_fraction() == 1.0
+    with pytest.raises(RuntimeError, match="memory_info"):
+        _core.backend_memory_info(backend, 0)
+    done = []
+    worker = threading.Thread(target=lambda: done.append(a.memory_stats()["allocation.all.current"]), daemon=True)
+    worker.start()
+    worker.join(30)
+    assert done == [1], "another thread could not take the allocator's lock"
+    a.free(keep)
+
+
+def test_a_backend_without_memory_info_does_not_know_its_memory():
+    """memory_info is optional (backends/base.py): a backend with only malloc
+    and free gave AttributeError from set_per_process_memory_fraction and
+    mem_get_info; it is the NotImplementedError of a PluggableAllocator
+    without memory_info_fn."""
+
+    class MallocAndFreeOnly:
+        def __init__(self):
+            self.simulated = SimulatedBackend(1 << 40)
+
+        def malloc(self, size, device, stream):
+            return self.simulated.malloc(size, device, stream)
+
+        def free(self, ptr, size, device, stream):
+            self.simulated.free(ptr, size, device, stream)
+
+    a = _core.CachingAllocator(MallocAndFreeOnly(), 0)
+    with pytest.raises(NotImplementedError, match="no memory_info"):
+        a.set_memory_fraction(0.5)
+    with pytest.raises(NotImplementedError, match="no memory_info"):
+        _core.backend_memory_info(a.backend, 0)
+    a.free(a.malloc(100))
+    assert a.memory_stats()["allocation.all.allocated"] == 1

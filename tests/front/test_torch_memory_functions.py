@@ -227,6 +227,31 @@ def test_a_named_pluggable_allocator_is_its_backend_name():
     assert out == ["arena", "arena"]
 
 
+def test_any_allocator_change_current_allocator_installed_is_pluggable():
+    """An allocator written to the Backend Protocol (only malloc and free),
+    not a PluggableAllocator, left get_allocator_backend() at "native"."""
+    out = run_fresh("""
+        import ctypes, unimem, unimem.cpu
+        libc = ctypes.CDLL(None)
+        libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+        libc.free.argtypes = [ctypes.c_void_p]
+        class MallocAndFree:
+            def malloc(self, size, device, stream):
+                return libc.malloc(size) or 0
+            def free(self, ptr, size, device, stream):
+                libc.free(ptr)
+        print(unimem.cpu.get_allocator_backend())
+        unimem.cpu.change_current_allocator(MallocAndFree())
+        unimem.cpu.caching_allocator_delete(unimem.cpu.caching_allocator_alloc(100))
+        print(unimem.cpu.get_allocator_backend(), unimem.accelerator.get_allocator_backend())
+        try:
+            unimem.cpu.mem_get_info()
+        except NotImplementedError as exc:
+            print("NotImplementedError")
+    """, UNIMEM_DEVICE="cpu")
+    assert out == ["native", "pluggable", "pluggable", "NotImplementedError"]
+
+
 # ---------------------------------------------------------------------------
 # torch.accelerator: streams, device indices, capability
 # ---------------------------------------------------------------------------

@@ -81,16 +81,19 @@ class ConfigurationAPI(DeviceTypeAPI):
     def get_allocator_backend(self) -> str:
         r"""Return a string describing the active allocator backend. It is
         ``native`` (unimem's caching allocator over the device's own memory
-        functions) unless :func:`change_current_allocator` installed a
-        pluggable allocator: then ``pluggable``, as PyTorch names a
+        functions) unless :func:`change_current_allocator` installed an
+        allocator: then ``pluggable``, as PyTorch names a
         ``CUDAPluggableAllocator``, or the ``name`` given to
         :class:`unimem.PluggableAllocator`.
         """
         try:
-            backend = self._type().backend
+            dtype = self._type()
         except RuntimeError:        # no device of this type: nothing was plugged in
             return "native"
-        if not isinstance(backend, PluggableAllocator):
+        backend = dtype.backend
+        if not dtype.user_backend:
             return "native"
+        if not isinstance(backend, PluggableAllocator):
+            return "pluggable"
         # Backend.name is a class default ("device"); only a name given to this one counts.
         return str(vars(backend).get("name", "pluggable"))

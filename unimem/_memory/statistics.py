@@ -6,6 +6,7 @@ import collections
 import warnings
 from typing import Any, Dict, Tuple
 
+from .. import _core
 from .._observe.summary import memory_summary_table
 from .._runtime.devices import DeviceLike, device_index
 from .device_type import DeviceTypeAPI
@@ -211,10 +212,12 @@ class StatisticsAPI(DeviceTypeAPI):
           (``MemAvailable`` of ``/proc/meminfo``, ``os.sysconf``).
         - a :class:`unimem.PluggableAllocator`: its ``memory_info_fn``
           (``NotImplementedError`` without one).
+
+        ``NotImplementedError`` for a backend without ``memory_info``, and
+        ``RuntimeError`` when its answer is no pair of byte counts.
         """
         dtype = self._type()
-        free, total = dtype.backend.memory_info(device_index(device, dtype))
-        return int(free), int(total)
+        return _core.backend_memory_info(dtype.backend, device_index(device, dtype))
 
     mem_get_info = get_memory_info
 

@@ -91,6 +91,9 @@ DISPLAY_NAMES = {"cuda": "GPU", "xpu": "XPU", "cpu": "CPU"}
 class DeviceType:
     """One kind of device: its backend and the registry of its allocators."""
 
+    #: Its backend came from change_current_allocator, not from unimem.
+    user_backend = False
+
     def __init__(self, name: str, backend: Backend, *, device_count: Optional[int] = None,
                  current_device_fn: Optional[Callable[[], int]] = None,
                  set_device_fn: Optional[Callable[[int], None]] = None,
@@ -396,6 +399,7 @@ def replace_backend(name: str, backend: Backend) -> DeviceType:
                               stream_handle_fn=old.registry.stream_handle_fn)
         else:
             made = DeviceType(name, backend, device_count=count)
+        made.user_backend = True
         _types[sys.intern(name)] = made          # interned: see get_type
         _unavailable.pop(name, None)
         set_current_registry_resolver(lambda: current_type().registry)
