@@ -252,6 +252,34 @@ def test_any_allocator_change_current_allocator_installed_is_pluggable():
     assert out == ["native", "pluggable", "pluggable", "NotImplementedError"]
 
 
+def test_a_pluggable_allocator_giving_two_devices_the_same_memory_is_refused():
+    """Each device's allocator refused memory overlapping its own segments
+    only: the same bytes handed to device 0 and device 1 were accepted, and a
+    free by address then freed the other device's block."""
+    out = run_fresh("""
+        import ctypes, unimem, unimem.cpu as m
+        buf = ctypes.create_string_buffer(8 << 20)
+        base = (ctypes.addressof(buf) + 4095) & ~4095
+        given = []
+        def my_malloc(size, device, stream):
+            return base + (1 << 20 if given.count(device) else 0)   # device 0 and 1: the same bytes
+        def my_free(ptr, size, device, stream):
+            given.append(("free", ptr))
+        unimem.change_current_allocator(unimem.PluggableAllocator(my_malloc, my_free, device_count=2))
+        p0 = m.caching_allocator_alloc(1000, 0)
+        try:
+            m.caching_allocator_alloc(1000, 1)
+        except RuntimeError as exc:
+            print("overlaps memory it handed out before" in str(exc))
+        print(m.memory_allocated(0) == 1024, m.memory_allocated(1) == m.memory_reserved(1) == 0)
+        m.caching_allocator_delete(p0)
+        m.empty_cache()
+        print(given == [("free", base)])
+        print(m.caching_allocator_alloc(1000, 1) == base)        # given back: it may come again
+    """, UNIMEM_DEVICE="cpu")
+    assert out == ["True"] * 5
+
+
 # ---------------------------------------------------------------------------
 # torch.accelerator: streams, device indices, capability
 # ---------------------------------------------------------------------------

@@ -7,7 +7,9 @@ and the out-of-memory retry on top.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Tuple
+import bisect
+import threading
+from typing import Callable, Dict, List, Optional, Tuple
 
 from .base import Backend
 
@@ -46,11 +48,39 @@ class PluggableAllocator(Backend):
         self._device_count = device_count
         if name is not None:
             self.name = name
+        # What it handed out and was not given back, on every device: each
+        # device's allocator refuses memory overlapping its own segments, but
+        # only this object sees all the devices it serves.
+        self._live_starts: List[int] = []
+        self._live_ends: Dict[int, int] = {}
+        self._live_lock = threading.Lock()
 
     def malloc(self, size: int, device: int, stream: int) -> int:
-        return self.malloc_fn(size, device, stream)
+        ptr = self.malloc_fn(size, device, stream)
+        if type(ptr) is int and ptr > 0:       # what is no address, the allocator refuses itself
+            with self._live_lock:
+                self._refuse_overlap(ptr, size, device)
+                bisect.insort(self._live_starts, ptr)
+                self._live_ends[ptr] = ptr + size
+        return ptr
+
+    def _refuse_overlap(self, ptr: int, size: int, device: int) -> None:
+        at = bisect.bisect_right(self._live_starts, ptr)
+        clash = None
+        if at > 0 and self._live_ends[self._live_starts[at - 1]] > ptr:
+            clash = self._live_starts[at - 1]
+        elif at < len(self._live_starts) and self._live_starts[at] < ptr + size:
+            clash = self._live_starts[at]
+        if clash is not None:
+            raise RuntimeError(
+                f"malloc_fn returned {ptr:#x} ({size} bytes) for device {device}, which overlaps memory "
+                f"it handed out before and was not given back ({clash:#x}, {self._live_ends[clash] - clash} "
+                f"bytes), on this or another device: nothing was allocated")
 
     def free(self, ptr: int, size: int, device: int, stream: int) -> None:
+        with self._live_lock:                   # given back, even if free_fn raises (it may have freed)
+            if self._live_ends.pop(ptr, None) is not None:
+                del self._live_starts[bisect.bisect_left(self._live_starts, ptr)]
         self.free_fn(ptr, size, device, stream)
 
     def device_count(self) -> int:
