@@ -74,7 +74,7 @@ def _host_registry() -> DeviceRegistry:
             if _registry is None:
                 backend = _backend = _choose_backend()
                 _registry = DeviceRegistry(
-                    "host", 1, lambda index: new_allocator(POOL, backend, index))
+                    "host", 1, lambda index: new_allocator(POOL, backend, index, device_options=False))
     return _registry
 
 

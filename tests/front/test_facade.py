@@ -246,6 +246,28 @@ def test_change_current_allocator_wants_a_backend():
         unimem.PluggableAllocator("malloc", "free")
 
 
+@pytest.mark.parametrize("conf", ["expandable_segments:True", "per_process_memory_fraction:0.001",
+                                  "max_split_size_mb:20,roundup_power2_divisions:4"])
+def test_the_pinned_host_pool_takes_none_of_the_device_options(conf):
+    """The pinned pool was made with UNIMEM_ALLOC_CONF's device options:
+    expandable_segments:True made every pinned allocation raise
+    NotImplementedError (host USM has no virtual memory), and a memory
+    fraction limited it as if it were a device. PyTorch's CachingHostAllocator
+    takes none of them."""
+    out = run_fresh("""
+        import unimem, unimem.cpu, unimem.host as host
+        unimem.cpu.caching_allocator_delete(unimem.cpu.caching_allocator_alloc(1 << 20))
+        p = host.caching_host_alloc(64 << 20)
+        host.caching_host_delete(p)
+        pinned, device = host.caching_allocator().settings, unimem.cpu.caching_allocator().settings
+        print(host.host_memory_stats()["allocations.allocated"])
+        print(pinned["expandable_segments"], pinned["memory_fraction"], pinned["max_split_size"],
+              set(pinned["roundup_power2_divisions"]))
+        print(device != pinned)
+    """, UNIMEM_DEVICE="cpu", UNIMEM_ALLOC_CONF=conf)
+    assert out.split() == ["1", "False", "None", "-1", "{0}", "True"]
+
+
 def test_host_memory_stats_keys():
     from unimem import host
     ptr = host.caching_host_alloc(10_000)

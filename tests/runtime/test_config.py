@@ -150,6 +150,21 @@ def test_every_pytorch_option_is_accepted():
     assert s.inert_options == {"release_lock_on_hipmalloc": False, "pinned_use_hip_host_register": False}
 
 
+def test_pytorch_2_13s_newer_options_are_accepted():
+    """PyTorch 2.13's pinned_max_*_mb (AllocatorConfig) and the CUDA keys
+    pinned_free_catch_all and throw_on_cudamalloc_oom were refused as
+    unrecognized; they are accepted, checked, and inert."""
+    s = parse_alloc_conf("pinned_max_round_threshold_mb:64,pinned_max_cached_size_mb:0,"
+                         "pinned_free_catch_all:True,throw_on_cudamalloc_oom:False")
+    assert s.inert_options == {"pinned_max_round_threshold_mb": 64, "pinned_max_cached_size_mb": 0,
+                               "pinned_free_catch_all": True, "throw_on_cudamalloc_oom": False}
+    assert s.core_kwargs() == parse_alloc_conf("").core_kwargs()
+    for bad in ("pinned_max_cached_size_mb:abc", "pinned_max_round_threshold_mb:-1",
+                "pinned_free_catch_all:yes", "throw_on_cudamalloc_oom:1"):
+        with pytest.raises(ValueError):
+            parse_alloc_conf(bad)
+
+
 def test_each_inert_option_is_listed_with_a_reason():
     from unimem._runtime import config as _config
     for name, reason in _config.INERT_OPTIONS:

@@ -84,6 +84,14 @@ INERT_OPTIONS: Tuple[Tuple[str, str], ...] = (
     ("pinned_reserve_segment_size_mb", "unimem's pinned pool keeps no pre-reserved segment"),
     ("pinned_use_background_threads", "unimem's pinned pool processes its events on the calling "
                                       "thread; it starts no background thread"),
+    ("pinned_max_round_threshold_mb", "unimem's pinned pool rounds no request up to a power of two "
+                                      "(it splits blocks by best fit), so there is no threshold to stop at"),
+    ("pinned_max_cached_size_mb", "unimem's pinned pool caches freed blocks of every size, as its "
+                                  "device pools do, until empty_host_cache"),
+    ("pinned_free_catch_all", "a switch of the free path of PyTorch's CUDA pinned allocator; unimem's "
+                              "pinned pool has one free path, for blocks it handed out"),
+    ("throw_on_cudamalloc_oom", "unimem already refuses a request larger than the device (or its "
+                                "memory fraction) at once, without asking the backend"),
     ("graph_capture_record_stream_reuse", "unimem has no CUDA graph capture"),
 )
 INERT_KEYS = tuple(name for name, _ in INERT_OPTIONS)
@@ -315,6 +323,8 @@ def parse_alloc_conf(text: Optional[str]) -> AllocatorSettings:
                 raise p.fail(f"pinned_num_register_threads should be at most {PINNED_MAX_REGISTER_THREADS}, "
                              f"got {threads}")
             inert[key] = threads
+        elif key in ("pinned_max_round_threshold_mb", "pinned_max_cached_size_mb"):
+            inert[key] = p.integer(key)
         elif key == "pinned_reserve_segment_size_mb":
             mb = p.integer(key)
             if mb == 0:

@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, List, Optional, Union
 
 from .. import _core
 from .registry import DeviceRegistry, set_current_registry_resolver, set_device_index_resolver
-from .config import settings_from_env
+from .config import AllocatorSettings, settings_from_env
 from .pools import DEVICE_TYPES, Pool, PoolKind, register_named_pool
 from ..backends import opencl_env
 from ..backends.base import Backend
@@ -131,10 +131,13 @@ class DeviceType:
         return f"<unimem device type {self.name}: {self.device_count} device(s), backend {self.backend!r}>"
 
 
-def new_allocator(pool: Pool, backend: Backend, index: int, **core_options: Any) -> "_core.CachingAllocator":
+def new_allocator(pool: Pool, backend: Backend, index: int, *, device_options: bool = True,
+                  **core_options: Any) -> "_core.CachingAllocator":
     """A caching allocator for device ``index`` of ``backend``, with the options
-    of ``UNIMEM_ALLOC_CONF``, told its device's capacity, and announced to the
-    callbacks of :func:`on_allocator_created` (the observability layer).
+    of ``UNIMEM_ALLOC_CONF`` (unless ``device_options`` is False: the pinned
+    host pool, which takes none, as PyTorch's CachingHostAllocator), told its
+    device's capacity, and announced to the callbacks of
+    :func:`on_allocator_created` (the observability layer).
     ``pool`` is what it serves. ``core_options`` go to
     :class:`unimem._core.CachingAllocator` over the configured ones
     (``exact_segments=True`` for CuPy's policy)."""
@@ -142,7 +145,9 @@ def new_allocator(pool: Pool, backend: Backend, index: int, **core_options: Any)
         raise TypeError(f"pool must be a unimem Pool, not {type(pool).__name__}")
     if backend in _broken_by_fork:
         raise RuntimeError(pool.fork_message())
-    settings = settings_from_env()
+    settings = settings_from_env()           # read (and checked) whichever pool comes first
+    if not device_options:
+        settings = AllocatorSettings()
     allocator = _core.CachingAllocator(backend, index, **{**settings.core_kwargs(), **core_options})
     memory_info = getattr(backend, "memory_info", None)     # optional, as every capability
     try:
