@@ -7,6 +7,10 @@ import textwrap
 
 import pytest
 
+import unimem
+import unimem.cpu
+import unimem.xpu
+
 from unimem._runtime import devices as _devices
 
 from tests.helpers import REPO_ROOT as _REPO_ROOT
@@ -27,6 +31,39 @@ REPO_ROOT = str(_REPO_ROOT)
 def test_device_string_index_is_ascii_digits_only(text):
     with pytest.raises(ValueError, match="Invalid device string"):
         _devices.device(text)
+
+
+@pytest.mark.parametrize("args", [("cpu:x",), ("cpu:-1",), ("cpu", -1), ("CPU",), ("cpu:0", 0)])
+def test_a_malformed_device_is_the_runtime_error_torch_device_raises(args):
+    """torch.device raises RuntimeError for each; unimem raised a plain
+    ValueError, which code written for PyTorch (except RuntimeError) missed.
+    It is both, as InvalidDeviceError is."""
+    import torch
+    with pytest.raises(RuntimeError):
+        torch.device(*args)
+    with pytest.raises(RuntimeError) as raised:
+        _devices.device(*args)
+    assert isinstance(raised.value, ValueError)
+    with pytest.raises(RuntimeError):
+        unimem.cpu.memory_stats("cpu:x")
+
+
+@pytest.mark.parametrize("set_device", ["accelerator.set_device_index", "cpu.set_device", "xpu.set_device"])
+def test_setting_a_negative_device_index_does_nothing(set_device, xpu):
+    """torch.accelerator.set_device_index, torch.cuda.set_device and
+    torch.xpu.set_device are no-ops for a negative index; unimem raised
+    InvalidDeviceError."""
+    namespace, name = set_device.split(".")
+    function = getattr(getattr(unimem, namespace), name)
+    current = getattr(unimem, namespace).current_device() if namespace != "accelerator" \
+        else unimem.accelerator.current_device_index()
+    function(-1)
+    function(-7)
+    after = getattr(unimem, namespace).current_device() if namespace != "accelerator" \
+        else unimem.accelerator.current_device_index()
+    assert after == current
+    with pytest.raises(RuntimeError):
+        function(f"{'cpu' if namespace == 'cpu' else 'xpu'}:-1")      # a string is no index: malformed
 
 
 def test_device_string_with_ascii_index_still_parses():

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Callable, List, Optional
 
 from .. import _core
-from .._runtime.devices import DEVICE_POOLS, DeviceLike, DeviceType, device_index, get_type
+from .._runtime.devices import DEVICE_POOLS, DeviceLike, DeviceType, device_index, get_type, is_negative_index
 
 
 class DeviceTypeAPI:
@@ -74,6 +74,11 @@ class DeviceTypeAPI:
         return self._type().current_index()
 
     def set_device(self, device: DeviceLike) -> None:
-        r"""Set the current device."""
+        r"""Set the current device.
+
+        This function is a no-op if this argument is negative.
+        """
         dtype = self._type()
+        if is_negative_index(device):
+            return
         dtype.set_current_index(device_index(device, dtype, optional=False))

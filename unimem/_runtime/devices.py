@@ -32,6 +32,18 @@ KNOWN_TYPES = DEVICE_TYPES
 DEVICE_ENV_VAR = "UNIMEM_DEVICE"
 
 
+class DeviceArgumentError(ValueError, RuntimeError):
+    """A malformed device string, or a negative device index in one: the
+    RuntimeError ``torch.device`` raises, and a ValueError as unimem's other
+    bad arguments."""
+
+
+def is_negative_index(device_arg: Any) -> bool:
+    """``device_arg`` is a negative int index (for which PyTorch's set_device
+    and set_device_index do nothing)."""
+    return isinstance(device_arg, int) and not isinstance(device_arg, bool) and device_arg < 0
+
+
 class device:
     """A device: a type (``"cpu"``, ``"xpu"``, ``"cuda"``) and an optional index,
     like ``torch.device``. ``device("xpu:1")`` and ``device("xpu", 1)`` are the same."""
@@ -46,22 +58,23 @@ class device:
         elif isinstance(type, str):
             if ":" in type:
                 if index is not None:
-                    raise ValueError(f"type (string) must not include an index because index was passed explicitly: {type}")
+                    raise DeviceArgumentError(f"type (string) must not include an index because index was "
+                                              f"passed explicitly: {type}")
                 type, _, index_text = type.partition(":")
                 # ASCII digits only: str.isdigit() and int() also take "٠" or "²"
                 if not (index_text.isascii() and index_text.isdigit()):
-                    raise ValueError(f"Invalid device string: '{type}:{index_text}'")
+                    raise DeviceArgumentError(f"Invalid device string: '{type}:{index_text}'")
                 index = int(index_text)
         else:
             raise TypeError(f"device type must be a str, not {type.__class__.__name__}")
         if type not in KNOWN_TYPES:
-            raise ValueError(f"Expected one of {', '.join(KNOWN_TYPES)} device type at start of "
-                             f"device string: {type}")
+            raise DeviceArgumentError(f"Expected one of {', '.join(KNOWN_TYPES)} device type at start of "
+                                      f"device string: {type}")
         if index is not None:
             if isinstance(index, bool) or not isinstance(index, int):
                 raise TypeError(f"device index must be an int, not {index.__class__.__name__}")
             if index < 0:
-                raise ValueError(f"Device index must not be negative, got {index}")
+                raise DeviceArgumentError(f"Device index must not be negative, got {index}")
         object.__setattr__(self, "type", type)
         object.__setattr__(self, "index", index)
 

@@ -18,7 +18,7 @@ from typing import Any, Dict, Iterator, Optional
 
 import numpy
 
-from .._runtime.devices import DeviceLike, current_type, device, device_index as _device_index
+from .._runtime.devices import DeviceLike, current_type, device, device_index as _device_index, is_negative_index
 from . import memory
 # torch.accelerator re-exports its memory functions too; a star import, so
 # that type checkers see the re-export of every name in memory.__all__.
@@ -71,8 +71,12 @@ def set_device_index(device: DeviceLike, /) -> None:
     Args:
         device (:class:`unimem.device`, str, int): a given device that must match the current
             accelerator device type.
+
+    .. note:: This function is a no-op if this device index is negative.
     """
     dtype = current_type()
+    if is_negative_index(device):
+        return
     dtype.set_current_index(_device_index(device, dtype, optional=False))
 
 
