@@ -274,18 +274,36 @@ def allocator_installed() -> bool:
     return bool(_originals)
 
 
+# using_allocator blocks under way, in all threads, and whether the first
+# of them installed the allocator (the last to end then removes it).
+_blocks_under_way = 0
+_installed_by_blocks = False
+
+
 @contextlib.contextmanager
 def using_allocator(pool_for: PoolFor, guard_for: GuardFor) -> Iterator[None]:
     """A context manager: ``pool_for``'s pools allocate dpnp's arrays inside
-    the block; afterwards the allocator that was in effect before is back."""
+    the block; afterwards the allocator that was in effect before is back.
+
+    dpnp has one allocator for the whole process, so the pools serve every
+    thread while any thread is inside such a block: blocks of several threads
+    overlap, and the allocator goes away only when the last of them ends (if
+    none was installed before the first began)."""
+    global _blocks_under_way, _installed_by_blocks
     with _lock:
-        was_installed = allocator_installed()
-        set_allocator(pool_for, guard_for)
+        if _blocks_under_way == 0:
+            was_installed = allocator_installed()
+            set_allocator(pool_for, guard_for)
+            _installed_by_blocks = not was_installed
+        _blocks_under_way += 1
     try:
         yield
     finally:
-        if not was_installed:
-            reset_allocator()
+        with _lock:
+            _blocks_under_way -= 1
+            if _blocks_under_way == 0 and _installed_by_blocks:
+                _installed_by_blocks = False
+                reset_allocator()
 
 
 def allocator_counters() -> Dict[str, int]:

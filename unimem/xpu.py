@@ -495,7 +495,11 @@ def reset_allocator() -> None:
 @contextlib.contextmanager
 def using_allocator() -> Iterator[None]:
     """A context manager in which unimem allocates every dpnp array (as
-    ``cupy.cuda.using_allocator``); the allocator in effect before is back after it."""
+    ``cupy.cuda.using_allocator``); the allocator in effect before is back after it.
+
+    Unlike CuPy's, dpnp's allocator is one for the whole process: inside the
+    block every thread's dpnp arrays come from the pools, and with blocks in
+    several threads the pools stay in effect until the last block ends."""
     _set_up_pools()
     with _dpnp_allocator.using_allocator(_pool_for, _keep_alive_guard):
         yield

@@ -217,6 +217,38 @@ def test_using_allocator_restores_what_was_in_effect(xpu):
     xpu.reset_allocator()
 
 
+def test_using_allocator_blocks_of_two_threads_overlap(xpu, dpnp):
+    """The first thread to leave its block uninstalled the allocator for a
+    thread still inside its own: that thread's arrays came from dpctl. The
+    allocator now stays until the last block ends."""
+    second_inside, first_left = threading.Event(), threading.Event()
+    seen = {}
+
+    def first():
+        with xpu.using_allocator():
+            second_inside.wait(30)
+        first_left.set()
+
+    def second():
+        with xpu.using_allocator():
+            second_inside.set()
+            first_left.wait(30)
+            before = pooled(xpu)
+            x = dpnp.empty(1000)
+            seen["installed"], seen["pooled"] = xpu.allocator_installed(), pooled(xpu) - before
+            del x
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    threads[0].start()
+    while not threads[0].is_alive():
+        time.sleep(0.01)
+    threads[1].start()
+    for thread in threads:
+        thread.join(60)
+    assert seen["installed"] and seen["pooled"] >= 1, seen
+    assert not xpu.allocator_installed()
+
+
 def test_arrays_outlive_reset_allocator(xpu, dpnp):
     baseline = settle(xpu, allocated(xpu))
     xpu.set_allocator()
