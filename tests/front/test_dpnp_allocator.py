@@ -413,3 +413,25 @@ def test_set_allocator_raises_a_malformed_configuration(xpu):
     assert done.returncode == 0, done.stderr
     assert "refused: UNIMEM_ALLOC_CONF='max_split_size_mb:abc'" in done.stdout, done.stdout
     assert "installed: False" in done.stdout, done.stdout
+
+
+def test_install_allocators_answers_with_what_is_in_effect(xpu):
+    """install_allocators answered from its own undo list: after
+    reset_allocator() it installed nothing yet returned ['dpnp'], and after
+    the user's own set_allocator() it returned [] while dpnp was served."""
+    from unimem._integrations.install import install_allocators, installed_allocators, uninstall_allocators
+    assert not xpu.allocator_installed()
+    try:
+        assert "dpnp" in install_allocators() and xpu.allocator_installed()
+        xpu.reset_allocator()                       # taken out by hand
+        assert "dpnp" not in installed_allocators()
+        assert "dpnp" in install_allocators() and xpu.allocator_installed()     # put back
+        uninstall_allocators()
+        assert not xpu.allocator_installed() and "dpnp" not in installed_allocators()
+        xpu.set_allocator()                         # the user's own
+        assert "dpnp" in install_allocators() and "dpnp" in installed_allocators()
+        uninstall_allocators()                      # undoes only what install_allocators did
+        assert xpu.allocator_installed()
+    finally:
+        uninstall_allocators()
+        xpu.reset_allocator()

@@ -31,16 +31,18 @@ _lock = threading.Lock()
 _undo: List[Tuple[str, Callable[[], None]]] = []
 
 
-def _install_dpnp() -> bool:
+def _install_dpnp() -> None:
+    """unimem.xpu.set_allocator(), unless it is in effect; the undo is noted
+    once (and only if install_allocators was first to install it)."""
     import unimem.xpu as pooled
     if pooled.allocator_installed():
-        return False
+        return
     pooled.set_allocator()
-    _undo.append(("dpnp", pooled.reset_allocator))
-    return True
+    if not _noted("dpnp"):
+        _undo.append(("dpnp", pooled.reset_allocator))
 
 
-def _install_cupy() -> bool:
+def _install_cupy() -> None:
     import cupy
 
     import unimem.cuda as pooled
@@ -48,12 +50,30 @@ def _install_cupy() -> bool:
     previous = cupy.cuda.get_allocator()
     cupy.cuda.set_allocator(pooled.allocator)
     cupy.cuda.set_pinned_memory_allocator(host.pinned_allocator)
+    if _noted("cupy"):
+        return
 
     def undo() -> None:
         cupy.cuda.set_allocator(previous)
         cupy.cuda.set_pinned_memory_allocator(cupy.get_default_pinned_memory_pool().malloc)
     _undo.append(("cupy", undo))
-    return True
+
+
+def _noted(name: str) -> bool:
+    return any(noted == name for noted, _ in _undo)
+
+
+def _served(name: str) -> bool:
+    """Whether ``name``'s arrays come from unimem now (whoever installed it)."""
+    import sys
+    if name == "dpnp":
+        xpu = sys.modules.get("unimem.xpu")
+        return xpu is not None and xpu.allocator_installed()
+    cupy = sys.modules.get("cupy")
+    if cupy is None:
+        return False
+    import unimem.cuda as pooled
+    return cupy.cuda.get_allocator() is pooled.allocator
 
 
 def install_sycl_interposer() -> bool:
@@ -85,9 +105,9 @@ def sycl_interposer_installed() -> bool:
 
 
 def install_allocators(sycl_interpose: bool = False) -> List[str]:
-    """Make unimem the allocator of every array library it can serve here;
-    returns their names (``["cupy"]``, ``["dpnp"]``, or ``[]`` when neither
-    has a device).
+    """Make unimem the allocator of every array library it can serve here
+    (again, where it was taken out since); returns the names of those it
+    serves now (``["cupy"]``, ``["dpnp"]``, or ``[]`` when neither has a device).
 
     Each library is served by the pool of its own device type
     (:data:`POOL_OF_LIBRARY`), not by the current accelerator's: with
@@ -98,27 +118,25 @@ def install_allocators(sycl_interpose: bool = False) -> List[str]:
     (:func:`install_sycl_interposer`), so that dpnp's C++ scratch buffers
     come from the pools too; this must happen before dpnp is imported, and
     raises ``RuntimeError`` (installing nothing) when it cannot."""
-    installed: List[str] = []
     with _lock:
         if sycl_interpose:
             install_sycl_interposer()   # before the import of dpnp below
-        done = {name for name, _ in _undo}
-        if "cupy" not in done and _devices.is_available("cuda") and _install_cupy():
-            installed.append("cupy")
-        if "dpnp" not in done and _devices.is_available("xpu"):
+        if _devices.is_available("cuda"):
+            _install_cupy()
+        if _devices.is_available("xpu"):
             try:
                 import dpnp  # noqa: F401
             except ImportError:
                 pass
             else:
-                if _install_dpnp():
-                    installed.append("dpnp")
-        return installed + [name for name in done]
+                _install_dpnp()
+        return installed_allocators()
 
 
 def installed_allocators() -> List[str]:
-    """The libraries :func:`install_allocators` has routed to unimem."""
-    return [name for name, _ in _undo]
+    """The array libraries whose arrays come from unimem now (installed by
+    :func:`install_allocators` or by hand, as ``unimem.xpu.set_allocator()``)."""
+    return [name for name in ARRAY_LIBRARIES if _served(name)]
 
 
 def uninstall_allocators(names: Optional[Iterable[str]] = None) -> None:
