@@ -14,6 +14,7 @@ ROUNDUP_INTERVALS: int
 MAX_REQUEST_SIZE: int
 MAX_RESERVED_SIZE: int
 TRACE_ACTIONS: Tuple[str, ...]
+MEMORY_STATS_KEYS: Tuple[str, ...]
 
 class WriteAfterFreeWarning(RuntimeWarning): ...
 

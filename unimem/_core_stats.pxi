@@ -36,6 +36,8 @@ def _build_stat_keys():
 
 
 _STAT_KEYS = _build_stat_keys()
+#: Every key of CachingAllocator.memory_stats(), sorted.
+MEMORY_STATS_KEYS = tuple(sorted(_STAT_KEYS))
 _SORTED_ORDER = tuple(sorted(range(len(_STAT_KEYS)), key=lambda i: _STAT_KEYS[i]))
 _SORTED_KEYS = tuple(_STAT_KEYS[i] for i in _SORTED_ORDER)
 cdef int N_STAT_VALUES = len(_STAT_KEYS)

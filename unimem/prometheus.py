@@ -30,7 +30,7 @@ except ImportError as exc:
     raise ImportError("unimem.prometheus needs prometheus_client: pip install prometheus_client, "
                       "or pip install -e \".[prometheus]\" in unimem's checkout") from exc
 
-from . import host
+from . import _core, host
 from ._runtime.pools import PoolKind, named_pools
 
 LABELS = ["device", "pool", "metric"]
@@ -81,12 +81,19 @@ class UnimemCollector:
         yield from families.values()
 
     def describe(self) -> List[Any]:
-        return []          # the metrics depend on which devices are in use
+        """The families every device's and the pinned pool's statistics make
+        (without samples; which devices are in use is known at collect time):
+        prometheus_client refuses a second collector whose names clash."""
+        from prometheus_client.core import GaugeMetricFamily
+        names = {_split(key)[0] for key in (*_core.MEMORY_STATS_KEYS, *host.host_memory_stats())}
+        return [GaugeMetricFamily(f"unimem_{name}", f"unimem memory statistic {name!r} (see memory_stats)",
+                                  labels=LABELS) for name in sorted(names)]
 
 
 def register(registry: Optional[Any] = None) -> UnimemCollector:
     """Register a :class:`UnimemCollector` (into ``prometheus_client.REGISTRY``
-    by default) and return it."""
+    by default) and return it. A second one in the same registry is the
+    ``ValueError`` prometheus_client raises for duplicated time series."""
     if registry is None:
         from prometheus_client import REGISTRY as registry  # type: ignore[no-redef]
     collector = UnimemCollector()

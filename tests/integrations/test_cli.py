@@ -464,6 +464,30 @@ def test_prometheus_and_dask_are_attributes_of_unimem():
     assert done.returncode == 0 and done.stdout.strip() == "UnimemPlugin True", (done.stdout, done.stderr)
 
 
+def test_prometheus_refuses_a_second_collector_in_one_registry():
+    """describe() named no metric, so prometheus_client's duplicate check let
+    a second register() through, and every series was exported twice."""
+    pytest.importorskip("prometheus_client")
+    import collections
+
+    import unimem.prometheus
+    from prometheus_client import CollectorRegistry, generate_latest
+    registry = CollectorRegistry()
+    collector = unimem.prometheus.register(registry)
+    with pytest.raises(ValueError, match="Duplicated timeseries"):
+        unimem.prometheus.register(registry)
+    p = unimem.cpu.caching_allocator_alloc(1000)
+    try:
+        lines = [line for line in generate_latest(registry).decode().splitlines() if line.startswith("unimem_")]
+        assert lines and max(collections.Counter(lines).values()) == 1
+        assert registry.get_sample_value("unimem_allocated_bytes",
+                                         {"device": "cpu:0", "pool": "all", "metric": "current"}) >= 1024
+    finally:
+        unimem.cpu.caching_allocator_delete(p)
+    registry.unregister(collector)
+    unimem.prometheus.register(registry)           # once gone, it may come again
+
+
 @pytest.mark.parametrize("module, missing, extra", [("prometheus", "prometheus_client", "prometheus"),
                                                      ("dask", "distributed", "dask")])
 def test_an_extra_not_installed_is_named(module, missing, extra):
