@@ -26,6 +26,7 @@ bytes, of zero bytes, or with other arguments go to dpctl, and are counted.
 from __future__ import annotations
 
 import contextlib
+import copyreg
 import threading
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
@@ -74,6 +75,25 @@ class _StandInType(type):
         return type.__subclasscheck__(cls, subclass)
 
     __call__ = _usm_memory.call_stand_in
+
+
+def _dpctl_memory_class(name: str) -> type:
+    """``dpctl.memory.<name>`` as it is where a pickle is loaded: the
+    stand-in while the allocator is installed there, else dpctl's own."""
+    import dpctl.memory
+    return getattr(dpctl.memory, name)
+
+
+def _reduce_stand_in(cls: _StandInType) -> Union[str, Tuple[Any, ...]]:
+    """Pickle a stand-in by its public name: it bears dpctl's module and
+    qualified name, where pickle would find dpctl's class, not it, and
+    refuse. A class derived from one pickles as any class."""
+    if "__dpctl_class__" in cls.__dict__:
+        return _dpctl_memory_class, (cls.__name__,)
+    return cls.__qualname__
+
+
+copyreg.pickle(_StandInType, _reduce_stand_in)
 
 
 def _version(text: str) -> Tuple[int, ...]:

@@ -435,3 +435,17 @@ def test_install_allocators_answers_with_what_is_in_effect(xpu):
     finally:
         uninstall_allocators()
         xpu.reset_allocator()
+
+
+def test_dpctls_memory_classes_pickle_while_the_allocator_is_installed(hooked, dpm):
+    """The stand-ins bear dpctl's module and qualified name, where pickle found
+    dpctl's class instead and refused them (PicklingError): a dpctl class
+    could not be sent to a Dask worker while the allocator was installed."""
+    import copy
+    import pickle
+    for name in ("MemoryUSMDevice", "MemoryUSMShared", "MemoryUSMHost"):
+        stand_in = getattr(dpm, name)
+        assert pickle.loads(pickle.dumps(stand_in)) is stand_in
+        assert copy.deepcopy({"kind": stand_in})["kind"] is stand_in
+    hooked.reset_allocator()
+    assert pickle.loads(pickle.dumps(stand_in)) is dpm.MemoryUSMHost     # loaded where it is not installed
