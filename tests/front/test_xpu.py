@@ -250,6 +250,18 @@ def test_the_reset_functions_and_empty_cache_reach_the_shared_pools_statistics(x
     del s
 
 
+def test_out_of_memory_names_the_usm_kind(xpu):
+    """The pinned pool's out-of-memory error said "XPU out of memory ... host 0"
+    (the device's words for host memory); shared USM's said the same."""
+    assert unimem.host.backend_name() == "sycl"
+    for allocate, words in ((lambda: unimem.host.caching_host_alloc(1 << 50), "XPU host USM out of memory"),
+                            (lambda: xpu.allocator_for("shared").malloc(1 << 50), "XPU shared USM out of memory"),
+                            (lambda: xpu.caching_allocator_alloc(1 << 50), "XPU out of memory")):
+        with pytest.raises(unimem.OutOfMemoryError) as raised:
+            allocate()
+        assert str(raised.value).startswith(words), str(raised.value)
+
+
 def test_the_host_pool_of_an_xpu_program_does_not_import_cupy(xpu):
     """The first host USM array of an XPU program chooses the host pool's
     backend: from the SYCL runtime already up, without importing CuPy to

@@ -294,6 +294,8 @@ class XPUBackend(Backend):
         if kind not in USM_KINDS:
             raise ValueError(f"USM kind must be one of {USM_KINDS}, got {kind!r}")
         self.kind = kind
+        if kind != "device":           # out-of-memory messages name the memory: "XPU host USM out of memory"
+            self.api_name = f"XPU {kind} USM"
         self.runtime = _SyclRuntime.get()
         self.raw = self.runtime.raw_allocator(kind)
         self._named_streams: Set[int] = set()      # handles record_stream named, until released
