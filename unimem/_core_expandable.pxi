@@ -298,8 +298,13 @@ cdef Block* _expandable_alloc(CachingAllocator self, size_t size, uintptr_t stre
         return NULL
     while c.size < size:
         # c is free and mapped, followed by unmapped space: map some of it,
-        # which merges c into it.
+        # which merges c into it. A map runs the backend (Python), which may
+        # re-enter the allocator (a finalizer) and take c, so that what
+        # follows the newly mapped block is no longer unmapped: then the
+        # request looks for its place again (the pages mapped stay cached).
         nxt = c.next
+        if nxt == NULL or not nxt.unmapped or nxt.allocated or nxt.lost:
+            return _expandable_alloc(self, size, stream, is_small, False)
         if not _map_block(self, nxt, nxt.size if nxt.size < size - c.size else size - c.size):
             return NULL
         c = nxt

@@ -367,3 +367,50 @@ def test_an_allocation_collected_with_a_garbage_cycle_frees_its_block():
         gc.collect()
         assert core.live_allocations() == {}, \
             f"made {'before' if allocation_first else 'after'} the cycle: the block was never freed"
+
+
+ALLOCATION_DURING_THE_GROWTH_OF_A_FREE_BLOCK = """
+from unimem import _core
+from unimem.backends.simulated import SimulatedBackend
+MiB = 1 << 20
+
+class MapHook(SimulatedBackend):
+    hook = None
+
+    def map_pages(self, address, size, device):
+        super().map_pages(address, size, device)
+        hook, MapHook.hook = MapHook.hook, None
+        if hook:
+            hook()
+
+backend = MapHook(1 << 30, granularity=2 * MiB)
+a = _core.CachingAllocator(backend, 0, expandable_segments=True)
+A = a.malloc(2 * MiB); H = a.malloc(4 * MiB); B = a.malloc(2 * MiB)
+assert H == A + 2 * MiB and B == A + 6 * MiB
+a.free(H); a.empty_cache()                 # [A][4 MiB unmapped][B live][end]
+a.free(A)                                  # [A free][hole][B live]
+stolen = []
+MapHook.hook = lambda: stolen.append(a.malloc(2 * MiB))    # what a finalizer may do
+big = a.malloc(6 * MiB)                    # grows A over the hole: the map runs the hook, which takes A
+a._check_invariants()
+assert stolen and not (big <= B < big + 6 * MiB) and not (big <= stolen[0] < big + 6 * MiB), \\
+    (hex(big), hex(B), [hex(p) for p in stolen])
+for p in stolen + [big]:
+    a.free(p)
+again = a.malloc(8 * MiB)
+assert not (again <= B < again + 8 * MiB), "the live block was handed out again"
+a._check_invariants()
+a.free(again); a.free(B); a.empty_cache()
+assert a.memory_stats()["reserved_bytes.all.current"] == 0
+print("PASSED")
+"""
+
+
+def test_an_allocation_taking_the_free_block_a_request_grows_sends_the_request_elsewhere():
+    """A request that grows a free block over the unmapped space after it maps
+    the pages, running the backend; a re-entered allocation (a finalizer)
+    took that free block, and the request went on \"mapping\" the next block,
+    a live one: the map was refused (a spurious error), the live block was
+    marked free, and a later call crashed (SIGSEGV). The request now looks
+    for its place again."""
+    run_python(ALLOCATION_DURING_THE_GROWTH_OF_A_FREE_BLOCK)
