@@ -187,11 +187,13 @@ cdef int _empty_dead_pool(CachingAllocator self, PrivatePool* pool) except -1:
     segments go back now, unless this thread is inside another allocator
     call (a finalizer): then at the next empty_cache. Lock held."""
     cdef vector[Segment*] victims
-    cdef Segment* seg = self.segments
+    cdef Segment* seg
     if self.lock_depth != 1:
         return 0
     try:
         _end_dead_pool_sleeps(self, pool)     # one that dies asleep: _core_sleep.pxi
+        # read after it: it runs Python, whose finalizers may release segments
+        seg = self.segments
         while seg != NULL:
             if seg.pool == pool and _segment_is_free(self, seg):
                 victims.push_back(seg)

@@ -11,6 +11,7 @@ import pytest
 
 from unimem import _core
 from unimem.backends.base import Backend, forward_to_inner
+from tests.helpers.crash_guard import run_python
 from unimem.backends._host import PageAlignedBackend
 
 MiB = 1 << 20
@@ -142,3 +143,38 @@ def test_a_restore_that_fails_at_the_pools_death_is_tried_again_by_empty_cache()
         allocator.free(ptr)
     allocator.empty_cache()
     assert baseline(allocator) == dict.fromkeys(baseline(allocator), 0)
+
+
+DEAD_POOL_WOKEN_BY_A_RESTORE_THAT_EMPTIES_THE_CACHE = """
+import sys
+sys.path.insert(0, "tests/core")
+from test_sleep_dead_pool import MiB, POOL, setup
+allocator, backend, outside, (kept, *rest) = setup()
+for ptr in rest:
+    allocator.free(ptr)
+newest = allocator.malloc(30 * MiB)          # a segment of the device's own, linked last: the list's head
+allocator.free(newest)                       # wholly free
+allocator.sleep_pool(POOL)
+
+def empty_the_cache():                      # Python in the restore: a finalizer's empty_cache
+    backend.on_restore = lambda: None
+    allocator.empty_cache()
+backend.on_restore = empty_the_cache
+allocator.release_pool(POOL)                # the pool dies asleep: its segment in use is woken
+allocator._check_invariants()
+allocator.free(kept)
+allocator.free(outside)
+allocator.empty_cache()
+assert allocator.memory_stats()["reserved_bytes.all.current"] == 0
+print("PASSED")
+"""
+
+
+def test_a_dead_pools_release_reads_the_segments_after_its_wake_ran_python():
+    """_empty_dead_pool read the head of the segment list before waking the
+    dead pool's segments (restore_pages, Python): an empty_cache run there
+    freed that head segment, and the scan then walked freed memory (seen with
+    valgrind; with freed memory filled by MALLOC_PERTURB_ and no
+    thread cache to keep it from being filled, a crash)."""
+    run_python(DEAD_POOL_WOKEN_BY_A_RESTORE_THAT_EMPTIES_THE_CACHE,
+               env={"MALLOC_PERTURB_": "165", "GLIBC_TUNABLES": "glibc.malloc.tcache_count=0"})
