@@ -114,7 +114,7 @@ cdef object _out_of_memory_error(CachingAllocator self, object requested, object
     self._unlock()
     self._flush_trace()
     try:
-        free, total = self.backend.memory_info(self.device)
+        free, total = backend_memory_info(self.backend, self.device)
     except Exception:
         free, total = None, (self.capacity or None)
     name = self.device_name

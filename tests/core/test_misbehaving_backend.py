@@ -492,7 +492,15 @@ def test_a_memory_info_answer_that_is_no_pair_of_byte_counts(answer):
     worker.start()
     worker.join(30)
     assert done == [1], "another thread could not take the allocator's lock"
+    # the out-of-memory error reads it too: it is still that error, counted once
+    with pytest.raises(OutOfMemoryError):
+        a.malloc(1 << 50)
+    assert a.memory_stats()["num_ooms"] == 1
     a.free(keep)
+    # and a new device allocator reads it for its capacity
+    from unimem._runtime import devices
+    with pytest.raises(RuntimeError, match="memory_info"):
+        devices.new_allocator(devices.DEVICE_POOLS["cpu"], backend, 0)
 
 
 def test_a_backend_without_memory_info_does_not_know_its_memory():

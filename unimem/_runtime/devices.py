@@ -162,9 +162,8 @@ def new_allocator(pool: Pool, backend: Backend, index: int, *, device_options: b
     if not device_options:
         settings = AllocatorSettings()
     allocator = _core.CachingAllocator(backend, index, **{**settings.core_kwargs(), **core_options})
-    memory_info = getattr(backend, "memory_info", None)     # optional, as every capability
     try:
-        _, total = memory_info(index) if memory_info is not None else (0, 0)
+        _, total = _core.backend_memory_info(backend, index)    # optional, as every capability
     except NotImplementedError:
         total = 0
     if total:
