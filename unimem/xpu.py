@@ -31,6 +31,7 @@ from ._runtime.registry import DeviceRegistry
 from ._runtime.devices import device_index, get_type, new_allocator
 from ._runtime.pools import Pool, PoolKind, register_named_pool
 from ._memory_api import PUBLIC_CLASSES, PUBLIC_FUNCTIONS, DeviceLike, MemoryAPI, MemoryLike, record_stream_on_pools, numpy_dtype
+from ._memory.device_type import PoolsBeside, show_pools_beside
 from ._observe.summary import has_held_memory, memory_summary_table
 from .backends import xpu as _backend
 
@@ -545,16 +546,12 @@ def _shared_pools_made(index: Optional[int]) -> List[_core.CachingAllocator]:
     return [pool for i, pool in made.items() if index is None or i == index]
 
 
-_api.pools_beside = _shared_pools_made
+# unimem.accelerator's functions on XPU show and manage them too.
+show_pools_beside("xpu", PoolsBeside(SHARED_STATS_PREFIX, _shared_pools_made))
 
 
 def memory_stats(device: DeviceLike = None) -> "collections.OrderedDict[str, Any]":
-    stats = _api.memory_stats(device)
-    shared = _used_shared_pool(_api._index(device))
-    if shared is None:
-        return stats
-    stats.update((SHARED_STATS_PREFIX + key, value) for key, value in shared.memory_stats().items())
-    return collections.OrderedDict(sorted(stats.items()))
+    return _api.memory_stats(device)
 
 
 memory_stats.__doc__ = (_api.memory_stats.__doc__ or "") + """

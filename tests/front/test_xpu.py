@@ -250,6 +250,27 @@ def test_the_reset_functions_and_empty_cache_reach_the_shared_pools_statistics(x
     del s
 
 
+def test_the_accelerators_functions_on_xpu_reach_the_shared_pools_too(xpu, dpnp):
+    """torch.accelerator's functions are torch.xpu's on XPU; unimem.accelerator
+    made its own memory functions for XPU, which left the shared USM pools
+    out of empty_cache, the reset functions and memory_stats."""
+    acc = unimem.accelerator
+    if str(acc.current_accelerator()) != "xpu":
+        pytest.skip("XPU is not the current accelerator")
+    s = xpu.ones(1 << 20, usm_type="shared")
+    del s
+    xpu.synchronize()
+    assert acc.memory_stats()["usm_shared.reserved_bytes.all.current"] > 0
+    acc.reset_peak_memory_stats()
+    acc.reset_accumulated_memory_stats()
+    acc.empty_cache()
+    stats = xpu.memory_stats()
+    assert stats["usm_shared.reserved_bytes.all.current"] == 0
+    assert stats["usm_shared.allocated_bytes.all.peak"] == 0
+    assert stats["usm_shared.allocation.all.allocated"] == 0
+    assert acc.memory_stats() == xpu.memory_stats()
+
+
 def test_out_of_memory_names_the_usm_kind(xpu):
     """The pinned pool's out-of-memory error said "XPU out of memory ... host 0"
     (the device's words for host memory); shared USM's said the same."""

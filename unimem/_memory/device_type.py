@@ -2,10 +2,31 @@
 allocators, and the device functions (``is_available``, ``set_device``...)."""
 from __future__ import annotations
 
-from typing import Callable, List, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional
 
 from .. import _core
 from .._runtime.devices import DEVICE_POOLS, DeviceLike, DeviceType, device_index, get_type, is_negative_index
+
+
+@dataclass(frozen=True)
+class PoolsBeside:
+    """Pools whose statistics a device type's ``memory_stats`` shows beside
+    each device's own, under ``prefix`` (XPU: a device's shared USM pool);
+    the reset functions and ``empty_cache`` reach them too. ``made(index)``:
+    those made so far for device ``index``, or for every device with None."""
+
+    prefix: str
+    made: Callable[[Optional[int]], List[_core.CachingAllocator]]
+
+
+_POOLS_BESIDE: Dict[str, PoolsBeside] = {}
+
+
+def show_pools_beside(type_name: str, pools: PoolsBeside) -> None:
+    """Have every memory API of ``type_name`` (its namespace's and
+    ``unimem.accelerator``'s) show and manage ``pools`` beside its devices'."""
+    _POOLS_BESIDE[type_name] = pools
 
 
 class DeviceTypeAPI:
@@ -15,10 +36,19 @@ class DeviceTypeAPI:
     def __init__(self, type_name: str) -> None:
         self.type_name = type_name
         self.pool = DEVICE_POOLS[type_name]
-        # The pools made so far whose statistics memory_stats shows beside a
-        # device's own (XPU: its shared USM pool), for a device index or, for
-        # None, every device: the reset functions and empty_cache reach them too.
-        self.pools_beside: Callable[[Optional[int]], List[_core.CachingAllocator]] = lambda index: []
+
+    def pools_beside(self, index: Optional[int]) -> List[_core.CachingAllocator]:
+        """The pools shown beside device ``index``'s (every device's for None): :class:`PoolsBeside`."""
+        beside = _POOLS_BESIDE.get(self.type_name)
+        return beside.made(index) if beside is not None else []
+
+    def stats_beside(self, device: DeviceLike) -> Dict[str, Any]:
+        """The statistics of the pools beside ``device``'s, their keys prefixed."""
+        beside = _POOLS_BESIDE.get(self.type_name)
+        if beside is None:
+            return {}
+        return {beside.prefix + key: value for pool in beside.made(self._index(device))
+                for key, value in pool.memory_stats().items()}
 
     # -- plumbing ---------------------------------------------------------
     def _type(self) -> DeviceType:

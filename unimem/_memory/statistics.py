@@ -89,6 +89,14 @@ class StatisticsAPI(DeviceTypeAPI):
         device type has no device; after that, a device not used yet has
         every statistic at 0.
         """
+        stats = self._device_memory_stats(device)
+        beside = self.stats_beside(device)
+        if not beside:
+            return stats
+        stats.update(beside)
+        return collections.OrderedDict(sorted(stats.items()))
+
+    def _device_memory_stats(self, device: DeviceLike) -> "collections.OrderedDict[str, Any]":
         allocator = self._existing_if_available(device)
         if allocator is not None:
             return allocator.memory_stats()
