@@ -1073,8 +1073,6 @@ cdef class CachingAllocator:
         cdef Block* b
         cdef StreamPools* sp
         check = getattr(self.backend, "check_stream", None)
-        if check is not None:
-            check(s, self.device)
         self._lock()
         try:
             b = <Block*>um_find(&self.active, p)
@@ -1086,6 +1084,15 @@ cdef class CachingAllocator:
                 for i in range(b.stream_uses.size()):
                     if b.stream_uses[0][i] == s:
                         return
+            # Asked with the lock held, once the record will happen: the
+            # backend's hold on the stream begins in the order of the table's
+            # changes (see _tell_backend_dropped_streams), and a refused call
+            # leaves no hold behind. check_stream does not wait.
+            if check is not None:
+                check(s, self.device)
+                b = <Block*>um_find(&self.active, p)     # it ran Python: a finalizer may have freed it
+                if b == NULL:
+                    raise ValueError(f"pointer {p:#x} is not a live allocation of this allocator")
             # The stream's table entry counts its uses, so that it is not
             # dropped (nor the backend told) while a block may need an event on it.
             sp = self._stream_pools(s)

@@ -79,3 +79,44 @@ def test_dpnp_alone_keeps_none_either(dpnp, dpctl):
     dpctl.utils.SequentialOrderManager.clear()
     gc.collect()
     assert live_test_queues(dpctl) == 0
+
+
+def test_a_queue_released_while_its_segment_is_still_being_given_back_is_let_go_of_later(xpu, dpctl):
+    """empty_cache drops a queue's stream with its last segment, then gives the
+    segment's memory back outside the lock; another thread's free told the
+    backend of the drop in between, the runtime still saw memory on the queue,
+    took it for "in use again" and forgot the release: the queue and its handle
+    stayed taken for good (a few in every 25 tries). It stays a candidate now,
+    let go of once its memory is gone."""
+    import threading
+
+    from unimem.backends import xpu as xpu_backend
+    runtime = xpu_backend._SyclRuntime.get()
+    pool = xpu.allocator_for("device")
+    device = xpu.default_queue().sycl_device
+    keep = pool.malloc(512)                 # the default stream keeps a segment: the other thread's frees are quick
+    handles = []
+    try:
+        for _ in range(100):
+            queue = dpctl.SyclQueue(device, property="in_order")
+            handle = xpu.stream_handle(queue)
+            handles.append(handle)
+            pool.free(pool.malloc(8 << 20, handle))      # a segment of the queue's own, cached
+            stop = threading.Event()
+
+            def churn():
+                while not stop.is_set():
+                    pool.free(pool.malloc(512))
+            thread = threading.Thread(target=churn)
+            thread.start()
+            pool.empty_cache(stream=handle)              # gives the segment back: the stream is dropped
+            stop.set()
+            thread.join()
+            del queue
+            gc.collect()
+    finally:
+        pool.free(keep)
+    pool.empty_cache()
+    gc.collect()
+    held = [handle for handle in set(handles) if runtime.queues[handle] is not None]
+    assert held == [], f"queues dropped by the caller and still held: {held}"

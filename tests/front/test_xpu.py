@@ -123,12 +123,14 @@ __kernel void spin(__global volatile int* gate) {
 
 
 class Gate:
-    """Work on a queue that stays pending until the test opens the gate."""
+    """Work on a queue that stays pending until the test opens the gate. Its
+    flag lives on ``flag_queue`` (``queue`` by default): a gate that must not
+    keep ``queue`` alive puts it on another."""
 
-    def __init__(self, dpctl, queue):
+    def __init__(self, dpctl, queue, flag_queue=None):
         import dpctl.memory as dpm
         import dpctl.program as dpp
-        self.flag = dpm.MemoryUSMShared(8, queue=queue)
+        self.flag = dpm.MemoryUSMShared(8, queue=flag_queue or queue)
         self.flag.copy_from_host(bytearray(8))
         kernel = dpp.create_program_from_source(queue, SPIN).get_sycl_kernel("spin")
         self.event = queue.submit_async(kernel, [self.flag], [1])
@@ -136,6 +138,44 @@ class Gate:
     def open(self):
         ctypes.c_int.from_address(self.flag._pointer).value = 1
         self.event.wait()
+
+
+def test_a_queue_named_again_before_its_release_was_told_keeps_its_handle(xpu, dpctl):
+    """A stream the pool dropped (the last use of queue Q ended) and named again
+    (record_stream on Q) before the backend was told of the drop: the late
+    release let go of Q's hold while a live block was recorded on it; once the
+    caller dropped Q, its handle went to a new queue, the block's event was
+    recorded on that idle queue, and the block was reused while Q's kernel
+    still ran. A release is now told only for a stream still out of the table."""
+    from unimem.backends import xpu as xpu_backend
+    runtime = xpu_backend._SyclRuntime.get()
+    pool = xpu.allocator_for("device")
+    device = xpu.default_queue().sycl_device
+    queue = dpctl.SyclQueue(device, property="in_order")
+    handle = xpu.stream_handle(queue)
+    x = xpu.empty(4096, dtype="u1")
+    y = xpu.empty(4096, dtype="u1")
+    ptr = block_of(y)
+    xpu.record_stream(x, queue)
+    del x                                          # the stream use ends: the stream is dropped, not yet told
+    gc.collect()
+    xpu.record_stream(y, queue)                    # named again
+    gate = Gate(dpctl, queue, xpu.default_queue())  # and busy (the gate does not hold the queue)
+    try:
+        pool.empty_cache()                         # tells the backend what was dropped
+        del queue
+        gc.collect()
+        other = dpctl.SyclQueue(device, property="in_order")
+        assert xpu.stream_handle(other) != handle, "the busy queue's handle went to another queue"
+        assert runtime.queues[handle] is not None
+        del y
+        gc.collect()
+        pool.process_events()
+        state = {b["address"]: b["state"] for s in pool.snapshot() for b in s["blocks"]}
+        assert state.get(ptr) == "active_pending_free", state.get(ptr)
+        assert ptr not in [block_of(xpu.empty(4096, dtype="u1")) for _ in range(3)]
+    finally:
+        gate.open()
 
 
 def test_blocks_are_reused_only_on_their_own_queue(xpu, dpctl):

@@ -87,13 +87,21 @@ class Backend(Protocol):
     # Without asynchronous work, memory is reusable at once: the defaults.
     def check_stream(self, stream: int, device: int) -> None:
         """Raise ``ValueError`` if ``stream`` names no stream of ``device``.
-        Called by ``record_stream``, so that a bad handle is refused there and
-        not at the free, which could then never happen; absent: every handle is taken."""
+        Called by ``record_stream`` (with the allocator's lock held: it must
+        not wait), so that a bad handle is refused there and not at the free,
+        which could then never happen; absent: every handle is taken."""
 
     def release_stream(self, stream: int, device: int) -> None:
         """The allocator keeps nothing for ``stream`` any more (no segment, no
         pending event): the backend may let go of what it holds for it.
-        Called by the core; absent: nothing to do."""
+        Called by the core with its lock held, in the order of its own
+        changes (so it must not wait: let go in
+        :meth:`sweep_released_streams`); absent: nothing to do."""
+
+    def sweep_released_streams(self) -> None:
+        """Let go of what was held for the streams released so far. Called by
+        the core after its lock, following one or more ``release_stream``;
+        absent: nothing to do."""
 
     def record_event(self, stream: int, device: int) -> Any:
         """Mark the current end of the work queued on ``stream``. Called by

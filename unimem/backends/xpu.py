@@ -185,14 +185,21 @@ class _SyclRuntime:
                 self.handles[queue] = handle
         return handle
 
-    def release(self, handle: int) -> None:
+    def release(self, handle: int, sweep: bool = True) -> None:
         """The core keeps nothing for stream ``handle`` any more: let go of
         its queue once no allocation is left on it and nothing but this table
-        refers to it (so no caller is about to allocate on it)."""
+        refers to it (so no caller is about to allocate on it). Without
+        ``sweep`` it is only noted (the core's lock is held): :meth:`sweep`."""
         if handle <= 0:
             return
         self.released.add(handle)
-        self._sweep_unless_locked()
+        if sweep:
+            self._sweep_unless_locked()
+
+    def sweep(self) -> None:
+        """Let go of the released queues nothing uses any more."""
+        if self.released:
+            self._sweep_unless_locked()
 
     def _sweep_after_collection(self, phase: str, info: Dict[str, int]) -> None:
         """``gc.callbacks``: drop the released queues nothing else holds any
@@ -218,10 +225,14 @@ class _SyclRuntime:
             if queue is None:
                 self.released.discard(handle)
                 continue
-            if any(raw.allocations_on(handle) for raw in self.raw_allocators) or any(
-                    handle in names for names in self.named_streams):
-                # in use again: the core tells us when it lets go once more
+            if any(handle in names for names in self.named_streams):
+                # named again (record_stream): the core tells us when it lets go once more
                 self.released.discard(handle)
+                continue
+            if any(raw.allocations_on(handle) for raw in self.raw_allocators):
+                # memory still on it: a segment the core let go of and is giving
+                # back now (or one of a pool made again): a candidate still,
+                # for a later sweep (the collector's callback below)
                 continue
             if not self._only_this_table_holds(queue):
                 continue
@@ -356,9 +367,14 @@ class XPUBackend(Backend):
 
     def release_stream(self, stream: int, device: int) -> None:
         """The core keeps nothing for ``stream`` any more on ``device``: its
-        queue may be let go of (see :meth:`_SyclRuntime.release`)."""
+        queue may be let go of (see :meth:`_SyclRuntime.release`), at
+        :meth:`sweep_released_streams` (the core's lock is held here)."""
         self._named_streams.discard(stream)
-        self.runtime.release(stream)
+        self.runtime.release(stream, sweep=False)
+
+    def sweep_released_streams(self) -> None:
+        """Let go of the queues of released streams that nothing uses any more."""
+        self.runtime.sweep()
 
     def synchronize(self, device: int) -> None:
         """Wait on the default queue of ``device`` and on every other queue of
