@@ -120,3 +120,23 @@ def test_a_queue_released_while_its_segment_is_still_being_given_back_is_let_go_
     gc.collect()
     held = [handle for handle in set(handles) if runtime.queues[handle] is not None]
     assert held == [], f"queues dropped by the caller and still held: {held}"
+
+
+def test_a_refused_record_stream_keeps_no_queue(xpu, dpctl):
+    """record_stream on an address that is no live block is refused, but the
+    backend had already named the queue (and its handle was made for the
+    call): the queue stayed held for good once the caller dropped it."""
+    from unimem.backends import xpu as xpu_backend
+    runtime = xpu_backend._SyclRuntime.get()
+    pool = xpu.allocator_for("device")
+    device = xpu.default_queue().sycl_device
+    freed = pool.malloc(4096)
+    pool.free(freed)
+    queue = dpctl.SyclQueue(device, property="in_order")
+    handle = xpu.stream_handle(queue)
+    with pytest.raises(ValueError, match="not a live allocation"):
+        pool.record_stream(freed, handle)
+    assert not any(handle in names for names in runtime.named_streams)
+    del queue
+    gc.collect()
+    assert runtime.queues[handle] is None, "the queue of a refused record_stream is still held"

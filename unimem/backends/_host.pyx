@@ -204,6 +204,9 @@ cdef class PageAlignedBackend:
     def release_stream(self, stream, device):
         pass
 
+    def sweep_released_streams(self):
+        pass
+
     def release_event(self, event):
         pass
 

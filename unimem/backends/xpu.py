@@ -183,6 +183,11 @@ class _SyclRuntime:
                 self.queues[handle] = queue
                 self.handle_devices[handle] = device
                 self.handles[queue] = handle
+                # A candidate for letting go of until the core uses it (memory
+                # on it, or record_stream naming it): a handle asked for and
+                # never used (a refused record_stream) must not keep its queue.
+                self.released.add(handle)
+                self._sweep_after_collections()
         return handle
 
     def release(self, handle: int, sweep: bool = True) -> None:
@@ -238,6 +243,11 @@ class _SyclRuntime:
                 continue
             del queue
             self._drop_queue(handle)
+        self._sweep_after_collections()
+
+    def _sweep_after_collections(self) -> None:
+        """While queues wait to be let go of, sweep after each collection
+        (the last other holder of one may go at any time)."""
         if self.released and not self.sweeping_after_collections:
             self.sweeping_after_collections = True
             gc.callbacks.append(self._sweep_after_collection)
