@@ -532,14 +532,6 @@ def synchronize(device: Any = None) -> None:
 SHARED_STATS_PREFIX = "usm_shared."
 
 
-def _used_shared_pool(index: int) -> Optional[_core.CachingAllocator]:
-    """Device ``index``'s shared USM pool, if it has served an allocation."""
-    if _shared_registry is None:
-        return None
-    pool = _shared_registry.initialized().get(index)
-    return pool if pool is not None and pool.memory_stats() else None
-
-
 def _shared_pools_made(index: Optional[int]) -> List[_core.CachingAllocator]:
     """The shared USM pools made so far: device ``index``'s, or every device's for None."""
     made = _shared_registry.initialized() if _shared_registry is not None else {}
@@ -568,9 +560,7 @@ def memory_summary(device: DeviceLike = None, abbreviated: bool = False) -> str:
     # The pools beside the device's: a table each once it has held memory
     # (a pool that was only set up prints none, not a table of zeros).
     beside: list[Tuple[Dict[str, Any], str, int]] = []
-    shared = _used_shared_pool(index)
-    if shared is not None:
-        beside.append((shared.memory_stats(), "XPU shared USM", index))
+    beside += [(shared.memory_stats(), "XPU shared USM", index) for shared in _shared_pools_made(index)]
     pinned = host._existing()
     if host.backend_name() == "sycl" and pinned is not None:
         beside.append((pinned.memory_stats(), "XPU host USM", 0))
