@@ -96,6 +96,11 @@ cdef class CachingAllocator:
     # How many times this thread holds the (recursive) lock: segments are
     # given back outside it only when it is held once.
     cdef int lock_depth
+    # The alloc/free pair of one size without the free index (_core_pair.pxi):
+    # the block the last cache hit split off, while nothing else has happened
+    # since; and that block once freed, its merge with the rest put off.
+    cdef Block* last_split
+    cdef Block* unmerged
 
     # debug mode: free memory is filled and checked on reuse
     cdef bint debug_on
@@ -115,6 +120,7 @@ cdef class CachingAllocator:
     cdef object __weakref__
 
     cdef inline void _lock(self) noexcept
+    cdef inline void _lock_hot(self) noexcept
     cdef inline void _unlock(self) noexcept nogil
     cdef inline size_t _round_size(self, size_t size) noexcept nogil
     cdef inline bint _should_split(self, Block* b, size_t size) noexcept nogil
@@ -142,6 +148,9 @@ cdef class CachingAllocator:
     cdef void _free_block(self, Block* b) noexcept nogil
     cdef inline int _reserve_class(self, Block* b) noexcept nogil
     cdef inline int _free_fast(self, uintptr_t ptr, bint by_handle) noexcept nogil
+    cdef inline Block* _hand_out(self, Block* block, size_t orig_size, bint by_handle) noexcept nogil
+    cdef inline void _account_free_merge(self, bint is_small, int64_t net_blocks, int64_t net_bytes,
+                                         size_t original_size, size_t requested) noexcept nogil
     cdef inline void _account_free_request(self, Block* b) noexcept nogil
     cdef int _flush_trace(self) except -1
     cdef object _out_of_memory(self, object requested, object tried=*)

@@ -86,6 +86,7 @@ cdef unsigned char debug_fill_page[4096]
 memset(debug_fill_page, DEBUG_FILL, 4096)
 
 include "_core_free_index.pxi"
+include "_core_pair.pxi"
 include "_core_errors.pxi"
 include "_core_stats.pxi"
 include "_core_debug.pxi"
@@ -210,6 +211,8 @@ cdef class CachingAllocator:
         # and the device runtime may already be shutting down).
         # Asleep, memory given back stays so (the address ranges with it):
         # waking up could fail, and the allocator is going.
+        if self.unmerged != NULL:      # a whole segment must look whole (_core_pair.pxi)
+            _merge_deferred(self)
         if self.poisoned or _interpreter_exiting() or self.sleep_states:
             return
         cdef Segment* seg = self.segments
@@ -276,6 +279,17 @@ cdef class CachingAllocator:
     # Backend calls that may block (returning memory) run outside the lock.
     # ------------------------------------------------------------------
     cdef inline void _lock(self) noexcept:
+        """Take the lock for anything but the pair of one size: a merge put
+        off is done first, and the next free of the last split block is an
+        ordinary one (_core_pair.pxi)."""
+        self._lock_hot()
+        self.last_split = NULL
+        if self.unmerged != NULL:
+            _merge_deferred(self)
+
+    cdef inline void _lock_hot(self) noexcept:
+        """Take the lock for c_malloc and c_free, whose cache hits look at
+        the unmerged block themselves."""
         if not self.lock.try_lock():
             with nogil:
                 self.lock.lock()
@@ -431,6 +445,13 @@ cdef class CachingAllocator:
             if already_split and not (self.expandable and block.segment.expandable):
                 pool_decrease(st, S_INACTIVE_SPLIT_BYTES, is_small, block.size)
                 pool_decrease(st, S_INACTIVE_SPLIT, is_small, 1)
+        return self._hand_out(block, orig_size, by_handle)
+
+    cdef inline Block* _hand_out(self, Block* block, size_t orig_size, bint by_handle) noexcept nogil:
+        """The end of _alloc_found_block: ``block`` (its size final) becomes
+        live, and the statistics count it. The active map has room (reserved)."""
+        cdef DeviceStats* st = &self.stats
+        cdef bint is_small = block.is_small
         block.allocated = True
         block.by_handle = by_handle
         block.requested_size = orig_size
@@ -472,13 +493,22 @@ cdef class CachingAllocator:
         cdef bint is_small = size <= K_SMALL_SIZE
         cdef FreeIndex* fi = self._pool(stream, is_small)
         status[0] = 0
+        if self.unmerged != NULL:             # the pair of one size (_core_pair.pxi)
+            if self.unmerged.size == size and self.unmerged.index == fi:
+                return _split_again(self, orig_size, by_handle, status)
+            _merge_deferred(self)
         if fi == NULL or self._reserve_for_alloc(fi) != 0:
+            self.last_split = NULL
             status[0] = -1
             return NULL
         cdef Block* b = self._get_free_block(fi, size)
         if b == NULL:
+            self.last_split = NULL
             return NULL
-        return self._alloc_found_block(b, fi, size, orig_size, by_handle)
+        cdef size_t whole = b.size
+        b = self._alloc_found_block(b, fi, size, orig_size, by_handle)
+        self.last_split = b if b.size != whole and _may_defer_merge(self) else NULL
+        return b
 
     cdef inline void _trace(self, int action, uintptr_t addr, size_t size, uintptr_t stream) noexcept nogil:
         cdef TraceEvent ev
@@ -733,6 +763,14 @@ cdef class CachingAllocator:
             net_bytes += <int64_t>b.size
         if self.expandable and b.segment.expandable:   # PyTorch leaves expandable blocks out of
             net_blocks = net_bytes = 0                 # inactive_split (a MemPool's segments are plain)
+        self._account_free_merge(is_small, net_blocks, net_bytes, original_size, requested)
+
+    cdef inline void _account_free_merge(self, bint is_small, int64_t net_blocks, int64_t net_bytes,
+                                         size_t original_size, size_t requested) noexcept nogil:
+        """The statistics of a free: ``net_blocks``/``net_bytes`` change the
+        inactive split pieces (merges and the block itself), and the freed
+        block of ``original_size`` bytes (``requested`` asked) is no longer active."""
+        cdef DeviceStats* st = &self.stats
         if net_blocks > 0:
             pool_increase(st, S_INACTIVE_SPLIT, is_small, net_blocks)
         elif net_blocks < 0:
@@ -755,6 +793,8 @@ cdef class CachingAllocator:
         pointer; 2: the block needs the slow path (stream events); 3: no host
         memory for the bookkeeping; 4: the block belongs to an Allocation and
         this is not it (or the reverse). Lock held."""
+        if self.unmerged != NULL:
+            _merge_deferred(self)
         cdef size_t slot = um_find_slot(&self.active, ptr)
         if slot > self.active.mask:
             return 1
@@ -762,11 +802,17 @@ cdef class CachingAllocator:
         if b.by_handle != by_handle:
             return 4
         if b.stream_uses != NULL:
+            self.last_split = NULL
             return 2
         if self._reserve_class(b) != 0:
+            self.last_split = NULL
             return 3
         um_erase_slot(&self.active, slot)
         self._account_free_request(b)
+        if _merge_can_wait(self, b):           # the pair of one size (_core_pair.pxi)
+            _free_unmerged(self, b)
+            return 0
+        self.last_split = NULL
         self._free_block(b)
         return 0
 
@@ -848,7 +894,7 @@ cdef class CachingAllocator:
             routed = self._before_unusual_malloc(size, stream, by_handle)
             if routed != 0:
                 return routed
-        self._lock()
+        self._lock_hot()
         b = self._malloc_cached(size, stream, by_handle, &status)
         if b == NULL:
             return self._malloc_miss(size, stream, by_handle, status)
@@ -928,7 +974,7 @@ cdef class CachingAllocator:
                 return 0
             self.lock_depth += 1
         else:
-            self._lock()
+            self._lock_hot()
         rc = self._free_fast(ptr, by_handle)
         if rc == 2 or rc == 3:
             rc = self._free_slow(ptr, rc)
