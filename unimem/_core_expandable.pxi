@@ -581,37 +581,3 @@ cdef bint _expandable_teardown(CachingAllocator self, Segment* seg):
     except BaseException as exc:
         _report_unraisable(exc, "unimem allocator teardown")
     return True
-
-
-cdef list _expandable_snapshot(CachingAllocator self, Segment* seg):
-    """PyTorch reports an expandable segment as one segment per run of
-    mapped blocks (unmapped spans are not memory), with is_expandable."""
-    cdef Block* b = seg.head
-    out = []
-    while b != NULL:
-        if b.unmapped:
-            b = b.next
-            continue
-        blocks = []
-        allocated_size = active_size = requested_size = 0
-        address = b.ptr
-        while b != NULL and not b.unmapped:
-            state = _block_state(b)
-            blocks.append({"address": b.ptr, "size": b.size, "requested_size": b.requested_size,
-                           "state": state, "frames": []})
-            if b.allocated:
-                allocated_size += b.size
-            if state != "inactive":
-                active_size += b.size
-                requested_size += b.requested_size
-            b = b.next
-        out.append({
-            "device": self.device, "address": address,
-            "total_size": sum(block["size"] for block in blocks),
-            "allocated_size": allocated_size, "active_size": active_size,
-            "requested_size": requested_size, "stream": seg.stream,
-            "segment_type": "small" if seg.is_small else "large",
-            "segment_pool_id": (0, 0), "is_expandable": True,
-            "frames": [], "blocks": blocks,
-        })
-    return out

@@ -545,14 +545,21 @@ def _snapshot_awake(CachingAllocator self, pool_id=None):
     counts their segments. A free block the sleep holds is "inactive" (free:
     active_bytes leaves it out), not waiting on a stream."""
     cdef size_t i
+    cdef uint64_t only = _pool_id_number(pool_id)
+    cdef vector[SnapshotSegment] copied_segments
+    cdef vector[SnapshotBlock] copied_blocks
+    cdef vector[uintptr_t] held_blocks
+    # Copied in one hold of the lock, Python objects made after (_core_stats.pxi).
     self._lock()
-    try:
-        segments = _snapshot_segments(self, pool_id)
-        released = sorted((span.address, span.address + span.size) for state in self.sleep_states.values()
-                          for span in state.spans if span.released)
-        held = {self.sleep_held[i].ptr for i in range(self.sleep_held.size())}
-    finally:
-        self._unlock()
+    _copy_segments(self, only, &copied_segments, &copied_blocks)
+    for i in range(self.sleep_held.size()):
+        held_blocks.push_back(self.sleep_held[i].ptr)
+    states = list(self.sleep_states.values())
+    self._unlock()
+    segments = _segments_of_copy(self, &copied_segments, &copied_blocks)
+    released = sorted((span.address, span.address + span.size) for state in states
+                      for span in state.spans if span.released)
+    held = set(held_blocks)
     if not released and not held:
         return segments
     starts = [start for start, _ in released]

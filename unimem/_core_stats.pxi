@@ -83,70 +83,158 @@ cdef object _duration_dict(DurationStat d):
             "avg": d.total // d.count if d.count else 0}
 
 
-cdef str _block_state(Block* b):
+# A snapshot is copied into these plain records under the lock, and its
+# Python objects are made after: making them can run the garbage collector,
+# whose finalizers may free blocks or empty the cache of this allocator on
+# this thread (the lock is recursive), under a walk of its raw pointers.
+cdef struct SnapshotSegment:
+    uintptr_t address
+    size_t total_size
+    uintptr_t stream
+    uint64_t pool_id
+    bint is_small
+    bint expandable
+    size_t first_block                 # its blocks in the copy's block list
+    size_t n_blocks
+
+cdef struct SnapshotBlock:
+    uintptr_t address
+    size_t size
+    size_t requested_size
+    int state                          # an index into _BLOCK_STATES
+
+
+_BLOCK_STATES = ("inactive", "active_allocated", "active_pending_free")
+
+
+cdef inline int _block_state(Block* b) noexcept nogil:
     if b.allocated:
-        return "active_allocated"
+        return 1
     if b.event_count > 0 or b.stream_uses != NULL:
-        return "active_pending_free"
-    return "inactive"
+        return 2
+    return 0
+
+
+cdef void _copy_blocks(vector[SnapshotSegment]* segments, vector[SnapshotBlock]* blocks,
+                       SnapshotSegment entry, Block* b, Block* end) noexcept nogil:
+    """Copy the blocks from ``b`` up to ``end`` (exclusive) as one segment entry."""
+    cdef SnapshotBlock copy
+    entry.first_block = blocks.size()
+    entry.n_blocks = 0
+    while b != end:
+        copy.address = b.ptr
+        copy.size = b.size
+        copy.requested_size = b.requested_size
+        copy.state = _block_state(b)
+        blocks.push_back(copy)
+        entry.n_blocks += 1
+        b = b.next
+    segments.push_back(entry)
+
+
+cdef void _copy_segments(CachingAllocator self, uint64_t only, vector[SnapshotSegment]* segments,
+                         vector[SnapshotBlock]* blocks) noexcept nogil:
+    """The segments (only private pool ``only``'s unless 0) and their blocks,
+    copied. Lock held. PyTorch reports an expandable segment as one segment
+    per run of mapped blocks (unmapped spans are not memory)."""
+    cdef Segment* seg = self.segments
+    cdef SnapshotSegment entry
+    cdef Block* b
+    cdef Block* run
+    while seg != NULL:
+        if only == 0 or (seg.pool != NULL and seg.pool.id == only):
+            entry.stream = seg.stream
+            entry.is_small = seg.is_small
+            entry.expandable = seg.expandable
+            entry.pool_id = seg.pool.id if seg.pool != NULL else 0
+            if not seg.expandable:
+                entry.address = seg.base
+                entry.total_size = seg.size
+                _copy_blocks(segments, blocks, entry, seg.head, NULL)
+            else:
+                entry.pool_id = 0
+                b = seg.head
+                while b != NULL:
+                    if b.unmapped:
+                        b = b.next
+                        continue
+                    run = b
+                    entry.address = b.ptr
+                    entry.total_size = 0
+                    while b != NULL and not b.unmapped:
+                        entry.total_size += b.size
+                        b = b.next
+                    _copy_blocks(segments, blocks, entry, run, b)
+        seg = seg.next_seg
+
+
+cdef list _segments_of_copy(CachingAllocator self, vector[SnapshotSegment]* segments,
+                            vector[SnapshotBlock]* blocks):
+    """The copy in PyTorch's snapshot layout, sorted by address."""
+    cdef SnapshotSegment seg
+    cdef SnapshotBlock b
+    cdef size_t i, j
+    out = []
+    for i in range(segments.size()):
+        seg = segments[0][i]
+        listed = []
+        allocated_size = active_size = requested_size = 0
+        for j in range(seg.first_block, seg.first_block + seg.n_blocks):
+            b = blocks[0][j]
+            listed.append({"address": b.address, "size": b.size, "requested_size": b.requested_size,
+                           "state": _BLOCK_STATES[b.state], "frames": []})
+            if b.state == 1:
+                allocated_size += b.size
+            if b.state != 0:                # as PyTorch: what waits on a stream counts
+                active_size += b.size
+                requested_size += b.requested_size
+        out.append({
+            "device": self.device, "address": seg.address, "total_size": seg.total_size,
+            "allocated_size": allocated_size, "active_size": active_size,
+            "requested_size": requested_size, "stream": seg.stream,
+            "segment_type": "small" if seg.is_small else "large",
+            "segment_pool_id": (0, seg.pool_id),
+            "is_expandable": bool(seg.expandable),
+            "frames": [], "blocks": listed,
+        })
+    out.sort(key=lambda s: s["address"])
+    return out
 
 
 def _snapshot_segments(CachingAllocator self, pool_id=None):
     """The segments and their blocks, in PyTorch's snapshot layout (sorted by
     address); only private pool ``pool_id``'s when given ((0, 0): all)."""
-    cdef Segment* seg
-    cdef Block* b
     cdef uint64_t only = _pool_id_number(pool_id)
-    segments = []
+    cdef vector[SnapshotSegment] segments
+    cdef vector[SnapshotBlock] blocks
     self._lock()
-    try:
-        seg = self.segments
-        while seg != NULL:
-            if only != 0 and (seg.pool == NULL or seg.pool.id != only):
-                seg = seg.next_seg
-                continue
-            if seg.expandable:
-                segments.extend(_expandable_snapshot(self, seg))
-                seg = seg.next_seg
-                continue
-            blocks = []
-            allocated_size = active_size = requested_size = 0
-            b = seg.head
-            while b != NULL:
-                state = _block_state(b)
-                blocks.append({"address": b.ptr, "size": b.size,
-                               "requested_size": b.requested_size,
-                               "state": state, "frames": []})
-                if b.allocated:
-                    allocated_size += b.size
-                if state != "inactive":     # as PyTorch: what waits on a stream counts
-                    active_size += b.size
-                    requested_size += b.requested_size
-                b = b.next
-            segments.append({
-                "device": self.device, "address": seg.base, "total_size": seg.size,
-                "allocated_size": allocated_size, "active_size": active_size,
-                "requested_size": requested_size, "stream": seg.stream,
-                "segment_type": "small" if seg.is_small else "large",
-                "segment_pool_id": (0, seg.pool.id if seg.pool != NULL else 0),
-                "is_expandable": False,
-                "frames": [], "blocks": blocks,
-            })
-            seg = seg.next_seg
-    finally:
-        self._unlock()
-    segments.sort(key=lambda s: s["address"])
-    return segments
+    _copy_segments(self, only, &segments, &blocks)
+    self._unlock()
+    return _segments_of_copy(self, &segments, &blocks)
+
+
+cdef struct LiveBlock:
+    uintptr_t address
+    size_t size
+    size_t requested_size
+    uintptr_t stream
 
 
 def _live_allocations(CachingAllocator self):
+    """Every live block: address -> (size, requested size, stream), copied
+    under the lock and made into Python objects after it (see above)."""
     cdef size_t i
     cdef Block* b
-    out = {}
+    cdef LiveBlock copy
+    cdef vector[LiveBlock] live
     self._lock()
     for i in range(self.active.mask + 1):
         if self.active.keys[i] != 0:
             b = <Block*>self.active.vals[i]
-            out[b.ptr] = (b.size, b.requested_size, b.stream)
+            copy.address = b.ptr
+            copy.size = b.size
+            copy.requested_size = b.requested_size
+            copy.stream = b.stream
+            live.push_back(copy)
     self._unlock()
-    return out
+    return {c.address: (c.size, c.requested_size, c.stream) for c in live}
