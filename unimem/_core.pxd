@@ -17,6 +17,7 @@ from unimem._native.stats cimport DeviceStats, TraceEvent
 cdef extern from "csupport.hpp" nogil:
     cppclass UMLock:
         bint try_lock()
+        bint held_here()
         bint lock_for(int64_t timeout_ns)
         void lock()
         void unlock()

@@ -843,8 +843,14 @@ cdef class CachingAllocator:
         (waited for without the GIL): with several threads, batches reach the
         hook in the order they were taken, so the history keeps the order of
         the allocator's own operations. Nothing of it runs while no hook is
-        installed (recording is False)."""
-        if self.trace_buffer.empty():
+        installed (recording is False).
+
+        Not while this thread holds the lock (a free or an allocation made
+        by Python that a backend call under the lock ran): the hook's
+        delivery is taken before the lock, never after it (a thread
+        delivering waits for the lock; one holding it must not wait for the
+        delivery). Those events go with the outer call's."""
+        if self.trace_buffer.empty() or self.lock.held_here():
             return 0
         cdef vector[TraceEvent] events
         with self.trace_delivery:

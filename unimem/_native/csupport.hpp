@@ -64,6 +64,10 @@ struct UMLock {
         }
         return false;
     }
+    // Whether the calling thread holds the lock (at any depth).
+    bool held_here() const {
+        return owner.load(std::memory_order_relaxed) == self();
+    }
     bool try_lock_if_free() {
         return word.load(std::memory_order_relaxed) == 0 && try_lock();
     }
