@@ -563,6 +563,13 @@ cdef class CachingAllocator:
             sys_free(seg)
             block_delete(&self.slab, b)
             return NULL
+        if self.sleeping or (pool != NULL and pool.sleeping):
+            # The backend's Python put the allocator (or the pool) to sleep:
+            # the new memory goes back, and the request is refused.
+            sys_free(seg)
+            block_delete(&self.slab, b)
+            _backend_free(self, ptr, alloc_size, stream, False, _pool_free_fn(self, pool))
+            _refuse_if_asleep(self, pool)
         # Looked up only now: a Python backend may have run finalizers that
         # dropped the stream's (then empty) pools during the call.
         cdef StreamPools* sp = self._stream_pools(stream) if pool == NULL else _pool_segment_tables(self, pool, stream)

@@ -188,3 +188,42 @@ def test_two_threads_waking_the_device_at_once():
     assert not allocator.is_sleeping() and allocator.memory_reserved() == reserved
     allocator._check_invariants()
     allocator.free(ptr)
+
+
+@forward_to_inner({"malloc", "_raw_api"})
+class _SleepingInMalloc(Backend):
+    """The cpu pool's backend with its malloc through Python, which may run
+    a callback first (as a finalizer run there would)."""
+    _raw_api = None
+
+    def __init__(self):
+        self.inner = PageAlignedBackend()
+        self.before_malloc = None
+
+    def malloc(self, size, device=0, stream=0):
+        callback, self.before_malloc = self.before_malloc, None
+        if callback is not None:
+            callback()
+        return self.inner.malloc(size, device, stream)
+
+
+def test_a_sleep_made_by_the_backends_malloc_refuses_the_request():
+    """sleep() run by Python inside the backend call of a cache miss: the
+    request is refused and its new memory given back, as any request is while
+    asleep, and reserved memory reads 0 until wake_up."""
+    backend = _SleepingInMalloc()
+    allocator = _core.CachingAllocator(backend, 0)
+    kept = allocator.malloc(1000)
+    ctypes.memset(kept, 7, 1000)
+    backend.before_malloc = allocator.sleep
+    with pytest.raises(RuntimeError, match="asleep"):
+        allocator.malloc(30 * MiB)
+    assert allocator.is_sleeping()
+    assert allocator.memory_reserved() == 0
+    assert allocator.memory_stats()["allocation.all.current"] == 1
+    allocator.wake_up()
+    allocator._check_invariants()
+    assert ctypes.string_at(kept, 4) == b"\x07" * 4
+    allocator.free(kept)
+    allocator.empty_cache()
+    assert allocator.memory_reserved() == 0
