@@ -31,7 +31,8 @@ ensure_opencl_cpu_runtime()
 from . import accelerator, cpu, host  # noqa: E402
 from ._runtime import devices as _devices  # noqa: E402
 from ._runtime import fork as _fork  # noqa: E402,F401  (the package's one fork handler)
-from ._core import Allocation, CachingAllocator, InvalidDeviceError, OutOfMemoryError, WriteAfterFreeWarning  # noqa: E402
+from ._core import (Allocation, CachingAllocator, InvalidDeviceError, InvalidPointerError,  # noqa: E402
+                    OutOfMemoryError, WriteAfterFreeWarning)
 from ._observe.history import (attach_out_of_memory_observer, attach_out_of_memory_stats_observer,  # noqa: E402
                                detach_out_of_memory_observer, detach_out_of_memory_stats_observer)
 from ._integrations.install import install_allocators, installed_allocators, uninstall_allocators  # noqa: E402
@@ -45,7 +46,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "accelerator", "cpu", "host", "xpu", "cuda", "device",
-    "InvalidDeviceError", "OutOfMemoryError", "WriteAfterFreeWarning",
+    "InvalidDeviceError", "InvalidPointerError", "OutOfMemoryError", "WriteAfterFreeWarning",
     "CachingAllocator", "Allocation", "Backend", "PluggableAllocator",
     "change_current_allocator", "attach_out_of_memory_observer", "detach_out_of_memory_observer",
     "attach_out_of_memory_stats_observer", "detach_out_of_memory_stats_observer",

@@ -1031,7 +1031,7 @@ cdef class CachingAllocator:
     cdef int _refuse_free(self, uintptr_t ptr, int rc) except -1:
         """c_free's error for what _try_free would not free (``rc`` 1 or 4)."""
         if rc == 1:
-            raise ValueError(
+            raise InvalidPointerError(
                 f"pointer {ptr:#x} was not allocated by this {self.device_name} "
                 f"allocator (device {self.device}), or was already freed")
         if rc == 4:

@@ -9,6 +9,13 @@ class InvalidDeviceError(ValueError, RuntimeError):
     ``except RuntimeError`` written for PyTorch catches it."""
 
 
+class InvalidPointerError(ValueError, RuntimeError):
+    """Freeing an address the allocator does not hold (never allocated by
+    it, freed already, or inside a block). A ``ValueError``, as unimem's
+    other bad arguments, and a ``RuntimeError``, as PyTorch's "invalid device
+    pointer" is: ``except RuntimeError`` written for PyTorch catches it."""
+
+
 class WriteAfterFreeWarning(RuntimeWarning):
     """Debug mode (``UNIMEM_DEBUG=1``) found memory changed after it was
     freed: something wrote through a pointer it no longer owned."""

@@ -24,7 +24,8 @@ class ConfigurationAPI(DeviceTypeAPI):
         memory error in allocator.
 
         Args:
-            fraction(float): Range: 0~1. Allowed memory equals total_memory * fraction.
+            fraction(float): Range: 0~1 (on XPU, as in ``torch.xpu``: above 0,
+                up to 1). Allowed memory equals total_memory * fraction.
             device (int, str or device, optional): selected device. If it is
                 ``None`` the default device is used.
         """
@@ -34,6 +35,8 @@ class ConfigurationAPI(DeviceTypeAPI):
         if not isinstance(fraction, float):
             raise TypeError("Invalid type for fraction argument, must be `float`")
         fraction = check_fraction(fraction)
+        if fraction == 0.0 and dtype.name == "xpu":     # torch.xpu's XPUCachingAllocator: (0, 1]
+            raise ValueError(f"invalid fraction:{fraction:g}. Please set within (0, 1].")
         dtype.allocator(index).set_memory_fraction(fraction)
 
     def get_per_process_memory_fraction(self, device: DeviceLike = None) -> float:

@@ -79,6 +79,10 @@ class MemPool:
         dtype = get_type(self._type_name) if self._type_name is not None else current_type()
         index = dtype.current_index()
         core = dtype.allocator(index)
+        if allocator is not None and not all(callable(getattr(allocator, name, None)) for name in ("malloc", "free")):
+            # Refused before an id is taken, as PyTorch's argument conversion
+            # refuses before the pool's constructor counts one.
+            raise TypeError(f"a pool's allocator needs malloc and free methods, got {type(allocator).__name__}")
         pool_id = _new_pool_id()
         core.create_pool(pool_id, allocator, use_on_oom, no_split)
         self._id = pool_id
@@ -182,9 +186,10 @@ def _snapshot_filter(mempool_id: Optional[Tuple[int, int]]) -> Optional[Tuple[in
     """The pool a snapshot is limited to (None: every segment)."""
     if mempool_id is None:
         return None
-    if not (isinstance(mempool_id, tuple) and len(mempool_id) == 2
+    if not (isinstance(mempool_id, (tuple, list)) and len(mempool_id) == 2
             and all(isinstance(part, int) and not isinstance(part, bool) for part in mempool_id)):
         raise TypeError(f"mempool_id must be a tuple of two ints (a MemPool's id), got {mempool_id!r}")
+    mempool_id = tuple(mempool_id)        # a list too (a JSON round trip), as torch only indexes it
     if not all(0 <= part < 1 << 64 for part in mempool_id):      # PyTorch's ids are unsigned
         raise ValueError(f"{mempool_id!r} is not the id of a memory pool (two ints from 0 to 2**64 - 1)")
     return None if mempool_id == (0, 0) else mempool_id

@@ -20,7 +20,7 @@ from unimem._native.stats cimport S_ALLOCATED_BYTES, pool_current
 import threading
 import weakref
 
-from unimem._core import HANDLE_OWNED_MESSAGE, InvalidDeviceError
+from unimem._core import HANDLE_OWNED_MESSAGE, InvalidDeviceError, InvalidPointerError
 
 
 # Per-thread current device index, one slot per live device registry; the
@@ -237,7 +237,7 @@ cdef class DeviceRegistry:
             return 0
         if rc == 4:
             raise ValueError(HANDLE_OWNED_MESSAGE.format(p))
-        raise ValueError(f"pointer {p:#x} was not allocated by the unimem "
+        raise InvalidPointerError(f"pointer {p:#x} was not allocated by the unimem "
                          f"{self.device_type} allocator, or was already freed")
 
     def find_owner(self, ptr):

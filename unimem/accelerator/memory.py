@@ -338,15 +338,17 @@ def _record_memory_history(enabled: Optional[Literal["state", "all"]] = "all", *
     _current()[1]._record_memory_history(enabled, *args, **kwargs)
 
 
-def _snapshot(device: DeviceLike = None) -> Dict[str, Any]:
+def _snapshot(device: DeviceLike = None, augment_with_fx_traces: bool = False) -> Dict[str, Any]:
     r"""Return a snapshot of the current accelerator's memory allocator state
-    (``segments`` and ``device_traces``, PyTorch's layout)."""
-    return _current()[1]._snapshot(device)
+    (``segments`` and ``device_traces``, PyTorch's layout).
+    ``augment_with_fx_traces`` (a bool) has no effect: unimem records no FX
+    graphs."""
+    return _current()[1]._snapshot(device, augment_with_fx_traces)
 
 
-def _dump_snapshot(filename: PathLike = "dump_snapshot.pickle") -> None:
+def _dump_snapshot(filename: PathLike = "dump_snapshot.pickle", augment_with_fx_traces: bool = False) -> None:
     r"""Save a pickled :func:`_snapshot` to a file (readable by pytorch.org/memory_viz)."""
-    _current()[1]._dump_snapshot(filename)
+    _current()[1]._dump_snapshot(filename, augment_with_fx_traces)
 
 
 def record_stream(memory: MemoryLike, stream: Any) -> None:

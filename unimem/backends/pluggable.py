@@ -55,6 +55,12 @@ class PluggableAllocator(Backend):
         self._live_ends: Dict[int, int] = {}
         self._live_lock = threading.Lock()
 
+    def allocator(self) -> "PluggableAllocator":
+        """What ``MemPool(allocator=...)`` takes: this allocator (PyTorch's
+        pluggable allocators hand their C allocator out so, and ported code
+        writes ``MemPool(allocator.allocator())``)."""
+        return self
+
     def malloc(self, size: int, device: int, stream: int) -> int:
         ptr = self.malloc_fn(size, device, stream)
         if type(ptr) is int and ptr > 0:       # what is no address, the allocator refuses itself
