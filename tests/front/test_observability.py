@@ -326,10 +326,15 @@ def test_recording_stops_and_bad_arguments_are_errors():
     unimem.cpu._record_memory_history(None)
     unimem.cpu.caching_allocator_delete(allocate_here(100))
     assert unimem.cpu._snapshot()["device_traces"][0] == []
-    for bad in (dict(enabled="yes"), dict(context="some"), dict(stacks="cpp"), dict(max_entries=-1),
-                dict(max_entries=1 << 64), dict(skip_actions=["teleport"])):
-        with pytest.raises(ValueError):
+    # Each is also the error PyTorch raises: its option checks a RuntimeError
+    # (TORCH_CHECK), its size_t conversion a TypeError (pybind11).
+    for bad, torchs in ((dict(enabled="yes"), RuntimeError), (dict(context="some"), RuntimeError),
+                        (dict(stacks="cpp"), RuntimeError), (dict(skip_actions=["teleport"]), RuntimeError),
+                        (dict(max_entries=-1), TypeError), (dict(max_entries=1 << 64), TypeError),
+                        (dict(max_entries="10"), TypeError)):
+        with pytest.raises(ValueError) as caught:
             unimem.cpu._record_memory_history(**bad)
+        assert isinstance(caught.value, torchs), bad
     for bad in (dict(skip_actions="alloc"), dict(skip_actions=[["alloc"]])):
         with pytest.raises(TypeError, match="skip_actions must be a list of action names"):
             unimem.cpu._record_memory_history(**bad)

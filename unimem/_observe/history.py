@@ -41,6 +41,18 @@ _MONOTONIC_TO_EPOCH_NS = time.time_ns() - time.monotonic_ns()
 Frame = Dict[str, Any]
 
 
+class HistoryOptionError(ValueError, RuntimeError):
+    """A ``_record_memory_history`` option (``enabled``, ``context``,
+    ``stacks``, ``skip_actions``) that names nothing: a ``ValueError``, as
+    unimem's other bad arguments, and the ``RuntimeError`` PyTorch's option
+    checks raise."""
+
+
+class HistoryArgumentTypeError(ValueError, TypeError):
+    """A ``max_entries`` that is no count: a ``ValueError``, and the
+    ``TypeError`` PyTorch's conversion to a ``size_t`` raises."""
+
+
 def is_unimem_code(filename: str) -> bool:
     """Whether ``filename`` is unimem's own code, left out of recorded stacks
     (its example programs are user code)."""
@@ -97,21 +109,21 @@ class History:
                         max_entries: int, skip_actions: Optional[List[str]]) -> frozenset:
         """The arguments of ``_record_memory_history`` checked; the actions to skip."""
         if enabled not in (None, "state", "all"):
-            raise ValueError(f"enabled must be None, 'state' or 'all', got {enabled!r}")
+            raise HistoryOptionError(f"enabled must be None, 'state' or 'all', got {enabled!r}")
         if context not in (None, "state", "alloc", "all"):
-            raise ValueError(f"context must be None, 'state', 'alloc' or 'all', got {context!r}")
+            raise HistoryOptionError(f"context must be None, 'state', 'alloc' or 'all', got {context!r}")
         if stacks not in ("python", "all"):
-            raise ValueError(f"stacks must be 'python' or 'all', got {stacks!r}")
+            raise HistoryOptionError(f"stacks must be 'python' or 'all', got {stacks!r}")
         if isinstance(max_entries, bool) or not isinstance(max_entries, int) or not 0 <= max_entries < 1 << 64:
             # PyTorch's max_entries is a size_t
-            raise ValueError(f"max_entries must be an int from 0 to 2**64 - 1, got {max_entries!r}")
+            raise HistoryArgumentTypeError(f"max_entries must be an int from 0 to 2**64 - 1, got {max_entries!r}")
         if (not isinstance(skip_actions, (list, tuple, set, frozenset, type(None)))
                 or not all(isinstance(action, str) for action in skip_actions or ())):
             raise TypeError(f"skip_actions must be a list of action names, got {skip_actions!r}")
         skip = frozenset(skip_actions or ())
         unknown = skip - set(ACTIONS) - {"snapshot"}
         if unknown:
-            raise ValueError(f"unknown actions in skip_actions: {sorted(unknown)}")
+            raise HistoryOptionError(f"unknown actions in skip_actions: {sorted(unknown)}")
         return skip
 
     def configure(self, enabled: Optional[str], context: Optional[str], stacks: str,
