@@ -21,6 +21,7 @@ raise ``RuntimeError`` naming the cause (``device_count()`` is 0).
 from __future__ import annotations
 
 import functools
+import operator
 import os
 import warnings
 import weakref
@@ -29,11 +30,12 @@ from typing import Any, Callable, Dict, Optional, Tuple
 from . import _core
 from ._runtime.registry import DeviceRegistry
 from ._runtime import devices as _devices
+from ._runtime.config import settings_from_env
 from ._runtime.devices import get_type, new_allocator
 from ._runtime.pools import Pool, PoolKind
 from ._memory_api import PUBLIC_CLASSES, PUBLIC_FUNCTIONS, MemoryAPI
 from .backends.base import Backend, forward_to_inner
-from .backends.cuda import CUDABackend, OnDevice, cuda_stream_of, stream_key
+from .backends.cuda import CUDABackend, OnDevice, _is_out_of_memory, cuda_stream_of, stream_key
 from .backends.shared_library import SharedLibraryAllocator
 # torch.cuda's pinned (host) memory statistics: unimem.host's pool, the same functions
 from .host import (host_memory_stats, host_memory_stats_as_nested_dict, reset_accumulated_host_memory_stats,
@@ -192,8 +194,13 @@ class _CupyAllocatorBackend(Backend):
         self._held: Dict[int, Any] = {}
 
     def malloc(self, size: int, device: int, stream: int) -> int:
-        with OnDevice(self.inner.runtime, device):   # as cupy.cuda.Device(device) does
-            pointer = self.raw_allocator(size)
+        try:
+            with OnDevice(self.inner.runtime, device):   # as cupy.cuda.Device(device) does
+                pointer = self.raw_allocator(size)
+        except Exception as error:
+            if _is_out_of_memory(error):   # cudaErrorMemoryAllocation: the core frees its cache and retries,
+                raise MemoryError(str(error)) from None    # as CuPy's pool does
+            raise
         self._held[pointer.ptr] = pointer
         return pointer.ptr
 
@@ -204,8 +211,45 @@ class _CupyAllocatorBackend(Backend):
 def _cupy_policy_allocator(pool: Pool, backend: Backend, index: int) -> _core.CachingAllocator:
     """An allocator for a pool of its own, with CuPy's segment policy (a miss
     takes a segment of just the rounded request), so that CuPy's numbers
-    (``total_bytes``, ``n_free_blocks``, ``set_limit``) hold."""
-    return new_allocator(pool, backend, index, exact_segments=True)
+    (``total_bytes``, ``n_free_blocks``, ``set_limit``) hold.
+    ``expandable_segments:True`` in ``UNIMEM_ALLOC_CONF`` is for the device's
+    own pools: a segment here is the request, which is not a growing range
+    (a CuPy raw allocator maps no pages), so the option is left out, and the
+    bound it brings by default with it."""
+    settings = settings_from_env()
+    options: Dict[str, Any] = {"exact_segments": True}
+    if settings.expandable_segments:
+        options.update(expandable_segments=False, max_reserved_ratio=settings.max_reserved_ratio or 0.0)
+    allocator = new_allocator(pool, backend, index, **options)
+    # CuPy's SingleDeviceMemoryPool starts with the limit CUPY_GPU_MEMORY_LIMIT
+    # asks for: bytes, or a percentage of the device's memory.
+    limit = os.environ.get("CUPY_GPU_MEMORY_LIMIT")
+    if limit is not None:
+        if limit.endswith("%"):
+            _set_limit(allocator, fraction=float(limit[:-1]) / 100.0)
+        else:
+            _set_limit(allocator, size=int(limit))
+    return allocator
+
+
+def _set_limit(allocator: _core.CachingAllocator, size: Optional[int] = None,
+               fraction: Optional[float] = None) -> None:
+    """CuPy's ``set_limit`` on one allocator: ``size`` bytes, or ``fraction``
+    of the device's memory; 0 (or neither) removes the limit."""
+    if size is not None and fraction is not None:
+        raise ValueError("size and fraction cannot be specified at one time")
+    if fraction is not None:
+        if not 0 <= fraction <= 1:
+            raise ValueError(f"memory limit fraction out of range: {fraction}")
+        _, total = allocator.backend.memory_info(allocator.device)
+        size = int(total * fraction)
+    if size is None:
+        size = 0
+    if not isinstance(size, bool) and hasattr(type(size), "__index__"):
+        size = operator.index(size)          # a NumPy integer too, as CuPy's size_t takes it
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        raise ValueError(f"memory limit size must be a non-negative int, got {size!r}")
+    allocator.set_memory_limit(size)
 
 
 def _own_pool(owner: "MemoryPool") -> Pool:
@@ -256,6 +300,11 @@ class MemoryPool:
             their statistics and PyTorch's policy) with :mod:`unimem.cuda`.
         backend: instead, any unimem backend (for tests: a simulated
             device), with the pool's own allocators as for ``allocator``.
+
+    A pool with allocators of its own starts with the limit
+    ``CUPY_GPU_MEMORY_LIMIT`` asks for (bytes, or ``"25%"`` of the device), as
+    CuPy's; the shared one is :mod:`unimem.cuda`'s, whose limit is
+    :func:`set_per_process_memory_fraction`'s.
     """
 
     def __init__(self, allocator: Any = None, *, backend: Optional[Backend] = None) -> None:
@@ -319,19 +368,7 @@ class MemoryPool:
     def set_limit(self, size: Optional[int] = None, fraction: Optional[float] = None) -> None:
         """Limit the bytes the pool may hold on the current device: ``size``
         in bytes, or ``fraction`` of the device's memory; 0 removes the limit."""
-        if size is not None and fraction is not None:
-            raise ValueError("size and fraction cannot be specified at one time")
-        allocator = self._current()
-        if fraction is not None:
-            if not 0 <= fraction <= 1:
-                raise ValueError(f"memory limit fraction out of range: {fraction}")
-            _, total = allocator.backend.memory_info(allocator.device)
-            size = int(total * fraction)
-        if size is None:
-            size = 0
-        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-            raise ValueError(f"memory limit size must be a non-negative int, got {size!r}")
-        allocator.set_memory_limit(size)
+        _set_limit(self._current(), size, fraction)
 
     def get_limit(self) -> int:
         """The limit in bytes on the current device (0: none)."""

@@ -288,6 +288,16 @@ def test_set_limit_size(any_pool):
         any_pool.set_limit(size=-1)
 
 
+def test_set_limit_takes_a_numpy_integer(any_pool):
+    """CuPy keeps the limit in a size_t, which any integer with __index__ fills."""
+    numpy = pytest.importorskip("numpy")
+    any_pool.set_limit(size=numpy.int64(4096))
+    assert any_pool.get_limit() == 4096 and type(any_pool.get_limit()) is int
+    with pytest.raises(ValueError):
+        any_pool.set_limit(size=numpy.int64(-1))
+    any_pool.set_limit(size=0)
+
+
 def test_set_limit_fraction(any_pool):
     """TestSingleDeviceMemoryPool.test_set_limit_fraction."""
     total = CAPACITY
@@ -419,3 +429,46 @@ def test_out_of_memory_error_keeps_its_class_when_pickled(any_pool):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         pickle.loads(pickle.dumps(again, protocol=0))      # every protocol
+
+
+def test_a_raw_allocators_out_of_memory_frees_the_cache_and_retries(fake):
+    """MemoryPool(allocator): a raw allocator that runs out raises CUDA's
+    cudaErrorMemoryAllocation (as cupy.cuda.malloc_managed does); the pool then
+    frees its cached blocks and tries again, and a request that still does not
+    fit is CuPy's OutOfMemoryError (SingleDeviceMemoryPool._try_malloc)."""
+    pool = ucuda.MemoryPool(raw_allocator_of(fake))
+    cached = pool.malloc(600 * MiB)
+    del cached
+    assert pool.free_bytes() == 600 * MiB
+    served = pool.malloc(700 * MiB)          # fits once the 600 MiB go back
+    assert pool.free_bytes() == 0
+    with pytest.raises(memory.OutOfMemoryError):
+        pool.malloc(800 * MiB)
+    del served
+    pool.free_all_blocks()
+    assert pool.total_bytes() == 0
+
+
+@pytest.mark.parametrize("setup", OWN_POOLS)
+def test_an_own_pool_leaves_expandable_segments_to_the_devices_pools(setup, fake, monkeypatch):
+    """UNIMEM_ALLOC_CONF=expandable_segments:True is for the device's pools: a
+    pool of its own keeps CuPy's policy (a segment is the rounded request)."""
+    monkeypatch.setenv("UNIMEM_ALLOC_CONF", "expandable_segments:True")
+    pool = make_pool(setup, fake)
+    held = pool.malloc(3 * MiB + 1)
+    assert pool.total_bytes() == 3 * MiB + UNIT
+    del held
+    pool.free_all_blocks()
+    assert pool.total_bytes() == 0
+
+
+@pytest.mark.parametrize("setup", OWN_POOLS)
+@pytest.mark.parametrize("limit, expected", [("67108864", 64 * MiB), ("25%", CAPACITY // 4)])
+def test_an_own_pool_starts_with_the_limit_of_cupy_gpu_memory_limit(setup, limit, expected, fake, monkeypatch):
+    """CuPy's SingleDeviceMemoryPool.__init__ calls set_limit(**_parse_limit_string())."""
+    monkeypatch.setenv("CUPY_GPU_MEMORY_LIMIT", limit)
+    pool = make_pool(setup, fake)
+    assert pool.get_limit() == expected
+    with pytest.raises(memory.OutOfMemoryError):
+        pool.malloc(expected + UNIT)
+    assert pool.total_bytes() == 0
