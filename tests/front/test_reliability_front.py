@@ -144,3 +144,13 @@ def test_a_lock_held_by_another_thread_at_fork_is_free_in_the_child(which):
     done = subprocess.run([sys.executable, "-c", FORK_WHILE_LOCKED, which], cwd=REPO_ROOT,
                           capture_output=True, text=True, timeout=90)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("made", [lambda: unimem.device("cpu"), lambda: unimem.device("xpu", 1),
+                                  lambda: unimem.device("cuda:0")], ids=["cpu", "xpu:1", "cuda:0"])
+def test_a_device_pickles_and_copies_as_torch_device_does(made):
+    import copy
+    import pickle
+    dev = made()
+    for again in (pickle.loads(pickle.dumps(dev)), copy.copy(dev), copy.deepcopy(dev)):
+        assert again == dev and type(again) is type(dev) and repr(again) == repr(dev)

@@ -19,7 +19,7 @@ import sys
 import threading
 import warnings
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from .. import _core
 from .registry import DeviceRegistry, set_current_registry_resolver, set_device_index_resolver
@@ -80,6 +80,11 @@ class device:
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("device is immutable")
+
+    def __reduce__(self) -> Tuple[type, Tuple[str, Optional[int]]]:
+        # pickle and copy rebuild it through __init__ (torch.device pickles; a
+        # Dask task may return one); their default sets the slots one by one.
+        return (device, (self.type, self.index))
 
     def __repr__(self) -> str:
         return f"device(type='{self.type}')" if self.index is None else \
