@@ -86,14 +86,18 @@ for i in range(300):
 gc.set_threshold(700)
 
 snapshots = []
+running = True
 def on_signal(signum, frame):     # "dump a snapshot on a signal"
     snapshots.append(c._snapshot())
-    signal.setitimer(signal.ITIMER_REAL, 0.0002)
+    if running:                   # not after the loop: a late one would outlive the script
+        signal.setitimer(signal.ITIMER_REAL, 0.0002)
 signal.signal(signal.SIGALRM, on_signal)
 signal.setitimer(signal.ITIMER_REAL, 0.0002)
 for i in range(30000):
     c.caching_allocator_delete(c.caching_allocator_alloc(4096))
+running = False
 signal.setitimer(signal.ITIMER_REAL, 0)
+signal.signal(signal.SIGALRM, signal.SIG_IGN)
 assert snapshots
 c._record_memory_history(None)
 print("PASSED")
