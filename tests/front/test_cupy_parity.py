@@ -472,3 +472,29 @@ def test_an_own_pool_starts_with_the_limit_of_cupy_gpu_memory_limit(setup, limit
     with pytest.raises(memory.OutOfMemoryError):
         pool.malloc(expected + UNIT)
     assert pool.total_bytes() == 0
+
+
+@pytest.mark.parametrize("setup", OWN_POOLS)
+def test_record_stream_keeps_a_block_of_an_own_pool_from_reuse(setup, fake):
+    """unimem.cuda.record_stream takes the memory of a pool with allocators
+    of its own (found through the unimem Allocation the PooledMemory holds),
+    and the block is not reused while the other stream's work may use it."""
+    pool = make_pool(setup, fake)
+    other = cupy.cuda.ExternalStream(0x5000)
+    pointer = pool.malloc(4096)
+    address = pointer.ptr
+    ucuda.record_stream(pointer, other)
+    del pointer
+    again = pool.malloc(4096)
+    assert again.ptr != address
+    with pytest.raises(ValueError, match="not a live block"):
+        ucuda.record_stream(0x7F00_0000_0000, other)
+
+
+def test_record_stream_refuses_a_block_of_another_device_type(fake):
+    """An Allocation of unimem.cpu's pool is no block of the cuda allocator."""
+    from unimem._runtime.devices import get_type
+    allocation = get_type("cpu").allocator(0).allocate(4096)
+    with pytest.raises(ValueError, match="not a live block"):
+        ucuda.record_stream(allocation, cupy.cuda.ExternalStream(0x5000))
+    allocation.release()

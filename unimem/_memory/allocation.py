@@ -2,11 +2,29 @@
 giving cached memory back (``empty_cache``, ``empty_virt_addr_cache``)."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
-from .._runtime.devices import DeviceLike, device_index
+from .. import _core
+from .._runtime.devices import DeviceLike, device_index, pool_of
 from .arguments import MemoryLike, record_stream_on_pools
 from .device_type import DeviceTypeAPI
+
+
+def _carried_allocation(memory: MemoryLike) -> Optional[_core.Allocation]:
+    """The unimem :class:`~unimem.Allocation` behind a memory object: itself,
+    a ``PooledMemory``'s, a ``MemoryPointer``'s memory's or a CuPy array's
+    data's; None for the rest (an address, a NumPy or dpnp array)."""
+    for _ in range(4):          # array -> MemoryPointer -> PooledMemory -> Allocation
+        if isinstance(memory, _core.Allocation):
+            return memory
+        for link in ("allocation", "mem", "data"):
+            found = getattr(memory, link, None)
+            if found is not None and not isinstance(found, (memoryview, int)):
+                memory = found
+                break
+        else:
+            return None
+    return None
 
 
 class AllocationAPI(DeviceTypeAPI):
@@ -57,7 +75,9 @@ class AllocationAPI(DeviceTypeAPI):
                 ``MemoryPointer`` or ``PooledMemory``, a dpctl ``MemoryUSM*``,
                 an :class:`unimem.Allocation`) or the address of a block, as
                 :func:`caching_allocator_alloc` returns. An empty array (no
-                memory) is left alone.
+                memory) is left alone. A memory object of a pool with
+                allocators of its own (``unimem.cuda.MemoryPool(allocator)``)
+                is found through the block it holds.
             stream: a stream of this device type (a CuPy or PyTorch stream or
                 a ``cudaStream_t`` as an int; a ``dpctl.SyclQueue``; an int
                 handle), or ``None`` for the current stream.
@@ -67,7 +87,20 @@ class AllocationAPI(DeviceTypeAPI):
         is recorded then.
         """
         registry = self._type().registry
-        record_stream_on_pools(memory, stream, [registry.find_owner],
+
+        def carried_owner(address: int) -> Optional[_core.CachingAllocator]:
+            # A block of a pool of its own (unimem.cuda.MemoryPool(allocator)),
+            # found through the unimem Allocation the memory object holds.
+            allocation = _carried_allocation(memory)
+            if allocation is None:
+                return None
+            owner = allocation.allocator
+            pool = pool_of(owner)
+            if pool is None or pool.device_type != self.type_name or not owner.owns(address):
+                return None
+            return owner
+
+        record_stream_on_pools(memory, stream, [registry.find_owner, carried_owner],
                                lambda owner: registry.stream_handle_of(stream, owner.device),
                                f"the {self.type_name} allocator")
 
