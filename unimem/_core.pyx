@@ -507,7 +507,10 @@ cdef class CachingAllocator:
             return NULL
         cdef size_t whole = b.size
         b = self._alloc_found_block(b, fi, size, orig_size, by_handle)
-        self.last_split = b if b.size != whole and _may_defer_merge(self) else NULL
+        # Only for a request of its own: one made by Python that a backend
+        # call runs under the lock (depth 2) is followed by the outer miss,
+        # which changes the index after it.
+        self.last_split = b if b.size != whole and self.lock_depth == 1 and _may_defer_merge(self) else NULL
         return b
 
     cdef inline void _trace(self, int action, uintptr_t addr, size_t size, uintptr_t stream) noexcept nogil:

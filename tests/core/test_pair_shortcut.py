@@ -152,3 +152,40 @@ def test_the_pair_on_another_stream_does_not_take_the_unmerged_block():
     assert core.snapshot()[0]["stream"] == 0
     assert len(core.snapshot()) == 2 and other != core.snapshot()[0]["address"]
     core.free(other)
+
+
+class _RunsPythonInMalloc(SimulatedBackend):
+    """A backend whose malloc runs a callback first, under the allocator's lock."""
+    callback = None
+
+    def malloc(self, size, device=0, stream=0):
+        callback, self.callback = self.callback, None
+        if callback is not None:
+            callback()
+        return super().malloc(size, device, stream)
+
+
+def _nested_hit_then_pair(shortcut):
+    """A cache hit made inside the backend call of an outer miss, whose new
+    segment then adds a smaller free block to the index; then that hit's
+    block is freed and its size asked for again."""
+    backend = _RunsPythonInMalloc(capacity=CAPACITY)
+    core = _core.CachingAllocator(backend, 0)
+    if not shortcut:
+        core.set_trace_hook(lambda events: None)
+    first, second, third = core.malloc(MiB), core.malloc(512 << 10), core.malloc(512 << 10)
+    nested = {}
+
+    def inside():
+        core.free(first)
+        core.free(second)                       # 1.5 MiB free
+        nested["ptr"] = core.malloc(4096)       # a hit at lock depth 2
+    backend.callback = inside
+    outer = core.malloc(MiB)                    # the miss: a new segment, 1 MiB of it free
+    core.free(nested["ptr"])
+    again = core.malloc(4096)                   # best fit: the new segment's 1 MiB
+    return again, dict(core.memory_stats()), _segments(core), (outer, third)
+
+
+def test_a_hit_made_inside_a_backend_call_is_not_taken_back_past_a_better_fit():
+    assert _nested_hit_then_pair(True)[:3] == _nested_hit_then_pair(False)[:3]
