@@ -206,15 +206,12 @@ def serving_cuda(runtime):
     from unimem._runtime import devices as _devices
     from unimem._runtime.devices import make_cuda_type
     saved = (_devices._types.get("cuda"), _devices._unavailable.get("cuda"))
-    _devices._types["cuda"] = make_cuda_type(runtime, current_stream_fn=runtime.current_stream)
+    _devices.install_type("cuda", make_cuda_type(runtime, current_stream_fn=runtime.current_stream))
     try:
         yield runtime
     finally:
         gc.collect()
-        if saved[0] is None:
-            _devices._types.pop("cuda", None)
-        else:
-            _devices._types["cuda"] = saved[0]
+        _devices.install_type("cuda", saved[0])
         if saved[1] is not None:
             _devices._unavailable["cuda"] = saved[1]
 

@@ -14,6 +14,7 @@ class DeviceRegistry:
     current_device_fn: Optional[Callable[[], int]]
     current_stream_fn: Optional[Callable[[int], int]]
     stream_handle_fn: Optional[Callable[[Any], int]]
+    retired: bool
     def __init__(self, device_type: str, device_count: int,
                  factory: Callable[[int], CachingAllocator], *,
                  current_device_fn: Optional[Callable[[], int]] = ...,

@@ -76,6 +76,10 @@ cdef class DeviceRegistry:
     cdef public object current_device_fn
     cdef public object current_stream_fn
     cdef public object stream_handle_fn
+    # Set when its device type left the front's table (replaced): the
+    # namespaces' fast functions, which keep the registry they found, then
+    # look the type up again (see NamespaceAllocFunctions).
+    cdef public bint retired
 
     def __cinit__(self, *args, **kwargs):
         self.slot = -1
