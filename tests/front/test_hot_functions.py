@@ -28,12 +28,14 @@ def allocated(name):
 
 
 @pytest.fixture
-def two_device_cpu(monkeypatch):
+def two_device_cpu():
     """``unimem.cpu`` on a simulated two-device backend (swapped into the live
-    device table, as change_current_allocator does)."""
+    device table, as change_current_allocator does, and back after)."""
     swapped = _devices.DeviceType("cpu", SimulatedBackend(capacity=1 << 30, devices=2, name="CPU"))
-    monkeypatch.setitem(_devices.types_by_name(), "cpu", swapped)
-    return swapped
+    previous = _devices.types_by_name().get("cpu")
+    _devices.install_type("cpu", swapped)
+    yield swapped
+    _devices.install_type("cpu", previous)
 
 
 @pytest.mark.parametrize("name", sorted(PAIRS))

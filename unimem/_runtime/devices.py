@@ -233,57 +233,10 @@ def pool_of(allocator: "_core.CachingAllocator") -> Optional[Pool]:
 # ---------------------------------------------------------------------------
 # The table of device types
 # ---------------------------------------------------------------------------
-class _TypeTable(Dict[str, DeviceType]):
-    """The device types by name. Whatever takes an entry out or replaces it
-    (change_current_allocator, a test's monkeypatch) marks the registry it
-    held ``retired``: the namespaces' fast functions keep the registry they
-    found until then (unimem/_runtime/registry_hot.pxi). Keys are interned:
-    those functions look their type up by a key that is then found without
-    comparing the strings (the name may come from UNIMEM_DEVICE)."""
-
-    def __setitem__(self, name: str, made: DeviceType) -> None:
-        old = self.get(name)
-        if old is not None and old is not made:
-            old.registry.retired = True
-        made.registry.retired = False
-        super().__setitem__(sys.intern(name), made)
-
-    def __delitem__(self, name: str) -> None:
-        old = self[name]
-        super().__delitem__(name)
-        old.registry.retired = True
-
-    def pop(self, name: str, *default: Any) -> Any:  # type: ignore[override]
-        if name in self:
-            self[name].registry.retired = True
-        return super().pop(name, *default)
-
-    def popitem(self) -> Tuple[str, DeviceType]:
-        name, made = super().popitem()
-        made.registry.retired = True
-        return name, made
-
-    def clear(self) -> None:
-        for made in self.values():
-            made.registry.retired = True
-        super().clear()
-
-    def setdefault(self, name: str, made: DeviceType) -> DeviceType:  # type: ignore[override]
-        if name not in self:
-            self[name] = made
-        return self[name]
-
-    def update(self, *args: Any, **kwargs: Any) -> None:
-        for name, made in dict(*args, **kwargs).items():
-            self[name] = made
-
-    def __ior__(self, other: Any) -> "_TypeTable":  # type: ignore[override]
-        self.update(other)
-        return self
-
-
 _lock = threading.RLock()
-_types: Dict[str, DeviceType] = _TypeTable()
+# Changed only through install_type, which retires the registry of the type
+# it replaces (see there).
+_types: Dict[str, DeviceType] = {}
 _unavailable: Dict[str, str] = {}      # type -> why it cannot be used
 _current: Optional[str] = None
 
@@ -380,12 +333,21 @@ def _probe(name: str) -> Optional[DeviceType]:
 
 
 def install_type(name: str, made: Optional[DeviceType]) -> None:
-    """Make ``made`` device type ``name`` (None: none); the type it replaces
-    has its registry retired (see _TypeTable)."""
+    """Make ``made`` device type ``name`` (None: none): the one way the table
+    of types changes. The type it replaces has its registry marked
+    ``retired``: the namespaces' fast functions keep the registry they found
+    until then (unimem/_runtime/registry_hot.pxi)."""
+    old = _types.get(name)
+    if old is not None and old is not made:
+        old.registry.retired = True
     if made is None:
         _types.pop(name, None)
-    else:
-        _types[name] = made
+        return
+    made.registry.retired = False
+    # Interned: those functions look their type up by this key, and an
+    # identical key is found without comparing the strings (the name may
+    # come from UNIMEM_DEVICE, made apart from theirs).
+    _types[sys.intern(name)] = made
 
 
 def get_type(name: str) -> DeviceType:

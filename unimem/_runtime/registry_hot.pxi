@@ -190,7 +190,7 @@ cdef class NamespaceAllocFunctions:
     instructions each, a quarter of the namespace's own cost)."""
     cdef PyMethodDef alloc_definition, delete_definition
     cdef bytes alloc_doc, delete_doc    # the definitions' docstrings, as C strings
-    cdef object types                  # devices._TypeTable (a dict subclass)
+    cdef dict types
     cdef str type_name
     cdef DeviceRegistry cached_registry
     cdef object checked_alloc, checked_delete
@@ -228,7 +228,7 @@ cdef object _namespace_delete(NamespaceAllocFunctions self, PyObject** args, Py_
     return PyObject_Vectorcall(self.checked_delete, args, <size_t>nargs, kwnames)
 
 
-def namespace_alloc_functions(types, str type_name, slow_alloc, slow_delete):
+def namespace_alloc_functions(dict types, str type_name, slow_alloc, slow_delete):
     """``caching_allocator_alloc`` and ``caching_allocator_delete`` for the
     namespace of device type ``type_name`` (``unimem.xpu``, ...): the device
     type is looked up in ``types`` (the front's live table) on every call, so
