@@ -296,14 +296,26 @@ def test_host_memory_stats_keys():
     assert host.backend_name() in ("cuda", "sycl", "page-aligned")
 
 
-def test_namespace_alloc_and_delete_follow_the_device_table(monkeypatch):
-    """unimem.cpu.caching_allocator_alloc/delete (typed in the core) look the
-    device type up on every call: a type swapped in is used at once, and a
-    device argument still goes through the checks."""
+@pytest.fixture
+def cpu_type_swapped():
+    """A two-device cpu type swapped into the device table (through
+    install_type, the one way the table changes, as change_current_allocator
+    does), and the type before put back after."""
     from unimem._runtime import devices as _devices
     from unimem.backends.simulated import SimulatedBackend
+    unimem.cpu.caching_allocator_delete(unimem.cpu.caching_allocator_alloc(1))   # the fast functions' registry found
     swapped = _devices.DeviceType("cpu", SimulatedBackend(capacity=1 << 30, devices=2, name="CPU"))
-    monkeypatch.setitem(_devices.types_by_name(), "cpu", swapped)
+    previous = _devices.types_by_name().get("cpu")
+    _devices.install_type("cpu", swapped)
+    yield swapped
+    _devices.install_type("cpu", previous)
+
+
+def test_namespace_alloc_and_delete_follow_the_device_table(cpu_type_swapped):
+    """unimem.cpu.caching_allocator_alloc/delete (typed in the core) follow
+    the device table: a type swapped in is used at the next call, and a
+    device argument still goes through the checks."""
+    swapped = cpu_type_swapped
     ptr = unimem.cpu.caching_allocator_alloc(1000)
     assert swapped.registry.peek(0).memory_stats()["allocated_bytes.all.current"] == 1024
     assert unimem.cpu.memory_allocated(0) == 1024
