@@ -722,7 +722,7 @@ cdef class CachingAllocator:
     # freeing
     # ------------------------------------------------------------------
     cdef size_t _try_merge(self, Block* dst, Block* src, FreeIndex* fi) noexcept nogil:
-        if src == NULL or src.allocated or src.event_count > 0 or src.stream_uses != NULL or src.unmapped:
+        if not block_mergeable(src):
             return 0
         fi_remove(fi, src)
         if dst.prev == src:

@@ -39,13 +39,9 @@ cdef inline bint _merge_can_wait(CachingAllocator self, Block* b) noexcept nogil
     """Whether freeing ``b`` may put its merge off: it is the block the last
     cache hit split off, nothing has happened since, and the free block after
     it (the rest of that split) is the only neighbour it merges with."""
-    if b != self.last_split or self.lock_depth > 1:
+    if b != self.last_split or self.lock_depth > 1:   # (depth > 1: never set there; a guard)
         return False
-    cdef Block* rest = b.next
-    cdef Block* before = b.prev
-    return (rest != NULL and not rest.allocated and rest.event_count == 0 and rest.stream_uses == NULL
-            and (before == NULL or before.allocated or before.event_count > 0
-                 or before.stream_uses != NULL or before.unmapped))
+    return block_mergeable(b.next) and not block_mergeable(b.prev)
 
 
 cdef inline void _free_unmerged(CachingAllocator self, Block* b) noexcept nogil:

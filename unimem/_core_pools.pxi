@@ -229,15 +229,23 @@ cdef Block* _take_from_oom_pools(CachingAllocator self, size_t size, uintptr_t s
 # ---------------------------------------------------------------------------
 # the Python-facing operations (CachingAllocator's methods call these)
 # ---------------------------------------------------------------------------
+def check_pool_allocator(backend):
+    """Refuse (TypeError) a private pool's allocator without callable
+    ``malloc`` and ``free``; None (the device's own backend) passes. MemPool
+    calls it before it takes an id, as PyTorch's argument conversion refuses
+    before the pool's constructor counts one."""
+    if backend is not None and not (callable(getattr(backend, "malloc", None))
+                                    and callable(getattr(backend, "free", None))):
+        raise TypeError(f"a pool's allocator needs malloc and free methods, got {type(backend).__name__}")
+
+
 cdef int _create_pool(CachingAllocator self, object pool_id, object backend, bint use_on_oom,
                       bint no_split) except -1:
     cdef uint64_t n = _pool_id_number(pool_id)
     cdef PrivatePool* pool
     if n == 0:
         raise ValueError("(0, 0) names the device's own pools, not a MemPool")
-    if backend is not None and not (callable(getattr(backend, "malloc", None))
-                                    and callable(getattr(backend, "free", None))):
-        raise TypeError(f"a pool's allocator needs malloc and free methods, got {type(backend).__name__}")
+    check_pool_allocator(backend)
     self._lock()
     try:
         if _find_pool(self, n) != NULL:

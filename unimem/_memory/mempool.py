@@ -79,10 +79,7 @@ class MemPool:
         dtype = get_type(self._type_name) if self._type_name is not None else current_type()
         index = dtype.current_index()
         core = dtype.allocator(index)
-        if allocator is not None and not all(callable(getattr(allocator, name, None)) for name in ("malloc", "free")):
-            # Refused before an id is taken, as PyTorch's argument conversion
-            # refuses before the pool's constructor counts one.
-            raise TypeError(f"a pool's allocator needs malloc and free methods, got {type(allocator).__name__}")
+        _core.check_pool_allocator(allocator)   # before an id is taken
         pool_id = _new_pool_id()
         core.create_pool(pool_id, allocator, use_on_oom, no_split)
         self._id = pool_id

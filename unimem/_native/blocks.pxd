@@ -86,6 +86,12 @@ cdef inline void block_delete(BlockSlab* slab, Block* b) noexcept nogil:
     b.next = slab.free_list
     slab.free_list = b
 
+cdef inline bint block_mergeable(Block* b) noexcept nogil:
+    """Whether a block being freed takes ``b``, its neighbour, in (PyTorch's
+    free_block): free, no stream events or uses pending, and mapped."""
+    return (b != NULL and not b.allocated and b.event_count == 0 and b.stream_uses == NULL
+            and not b.unmapped)
+
 cdef inline void slab_destroy(BlockSlab* slab) noexcept nogil:
     cdef Block* b = slab.free_list
     cdef Block* n
