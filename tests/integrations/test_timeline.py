@@ -9,17 +9,19 @@ from unimem._observe import timeline as timeline_module
 from unimem._observe.timeline import Timeline
 
 
-def snapshot_of(events, live_at_end=0):
-    """A snapshot with ``events`` as device 0's trace; ``live_at_end`` bytes
-    of a segment's blocks are active at the end."""
-    blocks = [{"address": 1, "size": live_at_end, "state": "active_allocated"}] if live_at_end else []
-    return {"segments": [{"device": 0, "address": 1, "total_size": live_at_end, "blocks": blocks}]
+def snapshot_of(events, live=()):
+    """A snapshot with ``events`` as device 0's trace; ``live``: the
+    (address, size) blocks of a segment still active at the end."""
+    blocks = [{"address": addr, "size": size, "state": "active_allocated"} for addr, size in live]
+    total = sum(size for _, size in live)
+    return {"segments": [{"device": 0, "address": min(a for a, _ in live), "total_size": total, "blocks": blocks}]
             if blocks else [], "device_traces": [events]}
 
 
 def random_trace(rng, n, before=0):
     """Allocations and frees in random order; ``before`` bytes allocated
-    before the recording, freed in the trace by two frees."""
+    before the recording, freed in the trace by two frees. Returns the
+    events and the (address, size) blocks live at the end."""
     events, live, t = [], [], 0
     pre = [(1 << 40, before // 2), ((1 << 40) + 4096, before - before // 2)] if before else []
     for _ in range(n):
@@ -34,8 +36,7 @@ def random_trace(rng, n, before=0):
             addr, size = 4096 * (len(events) + 1), rng.choice((512, 1024, 4096, 1 << 20))
             live.append((addr, size))
             events.append({"action": "alloc", "addr": addr, "size": size, "time_us": t, "frames": []})
-    still_before = sum(size for _, size in pre)
-    return events, sum(size for _, size in live) + still_before
+    return events, live + pre
 
 
 def reference_bottoms(events, base):
@@ -114,3 +115,34 @@ def test_the_largest_allocations_get_bands_first():
     tl = Timeline(snapshot_of(events), 0, tracked=10)
     sizes = sorted((b["size"] for b in tl.bands), reverse=True)
     assert sorted(b["size"] for b in tl.tracked_bands) == sorted(sizes[:10])
+
+
+def test_rounded_blocks_of_recorded_allocations_are_not_memory_from_before_the_recording():
+    """The trace records requests, the segments rounded blocks: 4,000 live
+    1-byte requests in 512-byte blocks, recorded from the first, counted
+    1,996 KiB of their rounding as allocated before the recording."""
+    events = [{"action": "alloc", "addr": 512 * (k + 1), "size": 1, "time_us": k, "frames": []}
+              for k in range(4000)]
+    before = [((1 << 30), 4096)]                       # one block from before the recording, still live
+    tl = Timeline(snapshot_of(events, [(512 * (k + 1), 512) for k in range(4000)] + before), 0)
+    assert tl.base_steps[0][1] == 4096
+    assert tl.peak[0] == 4096 + 4000
+
+
+def test_a_real_history_counts_only_what_was_live_before_it():
+    """The same through the allocator: 100 1-byte requests recorded, on top
+    of what the cpu pool already held (other tests' blocks, if any)."""
+    import unimem
+    api = unimem.cpu
+    held_before = api.memory_allocated()
+    api._record_memory_history(max_entries=10_000)
+    held = []
+    try:
+        held = [api.caching_allocator_alloc(1) for _ in range(100)]
+        tl = Timeline(api._snapshot(), 0)
+        assert tl.base_steps[0][1] == held_before
+        assert tl.peak[0] == held_before + 100
+    finally:
+        for p in held:
+            api.caching_allocator_delete(p)
+        api._record_memory_history(None)

@@ -92,6 +92,19 @@ def allocation_site(frames: List[Frame], read_source: bool = False) -> str:
     return f"{f['filename'].rsplit('/', 1)[-1]}:{f['line']} {source or f['name']}"
 
 
+def _live_from_before(segments: List[Dict[str, Any]], open_at_end: Dict[int, int]) -> int:
+    """Bytes still live at the end that the trace did not allocate: the
+    live blocks at no address of an allocation still open in the trace.
+    Block sizes are rounded and the trace's sizes are the requests, so the
+    difference of the two totals would count the rounding as memory from
+    before the recording. A snapshot whose blocks lack addresses falls back
+    to that difference."""
+    live = [b for s in segments for b in s["blocks"] if b["state"] != "inactive"]
+    if all("address" in b for b in live):
+        return sum(b["size"] for b in live if b["address"] not in open_at_end)
+    return max(sum(b["size"] for b in live) - sum(open_at_end.values()), 0)
+
+
 class Timeline:
     """The trace of one device, swept once: allocation lifetimes, their
     stacked positions over time, active and reserved memory after each
@@ -128,8 +141,7 @@ class Timeline:
                     del open_at_end[e["addr"]]
                 else:
                     freed_before.append((i, e["size"]))
-        final_active = sum(b["size"] for s in self.segments for b in s["blocks"] if b["state"] != "inactive")
-        base_end = max(final_active - sum(open_at_end.values()), 0)
+        base_end = _live_from_before(self.segments, open_at_end)
         base = base_end + sum(size for _, size in freed_before)
 
         # Which allocations get their own band (their bottom recorded as it
