@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional
 
 from .._core import format_size
-from .timeline import MiB, Timeline, allocation_site, band_polygon, pick_device
+from .timeline import MiB, Timeline, allocation_site, band_polygon, pick_device, shorten
 # The loader lives in snapshot_file; these names stay importable from here for existing callers.
 from .snapshot_file import SnapshotError, load_snapshot
 
@@ -46,17 +46,12 @@ def _site(frames: List[Dict[str, Any]], source_lines: bool = False) -> str:
     return allocation_site(frames, read_source=source_lines)
 
 
-MAX_LABEL = 120           # characters of a name drawn (a 200,000-character name took a minute)
-
-
 def _literal(text: str) -> str:
     """``text`` shown as it is: matplotlib reads text between two ``$`` as
     TeX, and a snapshot's names (files, functions, pools) may hold any; a
     file name Python could not decode (a lone surrogate, "caf\\udce9.py")
-    is drawn as its escape, and a long name cut to MAX_LABEL characters."""
-    if len(text) > MAX_LABEL:
-        text = text[:MAX_LABEL - 1] + "…"
-    return text.encode("utf-8", "backslashreplace").decode("utf-8").replace("$", r"\$")
+    is drawn as its escape, and a long name cut to MAX_NAME characters."""
+    return shorten(text).encode("utf-8", "backslashreplace").decode("utf-8").replace("$", r"\$")
 
 
 def plot_snapshot(snapshot: Dict[str, Any], output: str, device: Optional[int] = None,

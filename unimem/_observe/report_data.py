@@ -17,7 +17,7 @@ import numpy
 
 from .._core import format_size
 from .._runtime.pools import named_pools
-from .timeline import GROWS, MiB, NO_FRAMES, SHRINKS, Frame, Timeline, allocation_site, band_polygon
+from .timeline import GROWS, MiB, NO_FRAMES, SHRINKS, Frame, Timeline, allocation_site, band_polygon, shorten
 
 # A screen is a few thousand pixels wide: a line keeps at most four points
 # (first, lowest, highest, last) in each of this many slices of time, so that
@@ -58,7 +58,8 @@ def stack_text(frames: List[Frame], limit: int = STACK_FRAMES) -> str:
     """A recorded stack as hover text (HTML-escaped, one frame a line, innermost first)."""
     if not frames:
         return NO_FRAMES
-    lines = [html.escape(f"{f.get('name', '?')} ({f.get('filename', '?')}:{f.get('line', '?')})")
+    lines = [html.escape(f"{shorten(str(f.get('name', '?')))} "
+                         f"({shorten(str(f.get('filename', '?')))}:{f.get('line', '?')})")
              for f in frames[:limit]]
     if len(frames) > limit:
         lines.append(f"... {len(frames) - limit} more frames")
