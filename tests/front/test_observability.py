@@ -5,6 +5,7 @@ import pickle
 import subprocess
 import sys
 
+import numpy
 import pytest
 
 import unimem
@@ -631,3 +632,24 @@ def test_code_in_a_folder_named_like_the_package_is_user_code():
     assert is_unimem_code(os.path.join(package, "_observe", "history.py"))
     assert not is_unimem_code(package + "_experiments" + os.sep + "train.py")
     assert not is_unimem_code(os.path.join(package, "cli", "demo.py"))     # an example program
+
+
+@pytest.mark.parametrize("value", ["no", "False", [], [0]])
+def test_clear_history_takes_what_a_pybind11_bool_takes(value):
+    """A string or a list as clear_history was taken as its truth and
+    dropped the recorded history ("no" cleared it); PyTorch's pybind11
+    bool refuses them with a TypeError, and the history stays."""
+    unimem.cpu._record_memory_history(max_entries=100, clear_history=True)
+    try:
+        unimem.cpu.caching_allocator_delete(allocate_here(100))
+        kept = len(unimem.cpu._snapshot()["device_traces"][0])
+        with pytest.raises(TypeError, match="clear_history"):
+            unimem.cpu._record_memory_history(max_entries=100, clear_history=value)
+        with pytest.raises(TypeError, match="clear_history"):
+            unimem.cpu._record_memory_history(True, trace_alloc_max_entries=100, clear_history=value)
+        assert len(unimem.cpu._snapshot()["device_traces"][0]) == kept > 0
+        unimem.cpu._record_memory_history(max_entries=100, clear_history=None)    # None and numbers: as pybind11
+        unimem.cpu._record_memory_history(max_entries=100, clear_history=numpy.bool_(False))
+        assert len(unimem.cpu._snapshot()["device_traces"][0]) == kept
+    finally:
+        unimem.cpu._record_memory_history(None, clear_history=True)

@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Literal, Optional, Tuple
 
 from .._observe import history as _history
 from .._runtime.devices import DeviceLike
-from .arguments import check_bool
+from .arguments import check_bool, native_bool
 from .device_type import DeviceTypeAPI
 from .mempool import _snapshot_filter
 
@@ -149,6 +149,7 @@ class HistoryAPI(DeviceTypeAPI):
         """
         check_bool("compile_context", compile_context)
         check_bool("global_record_annotations", global_record_annotations)
+        clear_history = native_bool("clear_history", clear_history)   # a pybind11 bool in PyTorch
         _history.record_memory_history(self.pool, self._type().registry, enabled, context,
                                        stacks, max_entries, clear_history, skip_actions)
 
