@@ -566,3 +566,18 @@ def test_run_with_a_configuration_the_pools_refuse_stops_before_the_script(tmp_p
     assert "Traceback" not in done.stderr and "cannot serve arrays from unimem's pools" in done.stderr, done.stderr
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert not (tmp_path / "script.py.ran").exists()
+
+
+def test_a_script_that_allocates_nothing_is_reported_on_the_current_accelerator(tmp_path):
+    """With no pool used, the summary and statistics are the current
+    accelerator's (cpu here): the XPU pool that installing dpnp's allocator
+    makes, all zeros, was taken for a used one and reported instead."""
+    script = tmp_path / "nothing.py"
+    script.write_text("x = 1\n")
+    done = unimem_cli("stats", "--json", str(script), env={"UNIMEM_DEVICE": "cpu"})
+    assert done.returncode == 0, done.stderr
+    view = json.loads(done.stdout)
+    assert view["device"] == "cpu:0" and list(view["devices"]) == ["cpu:0"]
+    done = unimem_cli("run", str(script), env={"UNIMEM_DEVICE": "cpu"})
+    assert done.returncode == 0, done.stderr
+    assert "XPU memory summary" not in done.stdout

@@ -246,6 +246,14 @@ def _run_script(argv: List[str], install: bool, quiet_stdout: bool = False, sycl
 # ---------------------------------------------------------------------------
 # what the pools hold
 # ---------------------------------------------------------------------------
+def _has_served(stats: Dict[str, Any]) -> bool:
+    """Whether a pool with these statistics has served an allocation (or
+    still holds memory): an allocator made for the run (the XPU pool that
+    installing dpnp's allocator makes) has only zeros."""
+    return any(stats.get(key, 0) for key in ("allocation.all.allocated", "allocation.all.current",
+                                              "reserved_bytes.all.current"))
+
+
 def _pools_to_report(device: Optional[int]) -> List[Tuple[str, int]]:
     """``[(device type, index), ...]`` whose statistics to show: with
     ``--device``, that device of the current accelerator; otherwise every pool
@@ -264,7 +272,7 @@ def _pools_to_report(device: Optional[int]) -> List[Tuple[str, int]]:
     used = []
     for dtype in sorted(_devices.probed_types(), key=lambda t: t.name != current.name):
         for index, allocator in sorted(dtype.registry.initialized().items()):
-            if allocator.memory_stats():
+            if _has_served(allocator.memory_stats()):
                 used.append((dtype.name, index))
     return used or [(current.name, current.current_index())]
 
