@@ -29,6 +29,8 @@ from __future__ import annotations
 import asyncio
 import numbers
 import os
+import socket
+import threading
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 try:
@@ -142,14 +144,6 @@ class UnimemPlugin(WorkerPlugin):
         if device_type is not None and device_type not in _devices.KNOWN_TYPES:
             raise ValueError(f"device_type must be one of {', '.join(_devices.KNOWN_TYPES)}, got {device_type!r}")
         self.device_type = device_type
-        self._reset_worker_state()
-
-    def _reset_worker_state(self) -> None:
-        # What setup changed on this worker, for teardown to put back.
-        self._env_before: Optional[Tuple[bool, Optional[str]]] = None
-        self._installed: List[str] = []
-        self._device: Optional[Tuple[str, int]] = None
-        self._fraction_before: Optional[float] = None
 
     def __repr__(self) -> str:
         return (f"UnimemPlugin(alloc_conf={self.alloc_conf!r}, memory_fraction={self.memory_fraction!r}, "
@@ -157,65 +151,120 @@ class UnimemPlugin(WorkerPlugin):
 
     # -- on the worker ----------------------------------------------------
     def setup(self, worker: Any = None) -> None:
-        """Install unimem on this worker (Dask calls it on every worker)."""
-        self._reset_worker_state()
-        self._env_before = (ENV_VAR in os.environ, os.environ.get(ENV_VAR))
-        try:
-            if self.alloc_conf is not None:
-                os.environ[ENV_VAR] = self.alloc_conf
-            dtype = _devices.get_type(self.device_type) if self.device_type else _devices.current_type()
-            self._refuse_other_settings(dtype)
-            before = set(installed_allocators())
-            install_allocators()
-            self._installed = [name for name in installed_allocators() if name not in before]
-            index = dtype.current_index()
-            self._device = (dtype.name, index)
-            api = MemoryAPI(dtype.name)
-            if self.memory_fraction is not None:
-                self._fraction_before = api.get_per_process_memory_fraction(index)
-                api.set_per_process_memory_fraction(self.memory_fraction, index)
-            if self.pool_size:
-                fresh = not api.memory_reserved(index)
-                # Reserve by allocating and freeing: the segment stays cached.
-                ptr = dtype.registry.alloc(self.pool_size, index, None)
-                dtype.registry.delete(ptr)
-                if fresh:
-                    # The reservation is not the workload's: its peaks start here.
-                    api.reset_peak_memory_stats(index)
-        except BaseException:
-            self.teardown(worker)
-            raise
+        """Install unimem on this worker (Dask calls it on every worker).
 
-    def _refuse_other_settings(self, dtype: _devices.DeviceType) -> None:
-        if self.alloc_conf is None:
-            return
-        for index, allocator in dtype.registry.initialized().items():
-            differ = _settings_differ(allocator.settings, self._core_kwargs)
-            if differ:
-                raise RuntimeError(
-                    f"unimem: {dtype.name}:{index} on this worker already allocates with other options "
-                    f"({', '.join(differ)}); UNIMEM_ALLOC_CONF applies to new allocators only. "
-                    f"Register the plugin before the first allocation, or restart the workers.")
+        Workers that share a process (``LocalCluster(processes=False)``)
+        share its allocators and environment: the first one's setup changes
+        them, the others' only count, and they must ask for the same options."""
+        global _in_process
+        with _process_lock:
+            if _in_process is not None:
+                if _in_process.options != repr(self):
+                    raise RuntimeError(
+                        f"unimem: this process's workers already run {_in_process.options}; workers that "
+                        f"share a process share its allocators, so they cannot run {self!r}")
+                _in_process.workers.add(_worker_key(worker, self))
+                return
+            done = _ProcessSetup(repr(self))
+            try:
+                done.apply(self)
+            except BaseException:
+                done.undo()
+                raise
+            done.workers.add(_worker_key(worker, self))
+            _in_process = done
 
     def teardown(self, worker: Any = None) -> None:
-        """Undo :meth:`setup` on this worker."""
+        """Undo :meth:`setup` on this worker (in its process, once the last
+        worker there is torn down)."""
+        global _in_process
+        with _process_lock:
+            done = _in_process
+            if done is None or _worker_key(worker, self) not in done.workers:
+                return
+            done.workers.discard(_worker_key(worker, self))
+            if done.workers:
+                return
+            _in_process = None
+            done.undo()
+
+
+def _worker_key(worker: Any, plugin: UnimemPlugin) -> int:
+    """Which worker a setup or teardown is for (the plugin itself when Dask
+    passes none, as a direct call does)."""
+    return id(worker if worker is not None else plugin)
+
+
+class _ProcessSetup:
+    """What the plugin changed in this process, for the last teardown to put
+    back: the environment, the array libraries installed, the memory fraction,
+    and the device whose cache it emptied."""
+
+    def __init__(self, options: str) -> None:
+        self.options = options
+        self.workers: set = set()
+        self.env_before: Optional[Tuple[bool, Optional[str]]] = None
+        self.installed: List[str] = []
+        self.device: Optional[Tuple[str, int]] = None
+        self.fraction_before: Optional[float] = None
+
+    def apply(self, plugin: UnimemPlugin) -> None:
+        self.env_before = (ENV_VAR in os.environ, os.environ.get(ENV_VAR))
+        if plugin.alloc_conf is not None:
+            os.environ[ENV_VAR] = plugin.alloc_conf
+        dtype = _devices.get_type(plugin.device_type) if plugin.device_type else _devices.current_type()
+        _refuse_other_settings(plugin, dtype)
+        before = set(installed_allocators())
+        install_allocators()
+        self.installed = [name for name in installed_allocators() if name not in before]
+        index = dtype.current_index()
+        self.device = (dtype.name, index)
+        api = MemoryAPI(dtype.name)
+        if plugin.memory_fraction is not None:
+            self.fraction_before = api.get_per_process_memory_fraction(index)
+            api.set_per_process_memory_fraction(plugin.memory_fraction, index)
+        if plugin.pool_size:
+            fresh = not api.memory_reserved(index)
+            # Reserve by allocating and freeing: the segment stays cached.
+            ptr = dtype.registry.alloc(plugin.pool_size, index, None)
+            dtype.registry.delete(ptr)
+            if fresh:
+                # The reservation is not the workload's: its peaks start here.
+                api.reset_peak_memory_stats(index)
+
+    def undo(self) -> None:
         try:
-            if self._installed:
-                uninstall_allocators(self._installed)
-            if self._device is not None:
-                type_name, index = self._device
+            if self.installed:
+                uninstall_allocators(self.installed)
+            if self.device is not None:
+                type_name, index = self.device
                 api = MemoryAPI(type_name)
-                if self._fraction_before is not None:
-                    api.set_per_process_memory_fraction(self._fraction_before, index)
+                if self.fraction_before is not None:
+                    api.set_per_process_memory_fraction(self.fraction_before, index)
                 api.empty_cache()
         finally:
-            if self._env_before is not None:
-                was_set, value = self._env_before
+            if self.env_before is not None:
+                was_set, value = self.env_before
                 if was_set:
                     os.environ[ENV_VAR] = value  # type: ignore[assignment]
                 else:
                     os.environ.pop(ENV_VAR, None)
-            self._reset_worker_state()
+
+
+def _refuse_other_settings(plugin: UnimemPlugin, dtype: _devices.DeviceType) -> None:
+    if plugin.alloc_conf is None:
+        return
+    for index, allocator in dtype.registry.initialized().items():
+        differ = _settings_differ(allocator.settings, plugin._core_kwargs)
+        if differ:
+            raise RuntimeError(
+                f"unimem: {dtype.name}:{index} on this worker already allocates with other options "
+                f"({', '.join(differ)}); UNIMEM_ALLOC_CONF applies to new allocators only. "
+                f"Register the plugin before the first allocation, or restart the workers.")
+
+
+_process_lock = threading.Lock()
+_in_process: Optional[_ProcessSetup] = None
 
 
 def worker_report(dask_worker: Any = None) -> Dict[str, Any]:
@@ -233,7 +282,8 @@ def worker_report(dask_worker: Any = None) -> Dict[str, Any]:
     if host.is_initialized():
         devices[HOST_POOL] = dict(host.host_memory_stats())
     plugins = getattr(dask_worker, "plugins", {})
-    return {"devices": devices, "installed": installed_allocators(), "plugin": PLUGIN_NAME in plugins}
+    return {"devices": devices, "installed": installed_allocators(), "plugin": PLUGIN_NAME in plugins,
+            "process": f"{socket.gethostname()}:{os.getpid()}"}
 
 
 def _gather(client: Client, workers: Optional[List[str]], timeout: float
@@ -318,10 +368,15 @@ def _summary_table(reports: Mapping[str, Mapping[str, Any]], missing: Mapping[st
     header = ("worker", "device") + tuple(title for title, _ in SUMMARY_COLUMNS)
     rows: List[Tuple[str, ...]] = []
     totals: Dict[str, List[int]] = {}
+    counted = set()      # workers that share a process share its pools: each pool counts once
     for address in sorted(reports):
         for device, stats in reports[address]["devices"].items():
             values = [int(stats.get(key, 0)) for _, key in SUMMARY_COLUMNS]
             rows.append((address, device, *(_core.format_size(v) for v in values[:-1]), str(values[-1])))
+            pool = (reports[address].get("process", address), device)
+            if pool in counted:
+                continue
+            counted.add(pool)
             kind = device.split(":")[0]
             sums = totals.setdefault(kind, [0] * len(values))
             for i, value in enumerate(values):

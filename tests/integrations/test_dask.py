@@ -358,3 +358,46 @@ def test_setup_refuses_other_options_on_an_allocator_already_in_use(monkeypatch)
 def test_uninstall_only_what_was_named():
     with pytest.raises(ValueError, match="unknown array libraries"):
         _install.uninstall_allocators(["numpy"])
+
+
+def test_workers_that_share_a_process_set_it_up_once_and_undo_it_once(monkeypatch):
+    """LocalCluster(processes=False) runs every worker in one process, on
+    one set of allocators: the second worker's setup saved the first one's
+    environment (so UNIMEM_ALLOC_CONF stayed set after unregistering), and
+    reserved pool_size again."""
+    monkeypatch.delenv("UNIMEM_ALLOC_CONF", raising=False)
+    unimem.cpu.empty_cache()
+    before = _process_state()
+    first, second = object(), object()
+    plugin = unimem_dask.UnimemPlugin("expandable_segments:False", pool_size=8 * MiB, device_type="cpu")
+    plugin.setup(first)
+    try:
+        reserved = _process_state()["reserved"]
+        unimem_dask.UnimemPlugin("expandable_segments:False", pool_size=8 * MiB, device_type="cpu").setup(second)
+        assert _process_state()["reserved"] == reserved
+        plugin.teardown(first)
+        assert _process_state()["env"] == "expandable_segments:False"     # the second worker still runs
+        with pytest.raises(RuntimeError, match="share its allocators"):
+            unimem_dask.UnimemPlugin("expandable_segments:False", device_type="cpu").setup(object())
+    finally:
+        plugin.teardown(first)
+        plugin.teardown(second)
+    assert _process_state() == before
+
+
+def test_an_in_process_cluster_counts_its_one_pool_once(monkeypatch):
+    monkeypatch.delenv("UNIMEM_ALLOC_CONF", raising=False)
+    unimem.cpu.empty_cache()
+    before = _process_state()
+    with LocalCluster(n_workers=2, processes=False, threads_per_worker=1, dashboard_address=":0") as local:
+        with Client(local) as client:
+            client.register_plugin(unimem_dask.UnimemPlugin(pool_size="4 MiB", device_type="cpu"))
+            assert os.environ.get("UNIMEM_ALLOC_CONF") is None
+            reports, _ = unimem_dask._gather(client, None, 10.0)
+            assert len(reports) == 2 and len({r["process"] for r in reports.values()}) == 1
+            reserved = unimem.cpu.memory_reserved(0)
+            total = next(line for line in unimem_dask.memory_summary(client).splitlines()
+                         if line.startswith("total (cpu)"))
+            assert total.split()[6:8] == _core.format_size(reserved).split()
+            client.unregister_worker_plugin(unimem_dask.PLUGIN_NAME)
+    assert _process_state() == before
