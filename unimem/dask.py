@@ -37,6 +37,7 @@ try:
     import pandas
     from dask.utils import parse_bytes
     from distributed import Client
+    from distributed.comm import resolve_address
     from distributed.diagnostics.plugin import WorkerPlugin
 except ImportError as exc:  # pragma: no cover - the message is the point
     raise ImportError("unimem.dask needs dask.distributed and pandas: pip install distributed pandas, "
@@ -424,5 +425,8 @@ def memory_summary(client: Client, workers: Optional[List[str]] = None, timeout:
 def cluster_summary(address: str, timeout: float = 10.0) -> str:
     """:func:`memory_summary` of the cluster whose scheduler is at ``address``
     (what ``python -m unimem cluster ADDRESS`` prints)."""
+    # An address Client cannot parse fails in its constructor, and the half
+    # made Client then prints a traceback when it is collected: check first.
+    resolve_address(address)
     with Client(address, timeout=timeout, set_as_default=False) as client:
         return memory_summary(client, timeout=timeout)

@@ -437,6 +437,9 @@ def test_cluster_mistakes():
     one_line_error(unimem_cli("cluster", "tcp://127.0.0.1:1", "--timeout", "-1"), "--timeout")
     done = unimem_cli("cluster", "tcp://127.0.0.1:1", "--timeout", "2")
     one_line_error(done, "cannot read the Dask cluster", status=1)
+    # A malformed address: the half-made Client printed a traceback as it was collected.
+    done = unimem_cli("cluster", "notanaddress", "--timeout", "0.5")
+    one_line_error(done, "cannot read the Dask cluster", "missing port number", status=1)
 
 
 # ---------------------------------------------------------------------------
