@@ -1139,7 +1139,7 @@ cdef class CachingAllocator:
         try:
             b = <Block*>um_find(&self.active, p)
             if b == NULL:
-                raise ValueError(f"pointer {p:#x} is not a live allocation of this allocator")
+                raise InvalidPointerError(f"pointer {p:#x} is not a live allocation of this allocator")
             if s == b.stream:
                 return
             if b.stream_uses != NULL:

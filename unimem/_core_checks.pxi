@@ -182,8 +182,9 @@ cdef int _set_policy(CachingAllocator self, object max_split_size, object max_no
             raise ValueError(f"roundup_power2_divisions must be powers of 2 (or 0), got {d}")
     if not (0.0 <= garbage_collection_threshold < 1.0):
         raise ValueError("garbage_collection_threshold must be in [0.0, 1.0)")
-    if max_reserved_ratio != 0.0 and not (max_reserved_ratio >= 1.0):
-        raise ValueError(f"max_reserved_ratio must be at least 1.0 (or 0: off), got {max_reserved_ratio}")
+    if max_reserved_ratio != 0.0 and not (1.0 <= max_reserved_ratio < float("inf")):
+        raise ValueError(f"max_reserved_ratio must be a finite number of at least 1.0 (or 0: off), "
+                         f"got {max_reserved_ratio}")
     self.max_split_size = SIZE_UNSET if max_split_size is None else max_split_size
     self.max_non_split_rounding = max_non_split_rounding
     for i in range(K_ROUNDUP_INTERVALS):

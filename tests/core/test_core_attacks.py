@@ -662,3 +662,23 @@ def test_a_second_init_is_refused_and_leaves_the_allocator_working():
     assert a.owns(p)
     a.free(p)
     a._check_invariants()
+
+
+def test_record_stream_of_an_address_not_handed_out_is_torchs_invalid_pointer_error():
+    """A plain ValueError, where freeing the same address raises
+    InvalidPointerError (PyTorch: RuntimeError, "No allocated block can be found")."""
+    a = _core.CachingAllocator(SimulatedBackend(), 0)
+    p = a.malloc(4096)
+    before = a.memory_stats()
+    for bad in (p + 512, p + (1 << 30)):
+        with pytest.raises(_core.InvalidPointerError, match="not a live allocation"):
+            a.record_stream(bad, 7)
+    assert a.memory_stats() == before
+    a.free(p)
+
+
+@pytest.mark.parametrize("ratio", [float("inf"), float("nan"), 0.5, -1.0])
+def test_the_core_refuses_the_max_reserved_ratios_the_configuration_refuses(ratio):
+    """The core took inf, which UNIMEM_ALLOC_CONF refuses: one rule in both places."""
+    with pytest.raises(ValueError, match="max_reserved_ratio"):
+        _core.CachingAllocator(SimulatedBackend(), 0, max_reserved_ratio=ratio)
