@@ -1167,18 +1167,26 @@ cdef class CachingAllocator:
         finally:
             self._unlock()
 
-    def empty_cache(self, stream=None):
+    def empty_cache(self, stream=None, wait=True):
         """Release all unoccupied cached memory (whole free segments) back to
         the backend, or only ``stream``'s when one is given. Waits for pending
-        stream events first. With expandable segments, every whole free page
-        is unmapped, in the middle of a segment too; the address ranges stay
+        stream events first (PyTorch's device pools); with ``wait`` False only
+        asks about them, and blocks whose stream work is still running stay
+        cached (PyTorch's pinned host pool, whose empty_cache never waits for
+        the device). With expandable segments, every whole free page is
+        unmapped, in the middle of a segment too; the address ranges stay
         reserved (:meth:`empty_virt_addr_cache` releases them)."""
         self._check_usable()
         cdef bint one_stream = stream is not None
         cdef uintptr_t handle = check_stream(stream) if one_stream else 0
+        if not isinstance(wait, bool):
+            raise TypeError(f"wait must be a bool, not {type(wait).__name__}")
         self._lock()
         try:
-            _synchronize_and_free_events(self)
+            if wait:
+                _synchronize_and_free_events(self)
+            elif self.n_pending_events:
+                _process_events(self)
             if self.expandable:
                 _unmap_free_pages(self, one_stream, handle)
             _end_dead_pool_sleeps(self, NULL)   # pools that died asleep (a finalizer could not)

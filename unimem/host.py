@@ -229,10 +229,13 @@ def reset_accumulated_host_memory_stats() -> None:
 
 def empty_host_cache() -> None:
     r"""Release all unoccupied cached host (pinned) memory currently held by the host caching
-    allocator so that it can be used by other applications."""
+    allocator so that it can be used by other applications.
+
+    As PyTorch's, it does not wait for the device: a freed block whose
+    recorded stream work (``record_stream``) is still running stays cached."""
     pool = _existing()
     if pool is not None:
-        pool.empty_cache()
+        pool.empty_cache(wait=False)
 
 
 empty_cache = empty_host_cache
