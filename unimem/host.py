@@ -147,9 +147,11 @@ def host_memory_stats() -> "collections.OrderedDict[str, Any]":
     - ``"segment"``: number of reserved segments from the pinning runtime.
     - ``"reserved_bytes"``: amount of reserved host memory.
 
-    PyTorch 2.9 and later also name these ``"active_requests"`` (requests
-    handed out), ``"active_bytes"`` (their bytes) and ``"allocations"`` (blocks
-    created from the runtime, i.e. segments); those keys are served too. (In
+    PyTorch 2.9 and later also name ``"active_requests"`` (blocks checked out:
+    counted when handed out, uncounted when reusable again, after the stream
+    work recorded on them), ``"active_bytes"`` (their bytes) and
+    ``"allocations"`` (blocks created from the runtime, i.e. segments); those
+    keys are served too. (In
     those versions ``"allocated_bytes"`` means reserved bytes; here it keeps
     the earlier meaning, allocated bytes, consistently with the device stats.)
 
@@ -193,8 +195,10 @@ def _host_stats_from(stats: Mapping[str, int],
         out[f"allocated_bytes.{metric}"] = stats[f"allocated_bytes.all.{metric}"]
         out[f"segment.{metric}"] = stats[f"segment.all.{metric}"]
         out[f"reserved_bytes.{metric}"] = stats[f"reserved_bytes.all.{metric}"]
-        out[f"active_requests.{metric}"] = stats[f"allocation.all.{metric}"]
-        out[f"active_bytes.{metric}"] = stats[f"allocated_bytes.all.{metric}"]
+        # Active until reusable: a freed block whose recorded stream work
+        # still runs stays active (the core's active statistics, as PyTorch's).
+        out[f"active_requests.{metric}"] = stats[f"active.all.{metric}"]
+        out[f"active_bytes.{metric}"] = stats[f"active_bytes.all.{metric}"]
         out[f"allocations.{metric}"] = stats[f"segment.all.{metric}"]
     out["num_host_alloc"] = stats["num_device_alloc"]
     out["num_host_free"] = stats["num_device_free"]

@@ -62,3 +62,23 @@ def test_empty_host_cache_does_not_wait_for_the_device(monkeypatch):
     backend.complete(7)
     unimem.host.empty_host_cache()
     assert allocator.memory_reserved() == 0
+
+
+def test_a_block_stays_an_active_request_until_its_stream_work_is_done(monkeypatch):
+    """PyTorch: active_requests "decrements when the block becomes reusable
+    after stream deps finish"; it fell at the free."""
+    backend = SimulatedBackend()
+    registry = DeviceRegistry("host", 1, lambda index: _core.CachingAllocator(backend, index))
+    monkeypatch.setattr(host, "_registry", registry)
+    allocator = host.caching_allocator()
+    p = allocator.malloc(MiB)
+    allocator.record_stream(p, 7)
+    allocator.free(p)
+    stats = unimem.host_memory_stats()
+    assert stats["active_requests.current"] == 1 and stats["active_bytes.current"] == MiB
+    assert stats["allocated.current"] == 0                # no longer held by the caller
+    backend.complete(7)
+    allocator.process_events()
+    stats = unimem.host_memory_stats()
+    assert stats["active_requests.current"] == 0 and stats["active_bytes.current"] == 0
+    assert stats["active_requests.freed"] == 1
