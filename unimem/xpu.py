@@ -21,6 +21,7 @@ import collections
 import contextlib
 import numbers
 import operator
+import sys
 import threading
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
@@ -296,6 +297,8 @@ def empty(shape: ShapeLike, dtype: Any = None, *, order: str = "C", device: Any 
     nbytes = dt.itemsize
     for d in dims:
         nbytes *= d
+    if nbytes > sys.maxsize:     # as numpy and dpnp refuse it (it reached the pool as an OverflowError)
+        raise ValueError(f"array is too big: {nbytes} bytes is more than the largest possible allocation")
     pool = _pool(usm_type, index, queue)
     if nbytes == 0:     # nothing to allocate
         return ctx.dpnp.empty(dims, dtype=dt, order=order, usm_type=usm_type, sycl_queue=queue)
@@ -356,8 +359,17 @@ def ones(shape: ShapeLike, dtype: Any = None, **kwargs: Any):
 
 
 def _like(x: Any, dtype: Any, kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """``x``'s queue, USM kind and type for a new array, unless given; the
+    order as ``dpnp.empty_like`` takes it: ``"K"`` (the default) and ``"A"``
+    keep a Fortran-ordered ``x``'s layout, ``"C"`` and ``"F"`` are as said."""
     if not hasattr(x, "sycl_queue"):
         raise TypeError(f"expected a dpnp.ndarray or usm_ndarray, got {type(x).__name__}")
+    order = kwargs.get("order", "K")
+    if order in ("K", "A", "k", "a"):
+        flags = x.flags
+        kwargs["order"] = "F" if flags.f_contiguous and not flags.c_contiguous else "C"
+    elif order not in ("C", "F", "c", "f"):
+        raise ValueError(f"order must be one of 'C', 'F', 'A' or 'K', got {order!r}")
     kwargs.setdefault("usm_type", x.usm_type)
     if "device" not in kwargs and "sycl_queue" not in kwargs:
         kwargs["sycl_queue"] = x.sycl_queue
@@ -366,7 +378,8 @@ def _like(x: Any, dtype: Any, kwargs: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def empty_like(x: Any, dtype: Any = None, **kwargs: Any):
-    """A new uninitialized pool-backed array with the shape, type, queue and USM kind of ``x``."""
+    """A new uninitialized pool-backed array with the shape, type, queue, USM kind and
+    (``order="K"``, the default) layout of ``x``."""
     kw = _like(x, dtype, kwargs)
     return empty(x.shape, kw.pop("dtype"), **kw)
 

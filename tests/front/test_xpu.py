@@ -580,3 +580,37 @@ def test_record_memory_history_takes_torch_xpus_arguments_in_its_order(xpu):
         assert actions.count("alloc") == 2 and actions.count("free_requested") == 1   # not cleared, then skipped
     finally:
         xpu._record_memory_history(None, clear_history=True)
+
+
+@pytest.mark.parametrize("order, fortran", [("K", True), ("A", True), ("C", False), ("F", True), (None, True)])
+def test_like_functions_keep_the_layout_as_dpnp_does(xpu, dpnp, order, fortran):
+    """empty_like of a Fortran-ordered array lost its layout, and order="K"
+    (dpnp's default) was refused."""
+    source = dpnp.ones((3, 4), dtype="f4", order="F")
+    kwargs = {} if order is None else {"order": order}
+    for like in (xpu.empty_like, xpu.zeros_like, xpu.ones_like):
+        made = like(source, **kwargs)
+        expected = dpnp.empty_like(source, **kwargs)
+        assert made.flags.f_contiguous == expected.flags.f_contiguous == fortran
+        assert made.flags.c_contiguous == expected.flags.c_contiguous
+    assert xpu.full_like(source, 2.0, **kwargs).flags.f_contiguous == fortran
+    if order != "F":
+        assert xpu.empty_like(dpnp.ones((3, 4), dtype="f4"), **kwargs).flags.c_contiguous
+
+
+def test_like_refuses_an_order_dpnp_refuses(xpu, dpnp):
+    before = stats(xpu)["allocated_bytes.all.current"]
+    with pytest.raises(ValueError, match="order must be"):
+        xpu.empty_like(dpnp.ones(4), order="X")
+    assert stats(xpu)["allocated_bytes.all.current"] == before
+
+
+@pytest.mark.parametrize("shape, dtype", [((2**40, 2**40), "f4"), ((2**61,), "f8")])
+def test_an_impossible_shape_is_a_value_error_as_in_dpnp(xpu, dpnp, shape, dtype):
+    """It was an OverflowError, "Python int too large to convert to C ssize_t"
+    (dpnp says "Number of bytes of request allocation must be positive")."""
+    before = stats(xpu)
+    for make in (xpu.empty, xpu.zeros, xpu.ones):
+        with pytest.raises(ValueError, match="array is too big"):
+            make(shape, dtype=dtype)
+    assert stats(xpu) == before
