@@ -193,6 +193,10 @@ def test_a_null_from_the_pluggable_allocator_is_out_of_memory(fake, allocator_li
 def test_pluggable_allocator_bad_input(allocator_library):
     with pytest.raises(ValueError, match="exports no function 'nowhere'"):
         unimem.cuda.CUDAPluggableAllocator(allocator_library, "nowhere", "my_free")
+    # PyTorch's getattr on the ctypes library raises AttributeError: ported handlers catch it.
+    for pluggable in (unimem.cuda.CUDAPluggableAllocator, unimem.xpu.XPUPluggableAllocator):
+        with pytest.raises(AttributeError, match="exports no function 'nowhere'"):
+            pluggable(allocator_library, "my_alloc", "nowhere")
     with pytest.raises(TypeError):
         unimem.cuda.CUDAPluggableAllocator(allocator_library, 7, "my_free")
     with pytest.raises(OSError):

@@ -102,7 +102,13 @@ def test_what_unimem_has_is_exported(namespace):
 
 
 def parameters(function):
-    return [(parameter.name, parameter.kind) for parameter in inspect.signature(function).parameters.values()]
+    """Each parameter's name, kind and default (a literal default: a
+    ported call that leaves it out must mean the same)."""
+    def default(parameter):
+        value = parameter.default
+        return value if value is None or isinstance(value, (str, bool, int, float)) else "(object)"
+    return [(parameter.name, parameter.kind, default(parameter))
+            for parameter in inspect.signature(function).parameters.values()]
 
 
 @pytest.mark.parametrize("namespace", NAMESPACES)

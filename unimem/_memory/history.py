@@ -101,7 +101,7 @@ class HistoryAPI(DeviceTypeAPI):
 
     def _record_memory_history_impl(self, enabled: Optional[Literal["state", "all"]] = "all",
                                     context: Optional[Literal["state", "alloc", "all"]] = "all",
-                                    stacks: Literal["python", "all"] = "python", max_entries: int = sys.maxsize,
+                                    stacks: Literal["python", "all"] = "all", max_entries: int = sys.maxsize,
                                     device: DeviceLike = None, clear_history: bool = False,
                                     compile_context: bool = False, global_record_annotations: bool = False,
                                     skip_actions: Optional[List[str]] = None) -> None:
@@ -132,6 +132,7 @@ class HistoryAPI(DeviceTypeAPI):
                 Defaults to "all".
             stacks (Literal["python", "all"], optional): Python frames are
                 recorded in both cases (there are no C++ frames to add).
+                Defaults to "all", as in PyTorch.
             max_entries (int, optional): Keep a maximum of `max_entries`
                 alloc/free events in the recorded history recorded.
             device: ignored; recording applies to every device of this type, as in PyTorch.
@@ -155,7 +156,7 @@ class HistoryAPI(DeviceTypeAPI):
 
     def _record_xpu_memory_history(self, enabled: Optional[Literal["state", "all"]] = "all",
                                    context: Optional[Literal["state", "alloc", "all"]] = "all",
-                                   stacks: Literal["python", "all"] = "python", max_entries: int = sys.maxsize,
+                                   stacks: Literal["python", "all"] = "all", max_entries: int = sys.maxsize,
                                    clear_history: bool = False,
                                    skip_actions: Optional[List[str]] = None) -> None:
         r"""Enable recording of stack traces associated with memory

@@ -23,6 +23,12 @@ _ALLOC_TYPE = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, 
 _FREE_TYPE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p)
 
 
+class MissingFunctionError(AttributeError, ValueError):
+    """A function name the shared library does not export: PyTorch's
+    pluggable allocators raise ctypes' ``AttributeError`` for it; unimem's
+    is also the ``ValueError`` of a bad argument."""
+
+
 def _function(library: ctypes.CDLL, path: str, name: str, prototype: type) -> Callable[..., object]:
     """The function ``name`` of ``library``, called as ``prototype``."""
     if not isinstance(name, str):
@@ -30,7 +36,7 @@ def _function(library: ctypes.CDLL, path: str, name: str, prototype: type) -> Ca
     try:
         address = ctypes.cast(getattr(library, name), ctypes.c_void_p).value
     except AttributeError:
-        raise ValueError(f"{path} exports no function {name!r}") from None
+        raise MissingFunctionError(f"{path} exports no function {name!r}") from None
     return prototype(address)
 
 
