@@ -48,6 +48,19 @@ def test_freeing_what_the_allocator_does_not_hold_is_torchs_runtime_error(name, 
     assert after["allocation.all.current"] == before["allocation.all.current"] - 1
 
 
+@pytest.mark.parametrize("name", ["cpu", "accelerator", "xpu"])
+def test_record_stream_of_an_address_not_handed_out_is_torchs_runtime_error(name):
+    """torch: RuntimeError, "No allocated block can be found"; the namespaces
+    raised a plain ValueError (the core's record_stream already raised
+    InvalidPointerError)."""
+    ns = getattr(unimem, name)
+    before = dict(ns.memory_stats())
+    with pytest.raises(unimem.InvalidPointerError) as caught:
+        ns.record_stream(0x7F00_0000_1000, 0)
+    assert isinstance(caught.value, RuntimeError) and isinstance(caught.value, ValueError)
+    assert dict(ns.memory_stats()) == before
+
+
 def test_the_cores_own_free_raises_it_too():
     from unimem import _core
     from unimem.backends.simulated import SimulatedBackend

@@ -146,3 +146,17 @@ def test_a_real_history_counts_only_what_was_live_before_it():
         for p in held:
             api.caching_allocator_delete(p)
         api._record_memory_history(None)
+
+
+def test_a_snapshot_whose_blocks_have_no_addresses_falls_back_to_the_difference_of_totals():
+    """Blocks without addresses (a hand-made or older snapshot): what was
+    live before is the live block bytes less the requests still open."""
+    events = [{"action": "alloc", "addr": 4096 * (k + 1), "size": 1000, "time_us": k, "frames": []}
+              for k in range(3)]
+    snapshot = {"segments": [{"device": 0, "address": 0, "total_size": 1 << 20,
+                              "blocks": [{"size": 1024, "state": "active_allocated"}] * 3
+                              + [{"size": 8192, "state": "active_allocated"},
+                                 {"size": 4096, "state": "inactive"}]}],
+                "device_traces": [events]}
+    tl = Timeline(snapshot, 0)
+    assert tl.base_steps[0][1] == 3 * 1024 + 8192 - 3 * 1000

@@ -147,7 +147,7 @@ def record_stream_on_pools(memory: MemoryLike, stream: Any,
         if owner is not None:
             owner.record_stream(address, stream_handle(owner))
             return
-    raise ValueError(f"address {address:#x} is not a live block of {pools_name}")
+    raise _core.InvalidPointerError(f"address {address:#x} is not a live block of {pools_name}")
 
 
 def check_bool(name: str, value: Any) -> None:

@@ -144,7 +144,7 @@ def segment_map(segments: List[Dict[str, Any]]) -> SegmentMap:
     out.blocks = {state: {"row": [], "offset": [], "size": [], "text": [], "site": []}
                   for state in (ALLOCATED, PENDING_FREE, FREE)}
     for number, segment in enumerate(shown):
-        row = (f"{number + 1}. {segment['segment_type']} {format_size(segment['total_size'])} "
+        row = (f"{number + 1}. {shorten(str(segment['segment_type']))} {format_size(segment['total_size'])} "
                f"(stream {segment.get('stream', 0)})")
         out.rows.append(row)
         offset = 0
@@ -174,9 +174,10 @@ def largest_live(segments: List[Dict[str, Any]], count: int = LARGEST_LIVE) -> L
 
 def _pool_name(segment: Dict[str, Any]) -> str:
     pool_id = tuple(segment.get("segment_pool_id") or (0, 0))
-    name = f"{segment['segment_type']} pool"
+    kind = shorten(str(segment["segment_type"]))
+    name = f"{kind} pool"
     if pool_id != (0, 0):
-        name = f"private pool {pool_id} ({segment['segment_type']})"
+        name = shorten(f"private pool {pool_id} ({kind})")
     return name + (" (expandable)" if segment.get("is_expandable") else "")
 
 
