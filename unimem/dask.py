@@ -29,8 +29,8 @@ from __future__ import annotations
 import asyncio
 import numbers
 import os
-import socket
 import threading
+import uuid
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 try:
@@ -156,24 +156,34 @@ class UnimemPlugin(WorkerPlugin):
 
         Workers that share a process (``LocalCluster(processes=False)``)
         share its allocators and environment: the first one's setup changes
-        them, the others' only count, and they must ask for the same options."""
+        them, the others' only count. A setup with other options (the plugin
+        registered again: Dask sets the new one up worker by worker) undoes
+        the process's and applies its own for all of them."""
         global _in_process
         with _process_lock:
+            workers = set()
             if _in_process is not None:
-                if _in_process.options != repr(self):
-                    raise RuntimeError(
-                        f"unimem: this process's workers already run {_in_process.options}; workers that "
-                        f"share a process share its allocators, so they cannot run {self!r}")
-                _in_process.workers.add(_worker_key(worker, self))
-                return
-            done = _ProcessSetup(repr(self))
+                if _in_process.options == self._options():
+                    _in_process.workers.add(_worker_key(worker, self))
+                    return
+                workers = _in_process.workers
+                done, _in_process = _in_process, None
+                done.undo()
+            done = _ProcessSetup(self._options())
             try:
                 done.apply(self)
             except BaseException:
                 done.undo()
                 raise
-            done.workers.add(_worker_key(worker, self))
+            done.workers = workers | {_worker_key(worker, self)}
             _in_process = done
+
+    def _options(self) -> Tuple[Any, ...]:
+        """What this plugin does to a process, spelling aside: two plugins
+        with equal options set a process up alike."""
+        device_type = self.device_type or _devices.current_type().name
+        return (self.alloc_conf is None, repr(sorted(self._core_kwargs.items())), self.memory_fraction,
+                self.pool_size, device_type)
 
     def teardown(self, worker: Any = None) -> None:
         """Undo :meth:`setup` on this worker (in its process, once the last
@@ -201,7 +211,7 @@ class _ProcessSetup:
     back: the environment, the array libraries installed, the memory fraction,
     and the device whose cache it emptied."""
 
-    def __init__(self, options: str) -> None:
+    def __init__(self, options: Tuple[Any, ...]) -> None:
         self.options = options
         self.workers: set = set()
         self.env_before: Optional[Tuple[bool, Optional[str]]] = None
@@ -268,6 +278,18 @@ _process_lock = threading.Lock()
 _in_process: Optional[_ProcessSetup] = None
 
 
+def _new_process_token() -> None:
+    """A name for this process that no other has (host names and process
+    ids repeat across containers): memory_summary counts each process's
+    pools once."""
+    global _process_token
+    _process_token = uuid.uuid4().hex
+
+
+_new_process_token()
+os.register_at_fork(after_in_child=_new_process_token)
+
+
 def worker_report(dask_worker: Any = None) -> Dict[str, Any]:
     """What :func:`memory_stats` gathers from one worker: ``memory_stats`` of
     every device unimem serves there (the current one always, any other once
@@ -284,7 +306,7 @@ def worker_report(dask_worker: Any = None) -> Dict[str, Any]:
         devices[HOST_POOL] = dict(host.host_memory_stats())
     plugins = getattr(dask_worker, "plugins", {})
     return {"devices": devices, "installed": installed_allocators(), "plugin": PLUGIN_NAME in plugins,
-            "process": f"{socket.gethostname()}:{os.getpid()}"}
+            "process": _process_token}
 
 
 def _gather(client: Client, workers: Optional[List[str]], timeout: float

@@ -377,11 +377,41 @@ def test_workers_that_share_a_process_set_it_up_once_and_undo_it_once(monkeypatc
         assert _process_state()["reserved"] == reserved
         plugin.teardown(first)
         assert _process_state()["env"] == "expandable_segments:False"     # the second worker still runs
-        with pytest.raises(RuntimeError, match="share its allocators"):
-            unimem_dask.UnimemPlugin("expandable_segments:False", device_type="cpu").setup(object())
+        # The same options spelled otherwise: nothing is set up again.
+        same = unimem_dask.UnimemPlugin(" expandable_segments: False ", pool_size="8 MiB", device_type="cpu")
+        same.setup(first)
+        assert _process_state()["reserved"] == reserved
     finally:
         plugin.teardown(first)
         plugin.teardown(second)
+    assert _process_state() == before
+
+
+def test_a_setup_with_other_options_replaces_the_processs_for_every_worker(monkeypatch):
+    """Registering the plugin again with other options: Dask sets the new one
+    up worker by worker, so the first worker's new setup met the second
+    worker's old one and was refused."""
+    monkeypatch.delenv("UNIMEM_ALLOC_CONF", raising=False)
+    unimem.cpu.empty_cache()
+    before = _process_state()
+    first, second = object(), object()
+    old = unimem_dask.UnimemPlugin("expandable_segments:False", memory_fraction=0.5, device_type="cpu")
+    new = unimem_dask.UnimemPlugin(memory_fraction=0.25, device_type="cpu")
+    old.setup(first)
+    old.setup(second)
+    try:
+        old.teardown(first)
+        new.setup(first)                      # the old options are undone, the new ones applied
+        state = _process_state()
+        assert state["env"] is None and state["fraction"] == 0.25
+        old.teardown(second)                  # the second worker's old plugin: still counted, nothing undone
+        assert _process_state()["fraction"] == 0.25
+        new.setup(second)
+        new.teardown(first)
+        assert _process_state()["fraction"] == 0.25
+    finally:
+        new.teardown(first)
+        new.teardown(second)
     assert _process_state() == before
 
 
@@ -392,6 +422,7 @@ def test_an_in_process_cluster_counts_its_one_pool_once(monkeypatch):
     with LocalCluster(n_workers=2, processes=False, threads_per_worker=1, dashboard_address=":0") as local:
         with Client(local) as client:
             client.register_plugin(unimem_dask.UnimemPlugin(pool_size="4 MiB", device_type="cpu"))
+            client.register_plugin(unimem_dask.UnimemPlugin(pool_size="8 MiB", device_type="cpu"))   # again
             assert os.environ.get("UNIMEM_ALLOC_CONF") is None
             reports, _ = unimem_dask._gather(client, None, 10.0)
             assert len(reports) == 2 and len({r["process"] for r in reports.values()}) == 1
@@ -401,3 +432,23 @@ def test_an_in_process_cluster_counts_its_one_pool_once(monkeypatch):
             assert total.split()[6:8] == _core.format_size(reserved).split()
             client.unregister_worker_plugin(unimem_dask.PLUGIN_NAME)
     assert _process_state() == before
+
+
+def test_the_totals_count_each_process_once_by_a_token_no_other_process_has():
+    """Two containers may share a host name and a process id: the totals
+    took hostname:pid for a process and dropped one of them."""
+    stats = {"allocated_bytes.all.current": 0, "allocated_bytes.all.peak": 0,
+             "reserved_bytes.all.current": 10 << 30, "reserved_bytes.all.peak": 10 << 30, "num_device_alloc": 1}
+    report = {"devices": {"cpu:0": stats}, "installed": [], "plugin": True}
+    reports = {"tcp://a:1": dict(report, process=unimem_dask._process_token),
+               "tcp://a:2": dict(report, process=unimem_dask._process_token),
+               "tcp://b:1": dict(report, process="another process")}
+    total = next(line for line in unimem_dask._summary_table(reports, {}).splitlines()
+                 if line.startswith("total (cpu)"))
+    assert total.split()[6:8] == ["20.00", "GiB"]
+    child = subprocess.run([sys.executable, "-c", "import os, unimem.dask as d; t = d._process_token\n"
+                            "pid = os.fork()\n"
+                            "if pid == 0:\n    os._exit(0 if d._process_token != t else 1)\n"
+                            "_, status = os.waitpid(pid, 0); raise SystemExit(os.waitstatus_to_exitcode(status))"],
+                           capture_output=True, text=True, timeout=60)
+    assert child.returncode == 0, child.stderr
