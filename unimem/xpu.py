@@ -358,48 +358,58 @@ def ones(shape: ShapeLike, dtype: Any = None, **kwargs: Any):
     return _filled(empty(shape, dtype, **kwargs), lambda out: out.fill(1))
 
 
-def _like(x: Any, dtype: Any, kwargs: Dict[str, Any]) -> Dict[str, Any]:
-    """``x``'s queue, USM kind and type for a new array, unless given; the
-    order as ``dpnp.empty_like`` takes it: ``"K"`` (the default) and ``"A"``
-    keep a Fortran-ordered ``x``'s layout, ``"C"`` and ``"F"`` are as said."""
+def _like(x: Any, dtype: Any, kwargs: Dict[str, Any]) -> Any:
+    """A new uninitialized pool array shaped like ``x``, on its queue, of its
+    USM kind and type unless given. ``order`` as ``dpnp.empty_like`` takes
+    it: ``"K"`` (the default, or None) keeps the order of ``x``'s strides,
+    ``"A"`` is ``"F"`` for a Fortran-contiguous ``x``, else ``"C"``."""
     if not hasattr(x, "sycl_queue"):
         raise TypeError(f"expected a dpnp.ndarray or usm_ndarray, got {type(x).__name__}")
-    order = kwargs.get("order", "K")
-    if order in ("K", "A", "k", "a"):
-        flags = x.flags
-        kwargs["order"] = "F" if flags.f_contiguous and not flags.c_contiguous else "C"
-    elif order not in ("C", "F", "c", "f"):
+    order = kwargs.pop("order", "K")
+    order = "K" if order is None else order
+    if order not in ("C", "F", "A", "K", "c", "f", "a", "k"):
         raise ValueError(f"order must be one of 'C', 'F', 'A' or 'K', got {order!r}")
     kwargs.setdefault("usm_type", x.usm_type)
     if "device" not in kwargs and "sycl_queue" not in kwargs:
         kwargs["sycl_queue"] = x.sycl_queue
-    kwargs["dtype"] = x.dtype if dtype is None else dtype
-    return kwargs
+    dtype = x.dtype if dtype is None else dtype
+    order = order.upper()
+    flags = x.flags
+    if order == "A" or (order == "K" and (flags.c_contiguous or flags.f_contiguous)):
+        order = "F" if flags.f_contiguous and not flags.c_contiguous else "C"
+    if order != "K":
+        return empty(x.shape, dtype, order=order, **kwargs)
+    # Neither C nor F contiguous: the axes by falling stride length (as
+    # dpnp's empty_like orders them), made C-contiguous in that order and
+    # viewed back in x's.
+    shape, strides = x.shape, x.strides
+    by_stride = sorted(range(x.ndim), key=lambda d: abs(strides[d]) if shape[d] > 1 else 0, reverse=True)
+    made = empty(tuple(shape[d] for d in by_stride), dtype, order="C", **kwargs)
+    back = sorted(range(x.ndim), key=by_stride.__getitem__)
+    return made.transpose(back)
 
 
 def empty_like(x: Any, dtype: Any = None, **kwargs: Any):
     """A new uninitialized pool-backed array with the shape, type, queue, USM kind and
-    (``order="K"``, the default) layout of ``x``."""
-    kw = _like(x, dtype, kwargs)
-    return empty(x.shape, kw.pop("dtype"), **kw)
+    (``order="K"``, the default) memory layout of ``x``."""
+    return _like(x, dtype, kwargs)
 
 
 def zeros_like(x: Any, dtype: Any = None, **kwargs: Any):
     """A new pool-backed array of zeros shaped like ``x``."""
-    kw = _like(x, dtype, kwargs)
-    return zeros(x.shape, kw.pop("dtype"), **kw)
+    return _filled(_like(x, dtype, kwargs), lambda out: out.fill(0))
 
 
 def ones_like(x: Any, dtype: Any = None, **kwargs: Any):
     """A new pool-backed array of ones shaped like ``x``."""
-    kw = _like(x, dtype, kwargs)
-    return ones(x.shape, kw.pop("dtype"), **kw)
+    return _filled(_like(x, dtype, kwargs), lambda out: out.fill(1))
 
 
 def full_like(x: Any, fill_value: Any, dtype: Any = None, **kwargs: Any):
     """A new pool-backed array shaped like ``x``, filled with ``fill_value``."""
-    kw = _like(x, dtype, kwargs)
-    return full(x.shape, fill_value, kw.pop("dtype"), **kw)
+    if not isinstance(fill_value, (numbers.Number, numpy.generic)) or isinstance(fill_value, numpy.void):
+        raise TypeError(f"fill_value must be a scalar, not {type(fill_value).__name__}")
+    return _filled(_like(x, dtype, kwargs), lambda out: out.fill(fill_value))
 
 
 def asarray(obj: Any, dtype: Any = None, *, order: str = "C", device: Any = None,

@@ -614,3 +614,17 @@ def test_an_impossible_shape_is_a_value_error_as_in_dpnp(xpu, dpnp, shape, dtype
         with pytest.raises(ValueError, match="array is too big"):
             make(shape, dtype=dtype)
     assert stats(xpu) == before
+
+
+def test_like_functions_keep_the_stride_order_of_a_strided_source(xpu, dpnp):
+    """order="K" (the default, or None) of a source neither C- nor
+    F-contiguous: dpnp orders the new array's axes as the source's strides."""
+    fortran = dpnp.ones((3, 4, 5), dtype="f4", order="F")
+    c_order = dpnp.ones((3, 4, 5), dtype="f4")
+    for source in (fortran[:, ::2], c_order.transpose(2, 0, 1), fortran[::-1], c_order[:, ::2]):
+        for kwargs in ({}, {"order": "K"}, {"order": None}):
+            expected = dpnp.empty_like(source, **kwargs).strides
+            for like in (xpu.empty_like, xpu.zeros_like, xpu.ones_like):
+                assert like(source, **kwargs).strides == expected, (like, source.strides, kwargs)
+    filled = xpu.full_like(fortran[:, ::2], 3.0)
+    assert filled.strides == dpnp.empty_like(fortran[:, ::2]).strides and float(filled.sum()) == 90.0
