@@ -278,16 +278,18 @@ _process_lock = threading.Lock()
 _in_process: Optional[_ProcessSetup] = None
 
 
-def _new_process_token() -> None:
+_token: Tuple[int, str] = (0, "")
+
+
+def process_token() -> str:
     """A name for this process that no other has (host names and process
     ids repeat across containers): memory_summary counts each process's
-    pools once."""
-    global _process_token
-    _process_token = uuid.uuid4().hex
-
-
-_new_process_token()
-os.register_at_fork(after_in_child=_new_process_token)
+    pools once. A forked child makes its own (no fork handler: the
+    runtime's own is the only one)."""
+    global _token
+    if _token[0] != os.getpid():
+        _token = (os.getpid(), uuid.uuid4().hex)
+    return _token[1]
 
 
 def worker_report(dask_worker: Any = None) -> Dict[str, Any]:
@@ -306,7 +308,7 @@ def worker_report(dask_worker: Any = None) -> Dict[str, Any]:
         devices[HOST_POOL] = dict(host.host_memory_stats())
     plugins = getattr(dask_worker, "plugins", {})
     return {"devices": devices, "installed": installed_allocators(), "plugin": PLUGIN_NAME in plugins,
-            "process": _process_token}
+            "process": process_token()}
 
 
 def _gather(client: Client, workers: Optional[List[str]], timeout: float

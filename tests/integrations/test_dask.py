@@ -440,15 +440,15 @@ def test_the_totals_count_each_process_once_by_a_token_no_other_process_has():
     stats = {"allocated_bytes.all.current": 0, "allocated_bytes.all.peak": 0,
              "reserved_bytes.all.current": 10 << 30, "reserved_bytes.all.peak": 10 << 30, "num_device_alloc": 1}
     report = {"devices": {"cpu:0": stats}, "installed": [], "plugin": True}
-    reports = {"tcp://a:1": dict(report, process=unimem_dask._process_token),
-               "tcp://a:2": dict(report, process=unimem_dask._process_token),
+    reports = {"tcp://a:1": dict(report, process=unimem_dask.process_token()),
+               "tcp://a:2": dict(report, process=unimem_dask.process_token()),
                "tcp://b:1": dict(report, process="another process")}
     total = next(line for line in unimem_dask._summary_table(reports, {}).splitlines()
                  if line.startswith("total (cpu)"))
     assert total.split()[6:8] == ["20.00", "GiB"]
-    child = subprocess.run([sys.executable, "-c", "import os, unimem.dask as d; t = d._process_token\n"
+    child = subprocess.run([sys.executable, "-c", "import os, unimem.dask as d; t = d.process_token()\n"
                             "pid = os.fork()\n"
-                            "if pid == 0:\n    os._exit(0 if d._process_token != t else 1)\n"
+                            "if pid == 0:\n    os._exit(0 if d.process_token() != t else 1)\n"
                             "_, status = os.waitpid(pid, 0); raise SystemExit(os.waitstatus_to_exitcode(status))"],
                            capture_output=True, text=True, timeout=60)
     assert child.returncode == 0, child.stderr
