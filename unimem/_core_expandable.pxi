@@ -208,7 +208,16 @@ cdef int _map_block(CachingAllocator self, Block* b, size_t size) except -1:
     cdef Block* rest = NULL
     cdef int64_t t0
     if self.set_fraction and self.total_allocated_memory + n > self.allowed_memory_maximum:
-        return 0
+        # Under CuPy's byte limit a request that fits is not refused for the
+        # large page the range maps by (as its segment would be just the
+        # request): map by the backend's page (4 KiB host pages) and unmap by
+        # it from now on (_unmap_page). PyTorch's fraction keeps its pages.
+        if not self.limit_in_bytes:
+            return 0
+        n = min(_round_up(size, self.vm_granularity), b.size)
+        if self.total_allocated_memory + n > self.allowed_memory_maximum:
+            return 0
+        seg.finely_mapped = True
     if self.total_allocated_memory + n > MAX_RESERVED:
         return 0
     if um_reserve(&fi.by_size, fi.by_size.count + 1) != 0:
@@ -444,8 +453,9 @@ cdef int _unmap_block(CachingAllocator self, Block* b, size_t page) except -1:
 cdef inline size_t _unmap_page(CachingAllocator self, Segment* seg) noexcept nogil:
     """What empty_cache unmaps by: the segment's page, as PyTorch; with a
     max_reserved_ratio, whose hole reclaim unmaps by the backend's page
-    (so a range's mapped spans need not be whole large pages), that."""
-    return self.vm_granularity if self.max_reserved_ratio else seg.page
+    (so a range's mapped spans need not be whole large pages), or once a
+    memory limit made _map_block map by the backend's page, that."""
+    return self.vm_granularity if self.max_reserved_ratio or seg.finely_mapped else seg.page
 
 
 cdef Block* _next_to_unmap(CachingAllocator self, bint has_stream, uintptr_t stream,

@@ -308,3 +308,58 @@ def test_a_dying_allocator_unmaps_and_releases_its_free_ranges():
     a.malloc(1, 7)                    # a live block: its range stays
     del a
     assert len(backend.ranges[0]) == 1 and backend.held() == 2 * MiB
+
+
+# What an out-of-memory miss counts (PyTorch's retry synchronizes and counts it).
+COUNTED_ON_OOM = ("num_ooms", "num_alloc_retries", "num_sync_all_streams")
+
+
+@pytest.mark.parametrize("options", [{}, {"max_reserved_ratio": 1.1}])
+def test_a_byte_limit_serves_what_fits_on_a_backend_with_small_pages(options):
+    """CuPy's set_limit: a request under the limit is served even where the
+    range maps by 2 MiB, when the backend can map its own 4 KiB pages; the
+    pages mapped that way go back whole with empty_cache (PyTorch's policy
+    unmaps by 2 MiB, which would have kept the last piece mapped)."""
+    backend = SimulatedBackend(capacity=CAPACITY, granularity=4096)
+    a = expandable(backend, **options)
+    a.set_memory_limit(5 * MiB)
+    p = a.malloc(5 * MiB - 100)                     # 5 MiB once rounded
+    assert a.memory_reserved() == 5 * MiB
+    assert_exact(a)
+    before = a.memory_stats()
+    with pytest.raises(OutOfMemoryError):
+        a.malloc(4096)                              # nothing left under the limit
+    after = a.memory_stats()
+    assert after["num_ooms"] == before["num_ooms"] + 1
+    assert {k: v for k, v in after.items() if k not in COUNTED_ON_OOM} == \
+        {k: v for k, v in before.items() if k not in COUNTED_ON_OOM}
+    a.free(p)
+    a.set_memory_limit(6 * MiB + MiB // 2)
+    q = a.malloc(6 * MiB)                           # the free 5 MiB and 1 MiB mapped after it
+    assert q == p and a.memory_reserved() == 6 * MiB
+    assert_exact(a)
+    a.free(q)
+    a.empty_cache()
+    assert a.memory_reserved() == 0 and backend.held() == 0
+    assert_exact(a)
+
+
+def test_a_byte_limit_does_not_map_below_the_devices_own_page():
+    """On 2 MiB pages (CUDA's granularity) nothing smaller can be mapped:
+    the same request is out of memory, and nothing changes."""
+    a = expandable()
+    a.set_memory_limit(5 * MiB)
+    with pytest.raises(OutOfMemoryError):
+        a.malloc(5 * MiB - 100)
+    assert a.memory_reserved() == 0
+    assert_exact(a)
+
+
+def test_pytorchs_fraction_keeps_the_ranges_pages_on_a_backend_with_small_pages():
+    backend = SimulatedBackend(capacity=CAPACITY, granularity=4096)
+    a = expandable(backend)
+    a.set_memory_fraction(5 * MiB / CAPACITY)
+    with pytest.raises(OutOfMemoryError):
+        a.malloc(5 * MiB - 100)                     # 6 MiB of 2 MiB pages
+    assert a.memory_reserved() == 0
+    assert_exact(a)

@@ -58,6 +58,9 @@ cdef struct Segment:
     bint expandable
     size_t page
     size_t mapped
+    # Some span was mapped by the backend's (smaller) granularity to stay
+    # within a memory limit, so free spans are unmapped by it too.
+    bint finely_mapped
     PrivatePool* pool              # the private pool (MemPool) it serves; NULL: the device's own
     Segment* prev_seg              # the allocator's list of all segments
     Segment* next_seg
