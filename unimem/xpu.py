@@ -279,16 +279,19 @@ def _normalize_dtype(dtype: Any, queue, index: int) -> numpy.dtype:
 # ---------------------------------------------------------------------------
 # arrays from the pool
 # ---------------------------------------------------------------------------
-def empty(shape: ShapeLike, dtype: Any = None, *, order: str = "C", device: Any = None,
-          usm_type: str = "device", sycl_queue: Any = None):
+def empty(shape: ShapeLike, dtype: Any = None, *, order: Optional[str] = "C", device: Any = None,
+          usm_type: Optional[str] = "device", sycl_queue: Any = None):
     """Return a new uninitialized ``dpnp.ndarray`` whose memory comes from the pool.
 
     Arguments as ``dpnp.empty``: ``dtype`` (default: the device's default
     floating type), ``order`` (``"C"`` or ``"F"``), ``device`` (an index,
     ``"xpu:N"``, a ``dpctl.SyclDevice`` or queue), ``usm_type``
-    (``"device"``, ``"shared"`` or ``"host"``), ``sycl_queue``.
+    (``"device"``, ``"shared"`` or ``"host"``), ``sycl_queue``; None for
+    ``order`` or ``usm_type`` is its default, as in dpnp.
     """
     ctx = _ctx()
+    order = "C" if order is None else order
+    usm_type = "device" if usm_type is None else usm_type
     if order not in ("C", "F", "c", "f"):
         raise ValueError(f"order must be 'C' or 'F', got {order!r}")
     queue, index = _queue_and_index(device, sycl_queue)
@@ -369,7 +372,8 @@ def _like(x: Any, dtype: Any, kwargs: Dict[str, Any]) -> Any:
     order = "K" if order is None else order
     if order not in ("C", "F", "A", "K", "c", "f", "a", "k"):
         raise ValueError(f"order must be one of 'C', 'F', 'A' or 'K', got {order!r}")
-    kwargs.setdefault("usm_type", x.usm_type)
+    if kwargs.get("usm_type") is None:
+        kwargs["usm_type"] = x.usm_type
     if "device" not in kwargs and "sycl_queue" not in kwargs:
         kwargs["sycl_queue"] = x.sycl_queue
     dtype = x.dtype if dtype is None else dtype
@@ -412,14 +416,22 @@ def full_like(x: Any, fill_value: Any, dtype: Any = None, **kwargs: Any):
     return _filled(_like(x, dtype, kwargs), lambda out: out.fill(fill_value))
 
 
-def asarray(obj: Any, dtype: Any = None, *, order: str = "C", device: Any = None,
-            usm_type: str = "device", sycl_queue: Any = None):
+def asarray(obj: Any, dtype: Any = None, *, order: Optional[str] = "C", device: Any = None,
+            usm_type: Optional[str] = None, sycl_queue: Any = None):
     """Copy ``obj`` (a NumPy array, a sequence, a scalar or a dpnp array) into
-    a new pool-backed ``dpnp.ndarray``."""
+    a new pool-backed ``dpnp.ndarray``. As ``dpnp.asarray``, a dpnp or USM
+    array keeps its queue and USM type unless ``device``, ``sycl_queue`` or
+    ``usm_type`` say otherwise; anything else goes to device USM."""
     dpnp = _ctx().dpnp
+    usm_source = hasattr(obj, "__sycl_usm_array_interface__")
+    if usm_source:
+        obj = obj if isinstance(obj, dpnp.ndarray) else dpnp.asarray(obj)
+        usm_type = obj.usm_type if usm_type is None else usm_type
+        if device is None and sycl_queue is None:
+            sycl_queue = obj.sycl_queue
     queue, _ = _queue_and_index(device, sycl_queue)
-    if hasattr(obj, "__sycl_usm_array_interface__"):
-        source = obj if isinstance(obj, dpnp.ndarray) else dpnp.asarray(obj)
+    if usm_source:
+        source = obj
         if source.sycl_queue != queue:
             source = source.to_device(queue)
         out = empty(source.shape, source.dtype if dtype is None else dtype, order=order,
@@ -437,6 +449,9 @@ def asarray(obj: Any, dtype: Any = None, *, order: str = "C", device: Any = None
             raise TypeError(f"dpnp arrays cannot hold data type {dtype}")
     elif host_data.dtype.kind not in "biufc":
         raise TypeError(f"cannot copy data of type {host_data.dtype} into a dpnp array")
+    elif host_data.dtype.kind == "c" and numpy.dtype(dtype).kind != "c":
+        raise TypeError(f"cannot copy complex data into an array of type {numpy.dtype(dtype)} "
+                        f"(dpnp refuses it rather than drop the imaginary part)")
     out = empty(host_data.shape, dtype, order=order, usm_type=usm_type, sycl_queue=queue)
 
     def copy(out: Any) -> None:

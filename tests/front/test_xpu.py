@@ -628,3 +628,36 @@ def test_like_functions_keep_the_stride_order_of_a_strided_source(xpu, dpnp):
                 assert like(source, **kwargs).strides == expected, (like, source.strides, kwargs)
     filled = xpu.full_like(fortran[:, ::2], 3.0)
     assert filled.strides == dpnp.empty_like(fortran[:, ::2]).strides and float(filled.sum()) == 90.0
+
+
+def test_asarray_keeps_a_usm_arrays_queue_and_usm_type_as_dpnp_does(xpu, dpnp, dpctl):
+    """dpnp.asarray's usm_type and queue default to the input's; unimem's
+    asarray made every copy device USM on the default queue."""
+    other = dpctl.SyclQueue(xpu.default_queue().sycl_context, xpu.default_queue().sycl_device)
+    for usm_type in ("device", "shared", "host"):
+        source = dpnp.arange(6.0, usm_type=usm_type, sycl_queue=other)
+        for made, expected in ((xpu.asarray(source), dpnp.asarray(source)),
+                               (xpu.asarray(source, usm_type=None), dpnp.asarray(source, usm_type=None)),
+                               (xpu.asarray(source, usm_type="device"), dpnp.asarray(source, usm_type="device")),
+                               (xpu.asarray([1.0, 2.0]), dpnp.asarray([1.0, 2.0]))):
+            assert made.usm_type == expected.usm_type
+            assert made.sycl_queue == expected.sycl_queue
+        assert (xpu.asarray(source).asnumpy() == source.asnumpy()).all()
+        like = xpu.empty_like(source, usm_type=None)
+        assert like.usm_type == usm_type == dpnp.empty_like(source, usm_type=None).usm_type
+
+
+def test_none_is_the_default_order_and_usm_type_of_empty_as_in_dpnp(xpu, dpnp):
+    made = xpu.empty((2, 3), order=None, usm_type=None)
+    expected = dpnp.empty((2, 3), order=None, usm_type=None)
+    assert (made.usm_type, made.flags.c_contiguous) == (expected.usm_type, expected.flags.c_contiguous)
+
+
+def test_asarray_refuses_to_drop_the_imaginary_part_as_dpnp_does(xpu, dpnp):
+    before = stats(xpu)["allocated_bytes.all.current"]
+    with pytest.raises(TypeError):
+        dpnp.asarray([1 + 1j], dtype="f4")
+    with pytest.raises(TypeError, match="complex"):
+        xpu.asarray([1 + 1j], dtype="f4")
+    assert stats(xpu)["allocated_bytes.all.current"] == before
+    assert xpu.asarray([1 + 1j], dtype="c8").asnumpy()[0] == 1 + 1j
