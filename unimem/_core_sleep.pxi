@@ -305,12 +305,35 @@ cdef object _release_spans(CachingAllocator self, object state):
         self.total_allocated_memory -= <size_t>span.size
         pool_decrease(&self.stats, S_RESERVED_BYTES, span.is_small, span.size)
         self.stats.num_device_free += 1
+        _trace_span(self, T_SEGMENT_UNMAP, span)
     return first_error
 
 
-cdef int _restore_span(CachingAllocator self, object span) except -1:
-    """Back a released span with memory again."""
-    cdef int64_t t0 = um_now_ns()
+cdef int _trace_span(CachingAllocator self, int action, object span) except -1:
+    """Record a span given back or backed again as the history's
+    segment_unmap / segment_map, so that a timeline rebuilt from it follows
+    reserved memory through a sleep (memory_viz handles both for any segment)."""
+    cdef cmap[uintptr_t, Segment*].iterator it
+    if self.recording:
+        it = _map_prev(self.segments_by_base.upper_bound(span.address))
+        self._trace(action, span.address, span.size, deref(it).second.stream)
+    return 0
+
+
+cdef int _restore_span(CachingAllocator self, object span, bint within_limit=True) except -1:
+    """Back a released span with memory again, within the memory limit: the
+    room a sleep gave back may have gone to other allocations meanwhile
+    (not ``within_limit``: blocks of a dead pool still in use, which must
+    come back and which nobody could wake later)."""
+    cdef int64_t t0
+    if within_limit and self.set_fraction and self.total_allocated_memory + <size_t>span.size > self.allowed_memory_maximum:
+        raise OutOfMemoryError(
+            f"wake_up: backing [{span.address:#x}, {span.address + span.size:#x}) with memory again "
+            f"would pass the memory limit ({self.total_allocated_memory + <size_t>span.size} bytes "
+            f"reserved, {self.allowed_memory_maximum} allowed); the allocator stays asleep with the "
+            f"memory not yet woken: free memory (and empty_cache()) and call wake_up() again",
+            device=self.device, requested=span.size)
+    t0 = um_now_ns()
     try:
         if span.expandable:
             self._vm_map(span.address, span.size, self.device)
@@ -330,6 +353,7 @@ cdef int _restore_span(CachingAllocator self, object span) except -1:
     self.total_allocated_memory += <size_t>span.size
     pool_increase(&self.stats, S_RESERVED_BYTES, span.is_small, span.size)
     self.stats.num_device_alloc += 1
+    _trace_span(self, T_SEGMENT_MAP, span)
     return 0
 
 

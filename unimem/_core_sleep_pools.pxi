@@ -202,7 +202,7 @@ cdef int _end_dead_sleep(CachingAllocator self, object tag) except -1:
         for span in state.spans:
             if span.expandable or not _wholly_held(self, span.address, held):
                 if span.released:
-                    _restore_span(self, span)
+                    _restore_span(self, span, False)
                 _copy_back(self, state, span)
         # From here on no Python code runs until the caller's release.
         for span in state.spans:
@@ -210,6 +210,7 @@ cdef int _end_dead_sleep(CachingAllocator self, object tag) except -1:
                 span.released = False
                 self.total_allocated_memory += <size_t>span.size
                 pool_increase_without_peak(&self.stats, S_RESERVED_BYTES, span.is_small, <int64_t>span.size)
+                _trace_span(self, T_SEGMENT_MAP, span)      # for the release's segment_free that follows
         # Debug mode's fill would write to memory not backed; the pool's
         # blocks are never handed out again, so no fill is needed.
         self.debug_on = False

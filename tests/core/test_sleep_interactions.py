@@ -227,3 +227,36 @@ def test_a_sleep_made_by_the_backends_malloc_refuses_the_request():
     allocator.free(kept)
     allocator.empty_cache()
     assert allocator.memory_reserved() == 0
+
+
+@pytest.mark.parametrize("expandable", [False, True])
+def test_waking_a_pool_is_held_to_the_memory_limit(expandable):
+    """The room a pool's sleep gave back went to the device meanwhile: waking
+    it would have passed the limit (80 MiB reserved with 64 allowed, every
+    later allocation refused). It raises, the pool stays asleep and nothing
+    changed; once there is room it wakes with its bytes."""
+    backend = PageAlignedBackend()
+    a = _core.CachingAllocator(backend, 0, expandable_segments=expandable)
+    a.set_memory_limit(64 * MiB)
+    pool_id = (0, 1)
+    a.create_pool(pool_id, None, False, False)
+    a.begin_pool(pool_id)
+    kept = a.malloc(40 * MiB)
+    a.end_pool(pool_id)
+    ctypes.memset(kept, 0x5A, 40 * MiB)
+    a.sleep_pool(pool_id)
+    device = a.malloc(40 * MiB)
+    before = stats(a)
+    with pytest.raises(_core.OutOfMemoryError, match="memory limit"):
+        a.wake_up_pool(pool_id)
+    assert a.is_sleeping(pool_id)
+    assert stats(a) == before
+    assert a.memory_reserved() <= 64 * MiB
+    a._check_invariants()
+    a.free(device)
+    a.empty_cache()
+    a.wake_up_pool(pool_id)
+    assert not a.is_sleeping(pool_id)
+    assert ctypes.string_at(kept, 40 * MiB) == b"\x5a" * (40 * MiB)
+    a.free(kept)
+    a._check_invariants()

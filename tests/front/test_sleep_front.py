@@ -142,3 +142,33 @@ def test_with_the_cache_off_what_wake_up_brings_back_free_goes_back(awake_cpu, c
         assert cpu.memory_allocated() == 0 and cpu.memory_reserved() == 0
     finally:
         cpu.caching_allocator_enable(True)
+
+
+def test_the_history_follows_reserved_memory_through_a_sleep(awake_cpu):
+    """A sleep's release and a wake's backing are recorded as segment_unmap
+    and segment_map: a timeline rebuilt from the history (memory_viz, the
+    report) showed the memory held all through the sleep."""
+    cpu.empty_cache()
+    start = cpu.memory_reserved()
+    cpu._record_memory_history("all")
+    try:
+        blocks = [cpu.caching_allocator_alloc(n) for n in (1000, 25 * MiB)]
+        awake = cpu.memory_reserved()
+        cpu.sleep()
+        asleep = cpu.memory_reserved()
+        cpu.wake_up()
+        for ptr in blocks:
+            cpu.caching_allocator_delete(ptr)
+        cpu.empty_cache()
+        events = cpu._snapshot()["device_traces"][0]
+    finally:
+        cpu._record_memory_history(None)
+    grows, shrinks = ("segment_alloc", "segment_map"), ("segment_free", "segment_unmap")
+    total, seen = start, []
+    for event in events:
+        if event["action"] in grows + shrinks:
+            total += event["size"] if event["action"] in grows else -event["size"]
+            seen.append(total)
+    assert asleep < awake
+    assert asleep in seen and seen.count(awake) >= 2          # held, given back, held again
+    assert total == cpu.memory_reserved()
