@@ -457,8 +457,8 @@ cdef int _end_sleep(CachingAllocator self, object state, object tag) except -1:
         b.event_count -= 1
         if b.event_count == 0:
             self._free_block(b)
-    if state.whole_device:
-        self.sleeping = False
+    if state.whole_device:       # another tag's whole-device sleep may still be in force
+        self.sleeping = any(other.whole_device for other in self.sleep_states.values() if other is not state)
         self._update_unusual()
     if self.debug_on:
         _fill_free_blocks(self)            # the new pages hold zeros, not the fill

@@ -260,3 +260,24 @@ def test_waking_a_pool_is_held_to_the_memory_limit(expandable):
     assert ctypes.string_at(kept, 40 * MiB) == b"\x5a" * (40 * MiB)
     a.free(kept)
     a._check_invariants()
+
+
+def test_a_whole_device_sleep_stays_in_force_while_another_tags_ends():
+    """Two whole-device sleeps under two tags: ending one let allocation go on
+    (and reserve new memory) while the other still held the device asleep."""
+    a = _core.CachingAllocator(PageAlignedBackend(), 0)
+    kept = a.malloc(MiB)
+    ctypes.memset(kept, 5, MiB)
+    a.sleep(True, None, "x")
+    a.sleep(True)
+    a.wake_up()
+    assert a.is_sleeping("x")
+    before = stats(a)
+    with pytest.raises(RuntimeError, match="asleep"):
+        a.malloc(1000)
+    assert stats(a) == before
+    a.wake_up("x")
+    assert ctypes.string_at(kept, 4) == b"\x05" * 4
+    a.free(a.malloc(1000))
+    a.free(kept)
+    a._check_invariants()

@@ -52,9 +52,26 @@ def test_cpu_sleep_without_offload_and_frees_while_asleep(awake_cpu):
 
 
 def test_cpu_sleep_refuses_what_is_no_bool(awake_cpu):
-    with pytest.raises(TypeError, match="offload"):
+    with pytest.raises(TypeError, match="offload must be a bool, not str"):
         cpu.sleep(offload="yes")
+    with pytest.raises(TypeError, match="not numpy.int64"):
+        cpu.sleep(offload=numpy.int64(1))
     assert not cpu.is_sleeping()
+
+
+@pytest.mark.parametrize("flag", [numpy.True_, numpy.False_])
+def test_sleep_and_a_pools_snapshot_take_a_numpy_bool_as_pybind11_does(awake_cpu, flag):
+    """They refused one with "offload must be a bool, not bool", while
+    MemPool(use_on_oom=numpy.True_) took it."""
+    ptr = cpu.caching_allocator_alloc(1000)
+    cpu.sleep(flag)
+    assert cpu.is_sleeping()
+    cpu.wake_up()
+    pool = cpu.MemPool(use_on_oom=flag)
+    pool.sleep(flag)
+    pool.wake_up()
+    assert isinstance(pool.snapshot(flag), list)
+    cpu.caching_allocator_delete(ptr)
 
 
 def test_a_device_never_used_is_awake_and_wake_up_does_nothing():

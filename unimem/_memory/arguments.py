@@ -151,10 +151,12 @@ def record_stream_on_pools(memory: MemoryLike, stream: Any,
 
 
 def check_bool(name: str, value: Any) -> None:
-    """``TypeError`` unless ``value`` is a bool (PyTorch's bool arguments take
-    nothing else: not None, not 0 or 1)."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, not {type(value).__name__}")
+    """``TypeError`` unless ``value`` is a bool or a NumPy bool (what a
+    pybind11 ``bool`` of PyTorch's takes without ``None``: not 0 or 1)."""
+    kind = type(value)
+    if not isinstance(value, bool) and not (kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_")):
+        raise TypeError(f"{name} must be a bool, not {kind.__module__ + '.' if kind.__module__ != 'builtins' else ''}"
+                        f"{kind.__name__}")
 
 
 def native_bool(name: str, value: Any) -> bool:
