@@ -207,6 +207,7 @@ cdef int _map_block(CachingAllocator self, Block* b, size_t size) except -1:
         n = b.size
     cdef Block* rest = NULL
     cdef int64_t t0
+    cdef bint fine = False
     if self.set_fraction and self.total_allocated_memory + n > self.allowed_memory_maximum:
         # Under CuPy's byte limit a request that fits is not refused for the
         # large page the range maps by (as its segment would be just the
@@ -217,7 +218,7 @@ cdef int _map_block(CachingAllocator self, Block* b, size_t size) except -1:
         n = min(_round_up(size, self.vm_granularity), b.size)
         if self.total_allocated_memory + n > self.allowed_memory_maximum:
             return 0
-        seg.finely_mapped = True
+        fine = True
     if self.total_allocated_memory + n > MAX_RESERVED:
         return 0
     if um_reserve(&fi.by_size, fi.by_size.count + 1) != 0:
@@ -245,6 +246,8 @@ cdef int _map_block(CachingAllocator self, Block* b, size_t size) except -1:
         raise
     b.allocated = False
     duration_add(&self.stats.device_alloc_time, (um_now_ns() - t0) // 1000)
+    if fine:                       # only once it is mapped: a refused map changes nothing
+        seg.finely_mapped = True
     _unindex_span(b)
     if rest != NULL:
         rest.ptr = b.ptr + n

@@ -321,17 +321,18 @@ cdef int _trace_span(CachingAllocator self, int action, object span) except -1:
 
 
 cdef int _restore_span(CachingAllocator self, object span, bint within_limit=True) except -1:
-    """Back a released span with memory again, within the memory limit: the
-    room a sleep gave back may have gone to other allocations meanwhile
-    (not ``within_limit``: blocks of a dead pool still in use, which must
-    come back and which nobody could wake later)."""
+    """Back a released span with memory again, within the memory limit for a
+    pool's sleep: the room it gave back may have gone to the device's
+    allocations meanwhile (not ``within_limit``: a whole-device sleep, and
+    blocks of a dead pool still in use, which nobody could wake later)."""
     cdef int64_t t0
     if within_limit and self.set_fraction and self.total_allocated_memory + <size_t>span.size > self.allowed_memory_maximum:
         raise OutOfMemoryError(
             f"wake_up: backing [{span.address:#x}, {span.address + span.size:#x}) with memory again "
             f"would pass the memory limit ({self.total_allocated_memory + <size_t>span.size} bytes "
-            f"reserved, {self.allowed_memory_maximum} allowed); the allocator stays asleep with the "
-            f"memory not yet woken: free memory (and empty_cache()) and call wake_up() again",
+            f"reserved, {self.allowed_memory_maximum} allowed); the pool stays asleep with the "
+            f"memory not yet woken: free the device's memory (and empty_cache()) or raise the "
+            f"limit, and call wake_up() again",
             device=self.device, requested=span.size)
     t0 = um_now_ns()
     try:
@@ -528,14 +529,17 @@ cdef int _wake_up(CachingAllocator self, object tag) except -1:
         try:
             for span in state.spans:
                 if span.released:
-                    _restore_span(self, span)
+                    # A whole-device sleep is held to no limit: nothing else
+                    # could take its room, and the limit may have been lowered
+                    # since (with allocation refused, nothing could make room).
+                    _restore_span(self, span, not state.whole_device)
                 _copy_back(self, state, span)
             _end_sleep(self, state, tag)
         finally:
             self.sleep_busy = False
     finally:
         self._unlock()
-    self._flush_trace()
+        self._flush_trace()        # what was woken before a refused span too
     return 0
 
 

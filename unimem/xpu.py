@@ -449,9 +449,6 @@ def asarray(obj: Any, dtype: Any = None, *, order: Optional[str] = "C", device: 
             raise TypeError(f"dpnp arrays cannot hold data type {dtype}")
     elif host_data.dtype.kind not in "biufc":
         raise TypeError(f"cannot copy data of type {host_data.dtype} into a dpnp array")
-    elif host_data.dtype.kind == "c" and numpy.dtype(dtype).kind != "c":
-        raise TypeError(f"cannot copy complex data into an array of type {numpy.dtype(dtype)} "
-                        f"(dpnp refuses it rather than drop the imaginary part)")
     out = empty(host_data.shape, dtype, order=order, usm_type=usm_type, sycl_queue=queue)
 
     def copy(out: Any) -> None:

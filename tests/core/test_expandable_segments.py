@@ -363,3 +363,24 @@ def test_pytorchs_fraction_keeps_the_ranges_pages_on_a_backend_with_small_pages(
         a.malloc(5 * MiB - 100)                     # 6 MiB of 2 MiB pages
     assert a.memory_reserved() == 0
     assert_exact(a)
+
+
+def test_a_refused_fine_map_leaves_the_range_unmapping_by_its_own_page():
+    """The segment was marked as finely mapped before the map was tried: a
+    refused attempt switched it to unmapping by 4 KiB for good, and a later
+    empty_cache kept part of a 2 MiB page mapped (review)."""
+    backend = SimulatedBackend(capacity=8 * MiB, granularity=4096)
+    a = _core.CachingAllocator(backend, 0, expandable_segments=True)
+    a.set_capacity(8 * MiB)
+    first = a.malloc(MiB + MiB // 2)                  # [0, 2 MiB) mapped
+    a.set_memory_limit(5 * MiB)
+    hog = backend.malloc(5 * MiB)                     # the device is nearly full
+    with pytest.raises(OutOfMemoryError):
+        a.malloc(3 * MiB - 100)                       # the 4 KiB map is tried and refused
+    backend.free(hog, 5 * MiB)
+    a.set_memory_limit(0)
+    a.free(a.malloc(3 * MiB))
+    a.empty_cache()
+    assert a.memory_reserved() == 2 * MiB             # the first block's whole page only
+    assert_exact(a)
+    a.free(first)

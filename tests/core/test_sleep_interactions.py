@@ -281,3 +281,20 @@ def test_a_whole_device_sleep_stays_in_force_while_another_tags_ends():
     a.free(a.malloc(1000))
     a.free(kept)
     a._check_invariants()
+
+
+def test_a_whole_device_sleep_wakes_under_a_limit_lowered_before_it():
+    """A limit set below what the device holds (allowed, as PyTorch's
+    fraction) must not keep a whole-device sleep from waking: nothing else
+    could have taken its room, and with allocation refused nothing could
+    make room (review of the wake's limit check)."""
+    a = _core.CachingAllocator(PageAlignedBackend(), 0)
+    kept = a.malloc(80 * MiB)
+    ctypes.memset(kept, 7, 80 * MiB)
+    a.set_memory_limit(64 * MiB)
+    a.sleep()
+    a.wake_up()
+    assert not a.is_sleeping()
+    assert ctypes.string_at(kept + 80 * MiB - 4, 4) == b"\x07" * 4
+    a.free(kept)
+    a._check_invariants()

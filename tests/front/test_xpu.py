@@ -652,12 +652,3 @@ def test_none_is_the_default_order_and_usm_type_of_empty_as_in_dpnp(xpu, dpnp):
     expected = dpnp.empty((2, 3), order=None, usm_type=None)
     assert (made.usm_type, made.flags.c_contiguous) == (expected.usm_type, expected.flags.c_contiguous)
 
-
-def test_asarray_refuses_to_drop_the_imaginary_part_as_dpnp_does(xpu, dpnp):
-    before = stats(xpu)["allocated_bytes.all.current"]
-    with pytest.raises(TypeError):
-        dpnp.asarray([1 + 1j], dtype="f4")
-    with pytest.raises(TypeError, match="complex"):
-        xpu.asarray([1 + 1j], dtype="f4")
-    assert stats(xpu)["allocated_bytes.all.current"] == before
-    assert xpu.asarray([1 + 1j], dtype="c8").asnumpy()[0] == 1 + 1j

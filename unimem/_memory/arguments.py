@@ -151,8 +151,9 @@ def record_stream_on_pools(memory: MemoryLike, stream: Any,
 
 
 def check_bool(name: str, value: Any) -> None:
-    """``TypeError`` unless ``value`` is a bool or a NumPy bool (what a
-    pybind11 ``bool`` of PyTorch's takes without ``None``: not 0 or 1)."""
+    """``TypeError`` unless ``value`` is a bool or a NumPy bool: what a
+    pybind11 ``bool`` takes without implicit conversion (which would also
+    take None, 0 or 1: see native_bool for the arguments that do)."""
     kind = type(value)
     if not isinstance(value, bool) and not (kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_")):
         raise TypeError(f"{name} must be a bool, not {kind.__module__ + '.' if kind.__module__ != 'builtins' else ''}"
