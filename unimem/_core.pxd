@@ -59,6 +59,7 @@ cdef class CachingAllocator:
     cdef StreamTable streams              # stream handle -> its free indexes
     cdef StreamPools* last_pools          # the last stream used (most calls use one)
     cdef vector[uintptr_t] dropped_streams  # streams whose pools went, for the backend
+    cdef bint streams_added               # a stream came in: ask which others are abandoned
     cdef Segment* segments                # doubly linked list of all segments
     cdef cmap[uintptr_t, Segment*] segments_by_base   # to refuse overlapping memory
     cdef bint exact_segments              # CuPy's policy: a segment is the rounded request

@@ -349,6 +349,9 @@ cdef class CachingAllocator:
             if sp == NULL:
                 return NULL
             self.streams[stream] = sp
+            # a new stream (a new SYCL queue): at this call's miss, ask the
+            # backend whether older streams were abandoned (_core_provider.pxi)
+            self.streams_added = stream != 0
         self.last_pools = sp
         return sp
 
@@ -952,6 +955,12 @@ cdef class CachingAllocator:
             if self.recording:
                 self._flush_trace()
             raise self._out_of_memory(size, tried)
+        if self.streams_added and self.lock_depth == 0:
+            try:
+                _release_abandoned_streams(self, stream)
+            except BaseException:       # a Ctrl-C: the caller never saw the block
+                self._try_free(b.ptr, by_handle, True)
+                raise
         self._after_malloc(b.ptr, size, by_handle)
         return b.ptr
 

@@ -138,3 +138,56 @@ cdef int _synchronize_and_free_events(CachingAllocator self) except -1:
             self.n_pending_events = len(self.pending_events)
             self._update_unusual()
     return 0
+
+
+cdef int _release_abandoned_streams(CachingAllocator self, uintptr_t serving) except -1:
+    """After a new stream's first miss: give back the cached memory of the
+    streams the backend says were abandoned (``abandoned_streams(streams,
+    device)``, optional: a SYCL queue made for one task, that nothing but
+    unimem's tables holds any more and whose work is done). Nobody can
+    allocate on such a stream again, so its free segments would stay
+    reserved until ``empty_cache`` or out-of-memory: with a queue per task
+    that is a segment a task, and on the SYCL CPU device that is host RAM.
+
+    PyTorch and CuPy keep a dead stream's cache until then; the check runs
+    once per new stream, not per allocation. A backend error is reported as
+    unraisable (the caller's allocation succeeded); a Ctrl-C is raised."""
+    self.streams_added = False
+    abandoned_streams = getattr(self.backend, "abandoned_streams", None)
+    if abandoned_streams is None:
+        return 0
+    cdef vector[uintptr_t] held
+    cdef StreamTable.iterator it
+    self._lock()
+    try:
+        it = self.streams.begin()
+        while it != self.streams.end():
+            if deref(it).first != 0 and deref(it).first != serving and deref(it).second.n_segments != 0:
+                held.push_back(deref(it).first)
+            inc(it)
+    finally:
+        self._unlock()
+    if held.empty():
+        return 0
+    try:
+        candidates = list(held)
+        named = set(abandoned_streams(list(candidates), self.device))
+        abandoned = [stream for stream in candidates if stream in named]
+        if abandoned:
+            self._lock()
+            try:
+                if self.n_pending_events:
+                    _process_events(self)
+                for stream in abandoned:
+                    if self.expandable:
+                        _unmap_free_pages(self, True, stream)
+                    _release_segments(self, False, True, stream, 0)
+                self._drop_unused_streams()
+            finally:
+                self._unlock()
+            _tell_backend_dropped_streams(self)
+            if self.recording:
+                self._flush_trace()
+    except Exception as exc:
+        _report_unraisable(exc, "unimem: giving back the cache of abandoned streams")
+    return 0

@@ -140,3 +140,79 @@ def test_a_refused_record_stream_keeps_no_queue(xpu, dpctl):
     del queue
     gc.collect()
     assert runtime.queues[handle] is None, "the queue of a refused record_stream is still held"
+
+
+def segments_of(pool, handle):
+    return [seg for seg in pool.snapshot() if seg["stream"] == handle]
+
+
+@pytest.mark.parametrize("made_by", ["unimem.xpu.empty", "dpnp.empty, allocator installed"])
+def test_the_cache_of_dropped_queues_goes_back_at_the_next_new_queue(xpu, dpnp, dpctl, made_by):
+    """A queue per task, dropped after it: each left a cached 2 MiB segment
+    until empty_cache() or out-of-memory (80 MiB of host RAM for 40 tasks on
+    the SYCL CPU device; dpctl's order manager keeps every queue dpnp used,
+    but nobody can allocate on a queue only it and unimem hold). Each new
+    queue's first allocation now gives the cache of the abandoned ones back."""
+    device = xpu.default_queue().sycl_device
+    make = xpu.empty if made_by == "unimem.xpu.empty" else dpnp.empty
+    task(make, xpu.default_queue(), 0)
+    xpu.empty_cache()
+    reserved_before = xpu.memory_reserved()
+    with xpu.using_allocator() if made_by != "unimem.xpu.empty" else contextlib.nullcontext():
+        for number in range(40):
+            queue = dpctl.SyclQueue(device, property=["enable_profiling", "in_order"])
+            task(make, queue, number)
+            del queue
+    assert xpu.memory_allocated() == 0
+    grown = xpu.memory_reserved() - reserved_before
+    assert grown <= 3 * (2 << 20), f"{grown >> 20} MiB still cached for 40 dropped queues"
+
+
+def test_a_queue_the_user_holds_keeps_its_cache(xpu, dpctl):
+    """Only a queue nobody holds is abandoned: another queue's first
+    allocation leaves the cache of one the user keeps (PyTorch and CuPy keep
+    a stream's cache until empty_cache)."""
+    pool = xpu.allocator_for("device")
+    device = xpu.default_queue().sycl_device
+    held = dpctl.SyclQueue(device, property="in_order")
+    held_handle = xpu.stream_handle(held)
+    pool.free(pool.malloc(4096, held_handle))
+    other = dpctl.SyclQueue(device, property="in_order")
+    p = pool.malloc(4096, xpu.stream_handle(other))
+    assert len(segments_of(pool, held_handle)) == 1
+    pool.free(p)
+    del held
+    gc.collect()
+    third = dpctl.SyclQueue(device, property="in_order")
+    p = pool.malloc(4096, xpu.stream_handle(third))
+    assert segments_of(pool, held_handle) == [], "the dropped queue's cache is still reserved"
+    pool.free(p)
+
+
+def test_a_dropped_queue_still_at_work_is_not_abandoned(xpu, dpctl):
+    """The runtime names a queue only once a barrier on it completes at once:
+    freeing its segments would wait for its work, and an allocation must not
+    wait for the device. (A stand-in queue whose barrier never completes.)"""
+    from unimem.backends import xpu as xpu_backend
+    runtime = xpu_backend._SyclRuntime.get()
+    pool = xpu.allocator_for("device")
+    device = xpu.default_queue().sycl_device
+    queue = dpctl.SyclQueue(device, property="in_order")
+    handle = xpu.stream_handle(queue)
+    pool.free(pool.malloc(4096, handle))
+
+    class Running:
+        execution_status = dpctl.event_status_type.running
+
+    class Busy:
+        def submit_barrier(self):
+            return Running()
+    runtime.queues[handle] = Busy()       # held by nothing else: only its work keeps it
+    try:
+        assert runtime.abandoned([handle], 0) == [], "a queue at work was named abandoned"
+    finally:
+        runtime.queues[handle] = queue
+    del queue
+    gc.collect()
+    assert runtime.abandoned([handle], 0) == [handle], "the idle, dropped queue is abandoned"
+    pool.empty_cache()

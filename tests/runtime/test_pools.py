@@ -170,7 +170,7 @@ def test_wrappers_forward_every_member_of_the_protocol(wrapper, intercepted):
 
 def test_the_protocol_declares_what_the_core_asks():
     assert {"malloc", "free", "memory_info", "max_allocation_size", "record_event", "event_done",
-            "event_synchronize", "release_event", "check_stream", "release_stream", "synchronize",
+            "event_synchronize", "release_event", "check_stream", "release_stream", "abandoned_streams", "synchronize",
             "api_name", "name", "host_accessible", "survives_fork", "_raw_api", "_raw_owner"} <= backend_members()
     assert isinstance(SimulatedBackend(), Backend)
 

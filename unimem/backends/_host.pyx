@@ -204,6 +204,9 @@ cdef class PageAlignedBackend:
     def release_stream(self, stream, device):
         pass
 
+    def abandoned_streams(self, streams, device):
+        return []
+
     def sweep_released_streams(self):
         pass
 

@@ -20,7 +20,7 @@ including those added later.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, FrozenSet, Iterable, Optional, Protocol, Tuple, TypeVar, runtime_checkable
+from typing import Any, Callable, FrozenSet, Iterable, List, Optional, Protocol, Tuple, TypeVar, runtime_checkable
 
 
 @runtime_checkable
@@ -97,6 +97,13 @@ class Backend(Protocol):
         Called by the core with its lock held, in the order of its own
         changes (so it must not wait: let go in
         :meth:`sweep_released_streams`); absent: nothing to do."""
+
+    def abandoned_streams(self, streams: List[int], device: int) -> List[int]:
+        """Of ``streams`` (those the allocator keeps cached memory for), the
+        ones nobody can allocate on any more and whose work is done: their
+        free segments are given back. Called by the core, without its lock,
+        once per new stream it sees (must not wait); absent: none."""
+        return []
 
     def sweep_released_streams(self) -> None:
         """Let go of what was held for the streams released so far. Called by

@@ -254,12 +254,53 @@ class _SyclRuntime:
 
     def _only_this_table_holds(self, queue) -> bool:
         """Whether the only references to ``queue`` are this table's and the
-        raw allocators' (and the caller's local name and this argument)."""
+        raw allocators' (and the caller's local name and this argument), or
+        dpctl's order manager's: it keeps every queue dpnp ever used until
+        its ``clear()``, keyed by the queue, and nobody gets a queue back
+        from it to allocate on."""
         if sys.implementation.name != "cpython":
             return False        # no reliable reference count: keep the queue
         # self.queues, self.handles, one per raw allocator, the caller's
         # local, this argument and getrefcount's own
-        return sys.getrefcount(queue) <= 5 + len(self.raw_allocators)
+        references = sys.getrefcount(queue) - (5 + len(self.raw_allocators))
+        return references <= 0 or (references == 1 and self._order_manager_holds(queue))
+
+    def _order_manager_holds(self, queue) -> bool:
+        """Whether dpctl's ``SequentialOrderManager`` (of this thread's
+        context) has an entry for ``queue``."""
+        managers = getattr(getattr(self.dpctl, "utils", None), "SequentialOrderManager", None)
+        queue_map = getattr(managers, "_map", None)
+        try:
+            return queue in queue_map.get()
+        except Exception:       # another dpctl's layout: count its reference as a holder
+            return False
+
+    def abandoned(self, handles: List[int], device: int) -> List[int]:
+        """Of ``handles`` (queues of ``device`` the core keeps cached memory
+        for), those whose queue nothing but unimem holds and whose work is
+        done: nobody can allocate on it again. Queues record_stream named are
+        kept (the core waits on their events). Never waits: a queue still at
+        work, or the table locked by another call, is asked about again at
+        the core's next new stream."""
+        idle_candidates = []
+        if not self._lock.acquire(blocking=False):
+            return []
+        try:
+            for handle in handles:
+                queue = self.queues[handle] if 0 < handle < len(self.queues) else None
+                if (queue is None or self.handle_devices.get(handle) != device
+                        or any(handle in names for names in self.named_streams)):
+                    continue
+                if self._only_this_table_holds(queue):
+                    idle_candidates.append(handle)
+                del queue
+        finally:
+            self._lock.release()
+        complete = self.dpctl.event_status_type.complete
+        # a barrier's event completes once the work queued before it has
+        return [handle for handle in idle_candidates
+                if self.queues[handle] is not None
+                and self.queues[handle].submit_barrier().execution_status == complete]
 
     def _drop_queue(self, handle: int) -> None:
         queue = self.queues[handle]
@@ -381,6 +422,12 @@ class XPUBackend(Backend):
         :meth:`sweep_released_streams` (the core's lock is held here)."""
         self._named_streams.discard(stream)
         self.runtime.release(stream, sweep=False)
+
+    def abandoned_streams(self, streams: List[int], device: int) -> List[int]:
+        """Of ``streams``, those whose queue was dropped by everyone but
+        unimem and has finished its work: their cached memory may go back
+        (see :meth:`_SyclRuntime.abandoned`)."""
+        return self.runtime.abandoned(streams, device)
 
     def sweep_released_streams(self) -> None:
         """Let go of the queues of released streams that nothing uses any more."""
