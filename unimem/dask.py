@@ -158,7 +158,10 @@ class UnimemPlugin(WorkerPlugin):
         share its allocators and environment: the first one's setup changes
         them, the others' only count. A setup with other options (the plugin
         registered again: Dask sets the new one up worker by worker) undoes
-        the process's and applies its own for all of them."""
+        the process's and applies its own for all of them, unless the
+        device's allocator already runs with other ``alloc_conf`` options,
+        which apply to new allocators only: then it is refused before
+        anything is undone, and the process's setup stays in force."""
         global _in_process
         with _process_lock:
             workers = set()
@@ -166,6 +169,7 @@ class UnimemPlugin(WorkerPlugin):
                 if _in_process.options == self._options():
                     _in_process.workers.add(_worker_key(worker, self))
                     return
+                _refuse_other_settings(self, self._device_type())
                 workers = _in_process.workers
                 done, _in_process = _in_process, None
                 done.undo()
@@ -177,6 +181,10 @@ class UnimemPlugin(WorkerPlugin):
                 raise
             done.workers = workers | {_worker_key(worker, self)}
             _in_process = done
+
+    def _device_type(self) -> _devices.DeviceType:
+        """The device type this plugin sets up (the current one when not named)."""
+        return _devices.get_type(self.device_type) if self.device_type else _devices.current_type()
 
     def _options(self) -> Tuple[Any, ...]:
         """What this plugin does to a process, spelling aside: two plugins
@@ -223,7 +231,7 @@ class _ProcessSetup:
         self.env_before = (ENV_VAR in os.environ, os.environ.get(ENV_VAR))
         if plugin.alloc_conf is not None:
             os.environ[ENV_VAR] = plugin.alloc_conf
-        dtype = _devices.get_type(plugin.device_type) if plugin.device_type else _devices.current_type()
+        dtype = plugin._device_type()
         _refuse_other_settings(plugin, dtype)
         before = set(installed_allocators())
         install_allocators()
@@ -387,6 +395,17 @@ SUMMARY_COLUMNS = (
     ("peak reserved", "reserved_bytes.all.peak"),
     ("raw allocs", "num_device_alloc"),
 )
+# The same columns from host_memory_stats (device "host"), whose keys have
+# no pool part and whose raw allocations are num_host_alloc, as PyTorch's.
+HOST_SUMMARY_KEYS = ("allocated_bytes.current", "allocated_bytes.peak", "reserved_bytes.current",
+                     "reserved_bytes.peak", "num_host_alloc")
+
+
+def _summary_values(device: str, stats: Mapping[str, Any]) -> List[int]:
+    """The summary's columns of one device's statistics (0 for a key a
+    worker of another unimem version does not report)."""
+    keys = HOST_SUMMARY_KEYS if device == "host" else tuple(key for _, key in SUMMARY_COLUMNS)
+    return [int(stats.get(key, 0)) for key in keys]
 
 
 def _summary_table(reports: Mapping[str, Mapping[str, Any]], missing: Mapping[str, str]) -> str:
@@ -396,7 +415,7 @@ def _summary_table(reports: Mapping[str, Mapping[str, Any]], missing: Mapping[st
     counted = set()      # workers that share a process share its pools: each pool counts once
     for address in sorted(reports):
         for device, stats in reports[address]["devices"].items():
-            values = [int(stats.get(key, 0)) for _, key in SUMMARY_COLUMNS]
+            values = _summary_values(device, stats)
             rows.append((address, device, *(_core.format_size(v) for v in values[:-1]), str(values[-1])))
             pool = (reports[address].get("process", address), device)
             if pool in counted:

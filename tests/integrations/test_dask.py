@@ -355,6 +355,33 @@ def test_setup_refuses_other_options_on_an_allocator_already_in_use(monkeypatch)
     assert _process_state() == before
 
 
+def test_a_refused_setup_with_other_options_keeps_the_processs_setup(monkeypatch):
+    """The plugin registered again with another alloc_conf, on a process whose
+    allocator the first setup made (its pool_size): the new setup undid the
+    first one (environment, installed libraries, reservation) and only then
+    was refused, leaving the workers still running the first without it."""
+    monkeypatch.delenv("UNIMEM_ALLOC_CONF", raising=False)
+    unimem.cpu.empty_cache()
+    before = _process_state()
+    first, second = object(), object()
+    # the defaults, spelled out: the process's cpu allocator (made by earlier
+    # tests, or by pool_size here) keeps them for the tests after this one
+    plugin = unimem_dask.UnimemPlugin("expandable_segments:False", pool_size=8 * MiB, device_type="cpu")
+    plugin.setup(first)
+    plugin.setup(second)
+    try:
+        set_up = _process_state()
+        other = unimem_dask.UnimemPlugin("max_split_size_mb:128", device_type="cpu")
+        with pytest.raises(RuntimeError, match="already allocates with other options"):
+            other.setup(first)
+        assert _process_state() == set_up
+        assert unimem_dask._in_process is not None and unimem_dask._in_process.workers == {id(first), id(second)}
+    finally:
+        plugin.teardown(first)
+        plugin.teardown(second)
+    assert _process_state() == before
+
+
 def test_uninstall_only_what_was_named():
     with pytest.raises(ValueError, match="unknown array libraries"):
         _install.uninstall_allocators(["numpy"])
@@ -452,3 +479,25 @@ def test_the_totals_count_each_process_once_by_a_token_no_other_process_has():
                             "_, status = os.waitpid(pid, 0); raise SystemExit(os.waitstatus_to_exitcode(status))"],
                            capture_output=True, text=True, timeout=60)
     assert child.returncode == 0, child.stderr
+
+
+def test_the_summary_shows_the_pinned_host_pool():
+    """host_memory_stats has no ".all." in its keys and counts num_host_alloc:
+    the summary's "host" row and "total (host)" read the device keys and
+    showed 0 bytes and 0 raw allocations for a pool holding memory."""
+    import unimem.host
+    block = unimem.host.caching_host_alloc(100_000)
+    try:
+        report = unimem_dask.worker_report()
+        stats = report["devices"]["host"]
+        table = unimem_dask._summary_table({"tcp://w:1": report}, {})
+    finally:
+        unimem.host.caching_host_delete(block)
+    row = next(line for line in table.splitlines() if line.startswith("tcp://w:1") and " host " in line)
+    total = next(line for line in table.splitlines() if line.startswith("total (host)"))
+    expected = [_core.format_size(stats["allocated_bytes.current"]), _core.format_size(stats["allocated_bytes.peak"]),
+                _core.format_size(stats["reserved_bytes.current"]), _core.format_size(stats["reserved_bytes.peak"]),
+                str(stats["num_host_alloc"])]
+    assert stats["allocated_bytes.current"] > 0 and stats["num_host_alloc"] >= 1
+    assert " ".join(row.split()[2:]) == " ".join(expected)
+    assert " ".join(total.split()[2:]) == " ".join(expected)
