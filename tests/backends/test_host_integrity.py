@@ -52,3 +52,37 @@ def test_host_memory_is_page_aligned():
         backend.free(ptr)                  # the size is needed to give memory back
     free, total = backend.memory_info()
     assert 0 < free <= total
+
+
+def test_free_takes_back_only_a_segment_it_handed_out():
+    """free munmapped whatever it was given: someone else's mapping (whose
+    owner then crashed on its next access), or part of a segment (the table
+    forgot the segment and the rest stayed mapped for good). Now anything but
+    a segment and its size is refused with nothing unmapped."""
+    import mmap
+    backend = PageAlignedBackend()
+    foreign = mmap.mmap(-1, 1 << 16)
+    address = ctypes.addressof(ctypes.c_char.from_buffer(foreign))
+    with pytest.raises(ValueError, match="not a segment this backend handed out"):
+        backend.free(address, 1 << 16)
+    foreign[0] = 1                              # still mapped (a SIGSEGV before the fix)
+    del address
+    foreign.close()
+    segment = backend.malloc(1 << 16)
+    fill(segment, 1 << 16, 7)
+    for ptr, size in ((segment, 4096), (segment + 4096, (1 << 16) - 4096), (segment, 1 << 17)):
+        with pytest.raises(ValueError, match="not a segment"):
+            backend.free(ptr, size)
+    assert intact(segment, 1 << 16, 7)
+    backend.release_pages(segment, 1 << 16)     # the table still knows the whole segment
+    backend.restore_pages(segment, 1 << 16)
+    backend.free(segment, 1 << 16)
+    with pytest.raises(ValueError, match="not a segment"):
+        backend.free(segment, 1 << 16)          # twice
+
+
+@pytest.mark.parametrize("size, error", [(-1, ValueError), (1.5, TypeError), (True, TypeError), ("8", TypeError)])
+def test_malloc_refuses_what_is_no_byte_count(size, error):
+    """malloc(1.5) mapped 1 byte and malloc(True) 1; malloc(-1) raised OverflowError."""
+    with pytest.raises(error, match="size must be"):
+        PageAlignedBackend().malloc(size)

@@ -52,6 +52,12 @@ cdef unordered_map[uintptr_t, size_t] held_segments
 cdef UMLock held_segments_lock
 
 
+cdef inline bint is_held_segment(uintptr_t address, size_t size) noexcept nogil:
+    """Whether ``[address, address+size)`` is exactly a live segment. Lock held."""
+    cdef unordered_map[uintptr_t, size_t].iterator it = held_segments.find(address)
+    return it != held_segments.end() and deref(it).second == size
+
+
 cdef int host_malloc(void* ctx, size_t size, int device, uintptr_t stream,
                      uintptr_t* out) noexcept nogil:
     cdef void* p
@@ -70,16 +76,16 @@ cdef int host_malloc(void* ctx, size_t size, int device, uintptr_t stream,
 
 cdef int host_free(void* ctx, uintptr_t ptr, size_t size, int device,
                    uintptr_t stream) noexcept nogil:
+    """munmap a segment malloc handed out, whole: munmap would as readily take
+    away someone else's mapping, or part of a segment (leaving the rest
+    mapped and unknown), so anything else is refused with nothing done."""
     held_segments_lock.lock()
+    if not is_held_segment(ptr, size):
+        held_segments_lock.unlock()
+        return RAW_ERROR
     held_segments.erase(ptr)
     held_segments_lock.unlock()
     return RAW_OK if munmap(<void*>ptr, size) == 0 else RAW_ERROR
-
-
-cdef inline bint is_held_segment(uintptr_t address, size_t size) noexcept nogil:
-    """Whether ``[address, address+size)`` is exactly a live segment. Lock held."""
-    cdef unordered_map[uintptr_t, size_t].iterator it = held_segments.find(address)
-    return it != held_segments.end() and deref(it).second == size
 
 
 def reset_after_fork_in_child():
@@ -136,6 +142,15 @@ def _segment_span(address, size, device):
     return a, n
 
 
+def _checked_size(size):
+    """A size as malloc and free take it: an int (``operator.index``), not
+    negative."""
+    n = as_int(size, "size")
+    if n < 0 or n >= 1 << 64:
+        raise ValueError(f"size must be a byte count from 0 to 2**64 - 1, got {n}")
+    return n
+
+
 def _check_host_device(device):
     """The host is one device, 0."""
     if as_int(device, "device") != 0:
@@ -168,15 +183,27 @@ cdef class PageAlignedBackend:
 
     def malloc(self, size, int device=0, stream=0):
         cdef uintptr_t out = 0
-        cdef size_t n = size
+        cdef size_t n = _checked_size(size)
         if host_malloc(NULL, n, device, 0, &out) != RAW_OK:
             raise MemoryError(f"mmap could not provide {n} bytes")
         return out
 
-    def free(self, uintptr_t ptr, size_t size, int device=0, stream=0):
-        """Give ``size`` bytes at ``ptr`` (as allocated) back to the system."""
-        if host_free(NULL, ptr, size, device, 0) != RAW_OK:
-            raise OSError(f"munmap({ptr:#x}, {size}) failed")
+    def free(self, ptr, size, int device=0, stream=0):
+        """Give ``size`` bytes at ``ptr`` (as allocated) back to the system.
+        ``ValueError`` for anything but a segment :meth:`malloc` handed out
+        and its size (nothing is unmapped then)."""
+        address = as_int(ptr, "ptr")
+        cdef size_t n = _checked_size(size)
+        if not 0 < address < 1 << 64:
+            raise ValueError(_not_a_segment(address, n))
+        cdef uintptr_t a = address
+        held_segments_lock.lock()
+        held = is_held_segment(a, n)
+        held_segments_lock.unlock()
+        if not held:
+            raise ValueError(_not_a_segment(a, n))
+        if host_free(NULL, a, n, device, 0) != RAW_OK:
+            raise OSError(f"munmap({a:#x}, {n}) failed")
 
     def device_count(self):
         return 1
