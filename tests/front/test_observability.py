@@ -332,7 +332,10 @@ def test_recording_stops_and_bad_arguments_are_errors():
     for bad, torchs in ((dict(enabled="yes"), RuntimeError), (dict(context="some"), RuntimeError),
                         (dict(stacks="cpp"), RuntimeError), (dict(skip_actions=["teleport"]), RuntimeError),
                         (dict(max_entries=-1), TypeError), (dict(max_entries=1 << 64), TypeError),
-                        (dict(max_entries="10"), TypeError)):
+                        (dict(max_entries="10"), TypeError),
+                        # pybind11's std::string conversion (these were only ValueError and RuntimeError)
+                        (dict(enabled=123), TypeError), (dict(context=1), TypeError),
+                        (dict(stacks=None), TypeError), (dict(enabled=b"all"), TypeError)):
         with pytest.raises(ValueError) as caught:
             unimem.cpu._record_memory_history(**bad)
         assert isinstance(caught.value, torchs), bad

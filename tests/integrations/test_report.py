@@ -471,3 +471,97 @@ def test_run_report_writes_the_report_of_the_run(tmp_path):
     page = page_text(report)
     assert f"make_buffer ({script}:3)" in page and "work.py (cpu device 0)" in page
     one_line_error(unimem_cli("run", "--report", str(tmp_path / "no" / "m.html"), str(script)), "cannot write")
+
+
+def test_run_report_says_when_the_script_dropped_the_history(tmp_path):
+    """PyTorch's recipe (record, work, _dump_snapshot, then
+    _record_memory_history(enabled=None)) drops the history, the run's too:
+    the report said "no history" and nothing told why."""
+    script = tmp_path / "recipe.py"
+    dumped = tmp_path / "own.pickle"
+    script.write_text("import unimem\n"
+                      "unimem.cpu._record_memory_history(max_entries=1000)\n"
+                      "kept = unimem.cpu.caching_allocator_alloc(5 << 20)\n"
+                      f"unimem.cpu._dump_snapshot({str(dumped)!r})\n"
+                      "unimem.cpu._record_memory_history(enabled=None)\n")
+    report = tmp_path / "memory.html"
+    done = unimem_cli("run", "--report", str(report), str(script), env={"UNIMEM_DEVICE": "cpu"})
+    assert done.returncode == 0, done.stderr
+    assert "the script stopped recording the memory history" in done.stderr
+    assert "python -m unimem view" in done.stderr
+    kept_recording = tmp_path / "keeps.py"
+    kept_recording.write_text("import unimem\nkept = unimem.cpu.caching_allocator_alloc(5 << 20)\n")
+    done = unimem_cli("run", "--report", str(report), str(kept_recording), env={"UNIMEM_DEVICE": "cpu"})
+    assert done.returncode == 0 and "stopped recording" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("child_ends", ["sys.exit(0)", "raise ValueError('child')", "pass"])
+def test_a_child_the_script_forks_writes_no_report_and_no_summary(tmp_path, child_ends):
+    """The child of a fork ended the script in unimem's runner, printed a
+    second summary and wrote the report too: the file left was the child's
+    (of the fork-time state), the parent's 64 MiB gone. The child now ends
+    as under ``python script.py``: with its own status and nothing more."""
+    script = tmp_path / "forks.py"
+    marker = tmp_path / "child.done"
+    script.write_text("import os, sys, time, unimem\n"
+                      "pid = os.fork()\n"
+                      "if pid == 0:\n"
+                      f"    time.sleep(1.5); open({str(marker)!r}, 'w').close()\n"
+                      f"    {child_ends}\n"
+                      "else:\n"
+                      "    kept = unimem.cpu.caching_allocator_alloc(64 << 20)\n"
+                      "    def wait_for_the_child():\n"
+                      "        os.waitpid(pid, 0)\n"
+                      "    import atexit; atexit.register(wait_for_the_child)\n")
+    report = tmp_path / "memory.html"
+    done = unimem_cli("run", "--report", str(report), str(script), env={"UNIMEM_DEVICE": "cpu"})
+    assert done.returncode == 0, done.stderr
+    assert marker.exists()
+    assert done.stderr.count(f"wrote {report}") == 1, done.stderr
+    assert done.stdout.count("memory summary") == 1, done.stdout
+    assert "64.00 MiB" in page_text(report)
+
+
+LINK = '<a href="https://evil.example/phish">Click to fix the OOM</a>'
+
+
+def snapshot_naming(text):
+    """A snapshot whose function name and segment type are ``text``."""
+    frames = [{"filename": "/home/user/train.py", "line": 3, "name": text}]
+    return {"segments": [{"device": 0, "address": 1 << 20, "total_size": 2 << 20, "stream": 0, "segment_type": text,
+                          "frames": frames,
+                          "blocks": [{"address": 1 << 20, "size": 512, "state": "active_allocated", "frames": frames},
+                                     {"address": (1 << 20) + 512, "size": (2 << 20) - 512, "state": "inactive",
+                                      "frames": []}]}],
+            "device_traces": [[{"action": "segment_alloc", "addr": 1 << 20, "size": 2 << 20, "stream": 0,
+                                "time_us": 1, "frames": frames},
+                               {"action": "alloc", "addr": 1 << 20, "size": 512, "stream": 0, "time_us": 2,
+                                "frames": frames}]]}
+
+
+def test_names_from_the_snapshot_reach_plotly_as_text():
+    """Legend names and axis labels render Plotly's HTML subset, links
+    included: a function name or segment type from the snapshot became a
+    clickable link in the legend, the largest-live labels and the segment
+    map's rows. Escaped now, as the hover texts were."""
+    from unimem._observe.report import report_html
+    page = report_html(snapshot_naming(LINK))
+    as_plotly_reads_it = page.replace("\\u003c", "<").replace("\\u002f", "/").replace('\\"', '"')
+    assert '<a href="https://evil.example' not in as_plotly_reads_it
+    assert as_plotly_reads_it.count('&lt;a href="https://evil.example') >= 3     # legend, label, row
+
+
+def test_no_link_from_the_snapshot_in_the_drawn_page(browser, tmp_path):
+    """The same, as Chromium draws it: no link to the snapshot's address."""
+    from unimem._observe.report import write_report
+    path = tmp_path / "memory.html"
+    write_report(snapshot_naming(LINK), path)
+    report = OpenedReport(browser, path)
+    try:
+        links = report.page.evaluate("""() => Array.from(document.querySelectorAll('a')).map(
+            a => a.getAttribute('href') || a.getAttribute('xlink:href') || '')""")
+        assert not [link for link in links if "evil.example" in link]
+        assert "Click to fix the OOM</a>" in report.page.inner_text("body")     # shown as the text it is
+        assert report.console_errors == []
+    finally:
+        report.close()

@@ -3,7 +3,7 @@ its bands against a plain recomputation, and the bound on its work."""
 import random
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from unimem._observe import timeline as timeline_module
 from unimem._observe.timeline import Timeline
@@ -68,6 +68,7 @@ def reference_bottoms(events, base):
 
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 120), before=st.sampled_from([0, 3 << 20]))
+@example(seed=21012201, n=1, before=3 << 20)    # the peak before the first event
 def test_every_band_is_where_the_plain_sweep_puts_it(seed, n, before):
     events, live_at_end = random_trace(random.Random(seed), n, before)
     tl = Timeline(snapshot_of(events, live_at_end), 0)
@@ -82,7 +83,10 @@ def test_every_band_is_where_the_plain_sweep_puts_it(seed, n, before):
     live = {e["addr"]: e["size"] for e in events if e["action"] == "alloc"}
     peak_time = tl.peak[1]
     at_peak = sum(b["size"] for b in tl.live_at_peak)
-    assert tl.active[peak_time] == tl.peak[0] >= at_peak
+    # the peak is the highest level drawn: after an event, or before the first
+    # (memory from before the recording that its first events free)
+    assert max(tl.active_steps()[1]) == tl.peak[0] >= at_peak
+    assert tl.peak[0] in ((tl.active[peak_time], tl.active_at_start) if peak_time == 0 else (tl.active[peak_time],))
     assert set(b["addr"] for b in tl.live_at_peak) <= set(live)
 
 
@@ -160,3 +164,46 @@ def test_a_snapshot_whose_blocks_have_no_addresses_falls_back_to_the_difference_
                 "device_traces": [events]}
     tl = Timeline(snapshot, 0)
     assert tl.base_steps[0][1] == 3 * 1024 + 8192 - 3 * 1000
+
+
+def test_a_file_name_shared_by_every_frame_is_looked_at_once(monkeypatch):
+    """A snapshot may share one long file name among all its frames (the
+    pickle memo): each allocation split the whole name again (a 1 MiB name,
+    2,000 allocations: a minute per view or plot). Which folder a name is
+    in is decided once per name now; counted here, not timed."""
+    looked_at = []
+    real = timeline_module.is_unimem_code
+
+    def counting(filename):
+        looked_at.append(len(filename))
+        return real(filename)
+    monkeypatch.setattr(timeline_module, "is_unimem_code", counting)
+    timeline_module._is_library_code.cache_clear()
+    frames = [{"filename": "/a" * 50_000, "line": 1, "name": "f"}]
+    events = []
+    for i in range(2000):
+        events.append({"action": "alloc", "addr": 512 * i, "size": 512, "time_us": 2 * i, "frames": frames})
+        events.append({"action": "free_completed", "addr": 512 * i, "size": 512, "time_us": 2 * i + 1})
+    sites = {timeline_module.allocation_site(e["frames"]) for e in events if e["action"] == "alloc"}
+    Timeline(snapshot_of(events), 0)
+    assert sites == {"a:1 f"}
+    assert len(looked_at) == 1, f"the name was looked at {len(looked_at)} times"
+
+
+def test_the_level_before_the_first_event_counts_for_the_peak():
+    """64 MiB allocated before the recording and freed by its first event,
+    then 1 MiB: the timeline's peak (the report's "peak active", the plot's
+    marker) was 1 MiB, where the summary on the same page says 64 MiB, and
+    its lines started after the free."""
+    MiB = 1 << 20
+    events = [{"action": "free_completed", "addr": 1 << 30, "size": 64 * MiB, "time_us": 10},
+              {"action": "alloc", "addr": 1 << 31, "size": MiB, "time_us": 20, "frames": []}]
+    segments = [{"device": 0, "address": 1 << 31, "total_size": 2 * MiB,
+                 "blocks": [{"address": 1 << 31, "size": MiB, "state": "active_allocated"},
+                            {"address": (1 << 31) + MiB, "size": MiB, "state": "inactive"}]}]
+    tl = Timeline({"segments": segments, "device_traces": [events]}, 0)
+    assert tl.peak[0] == 64 * MiB
+    assert tl.live_at_peak == []                  # nothing the trace allocated was live then
+    times, active = tl.active_steps()
+    assert active == [64 * MiB, 0, MiB] and times[0] == times[1]
+    assert tl.reserved_steps()[1][0] == 2 * MiB

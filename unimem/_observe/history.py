@@ -49,8 +49,10 @@ class HistoryOptionError(ValueError, RuntimeError):
 
 
 class HistoryArgumentTypeError(ValueError, TypeError):
-    """A ``max_entries`` that is no count: a ``ValueError``, and the
-    ``TypeError`` PyTorch's conversion to a ``size_t`` raises."""
+    """A ``max_entries`` that is no count, or an ``enabled``, ``context`` or
+    ``stacks`` that is no string: a ``ValueError``, and the ``TypeError``
+    PyTorch's binding raises for it (pybind11's conversion to a ``size_t``
+    or an ``std::string``)."""
 
 
 def is_unimem_code(filename: str) -> bool:
@@ -108,6 +110,11 @@ class History:
     def check_arguments(enabled: Optional[str], context: Optional[str], stacks: str,
                         max_entries: int, skip_actions: Optional[List[str]]) -> frozenset:
         """The arguments of ``_record_memory_history`` checked; the actions to skip."""
+        for name, value, optional in (("enabled", enabled, True), ("context", context, True),
+                                      ("stacks", stacks, False)):
+            if not isinstance(value, str) and not (optional and value is None):
+                expected = "a str or None" if optional else "a str"
+                raise HistoryArgumentTypeError(f"{name} must be {expected}, not {type(value).__name__}")
         if enabled not in (None, "state", "all"):
             raise HistoryOptionError(f"enabled must be None, 'state' or 'all', got {enabled!r}")
         if context not in (None, "state", "alloc", "all"):

@@ -84,7 +84,8 @@ def plot_snapshot(snapshot: Dict[str, Any], output: str, device: Optional[int] =
         base_x = [t for t, _ in tl.base_steps] + [end]
         base_y = [y / MiB for _, y in tl.base_steps]
         # All active memory in grey beneath: what has no band of its own shows
-        top.fill_between(tl.times + [end], [a / MiB for a in tl.active] + [tl.active[-1] / MiB], step="post",
+        active_times, active = tl.active_steps()
+        top.fill_between(active_times + [end], [a / MiB for a in active] + [active[-1] / MiB], step="post",
                          color=OTHER_COLOUR, linewidth=0)
         if len(tl.tracked_bands) < len(tl.bands):
             handles.append(Patch(color=OTHER_COLOUR, label="smaller allocations (no band of their own)"))
@@ -96,10 +97,11 @@ def plot_snapshot(snapshot: Dict[str, Any], output: str, device: Optional[int] =
         top.add_collection(PolyCollection([band_polygon(b, end) for b in drawn],
                                           facecolors=[colour_of[b["site"]] for b in drawn],
                                           edgecolors="none"))
-        top.step(tl.times, [r / MiB for r in tl.reserved], where="post", color="black",
+        reserved_times, reserved = tl.reserved_steps()
+        top.step(reserved_times, [r / MiB for r in reserved], where="post", color="black",
                  linewidth=1.4)
         handles.append(plt.Line2D([], [], color="black", linewidth=1.4, label="reserved (segments)"))
-        ymax = max(max(tl.reserved, default=0), tl.peak[0]) / MiB * 1.15 or 1.0
+        ymax = max(max(reserved, default=0), tl.peak[0]) / MiB * 1.15 or 1.0
         top.set_xlim(0, end)
         top.set_ylim(0, ymax)
         for t, size in tl.ooms:

@@ -97,7 +97,7 @@ def _step_line(x: Any, y: Any, name: str, meta: str, what: str, **style: Any) ->
 def _add_active_memory(fig: Any, tl: Timeline) -> None:
     """All active memory in grey (on top), what was there before the recording
     darker beneath; below, reserved and active memory as lines."""
-    active_times, active = data.downsample(tl.times, tl.active)
+    active_times, active = data.downsample(*tl.active_steps())
     fig.add_trace(_step_line(active_times, active, "active memory (grey: the allocations not drawn as bands)",
                              "active", "active", fill="tozeroy", fillcolor=OTHER_COLOUR,
                              line={"color": "#8c8c8c", "width": 0.8}), row=1, col=1)
@@ -107,7 +107,7 @@ def _add_active_memory(fig: Any, tl: Timeline) -> None:
         fig.add_trace(_step_line(before_times, before, "allocated before the recording", "before",
                                  "allocated before the recording", fill="tozeroy", fillcolor=BEFORE_COLOUR,
                                  line={"width": 0}), row=1, col=1)
-    reserved_times, reserved = data.downsample(tl.times, tl.reserved)
+    reserved_times, reserved = data.downsample(*tl.reserved_steps())
     fig.add_trace(_step_line(reserved_times, reserved, "reserved", "reserved", "reserved",
                              line={"color": RESERVED_COLOUR, "width": 1.5}, legendrank=2000), row=2, col=1)
     fig.add_trace(_step_line(active_times, active, "active", "allocated", "active",
@@ -128,7 +128,7 @@ def _add_bands(fig: Any, bands: List[data.Band], colour: _Colours) -> None:
         fig.add_trace(go.Scatter(
             x=_joined([b.x for b in group]), y=_joined([b.y for b in group]), mode="lines", fill="toself",
             fillcolor=colour(site), line={"width": 0.5, "color": "white"}, hoveron="fills", hoverinfo="text",
-            name=site, meta="bands",
+            name=html.escape(site, quote=False), meta="bands",      # Plotly renders tags in names
             text=(f"<b>{html.escape(site)}</b>: {len(group)} of the allocations drawn, "
                   f"{format_size(sum(b.size for b in group))}; the stack of the largest "
                   f"({format_size(largest.size)}):<br>{data.stack_text(largest.frames)}")), row=1, col=1)
@@ -148,7 +148,7 @@ def _add_ooms_and_peak(fig: Any, tl: Timeline) -> None:
     for t, _ in tl.ooms[:MAX_OOM_LINES]:
         fig.add_vline(x=t, line={"color": OOM_COLOUR, "dash": "dash", "width": 1.5})
     if tl.ooms:
-        top = max(tl.active, default=0) / MiB
+        top = max(tl.active_steps()[1], default=0) / MiB
         fig.add_trace(go.Scatter(
             x=[t for t, _ in tl.ooms], y=[top] * len(tl.ooms), mode="markers", name="out of memory",
             marker={"symbol": "x", "size": 11, "color": OOM_COLOUR}, meta="oom", hoverinfo="text",
@@ -201,7 +201,8 @@ def largest_live_figure(live: List[Dict[str, Any]], colour: _Colours) -> Any:
     """The largest allocations still live at the end, their stacks on hover."""
     import plotly.graph_objects as go
 
-    labels = [f"{k + 1}. {format_size(b['size'])} {b['site']}" for k, b in enumerate(live)]
+    # axis labels render Plotly's HTML subset (links too): the site is the snapshot's text
+    labels = [f"{k + 1}. {format_size(b['size'])} {html.escape(b['site'], quote=False)}" for k, b in enumerate(live)]
     fig = go.Figure(go.Bar(orientation="h", y=labels, x=[b["size"] / MiB for b in live], meta="largest",
                            marker={"color": [colour(b["site"]) for b in live]}, hoverinfo="text",
                            hovertext=[f"<b>{format_size(b['size'])}</b> on stream {b['stream']}<br>"

@@ -144,7 +144,9 @@ def segment_map(segments: List[Dict[str, Any]]) -> SegmentMap:
     out.blocks = {state: {"row": [], "offset": [], "size": [], "text": [], "site": []}
                   for state in (ALLOCATED, PENDING_FREE, FREE)}
     for number, segment in enumerate(shown):
-        row = (f"{number + 1}. {shorten(str(segment['segment_type']))} {format_size(segment['total_size'])} "
+        # a row is an axis label, where Plotly renders tags (links too): escaped
+        segment_type = html.escape(shorten(str(segment["segment_type"])), quote=False)
+        row = (f"{number + 1}. {segment_type} {format_size(segment['total_size'])} "
                f"(stream {segment.get('stream', 0)})")
         out.rows.append(row)
         offset = 0

@@ -78,6 +78,9 @@ def _library_dirs() -> Tuple[str, ...]:
     return tuple(os.path.join(d, "") for d in sorted(with_links_resolved) if d)
 
 
+# Per file name, not per allocation: a snapshot may share one long name
+# among all its frames (a 1 MiB name, 2,000 allocations: a minute per view).
+@functools.lru_cache(maxsize=4096)
 def _is_library_code(filename: str) -> bool:
     """Whether ``filename`` is an installed package's, the standard library's
     (frozen modules included) or unimem's, rather than the user's."""
@@ -100,7 +103,13 @@ def allocation_site(frames: List[Frame], read_source: bool = False) -> str:
     source = read_source_line(f["filename"], f["line"]) if read_source else ""
     if len(source) > 34:
         source = source[:33] + "…"
-    return f"{shorten(f['filename'].rsplit('/', 1)[-1])}:{f['line']} {shorten(source or f['name'])}"
+    return f"{_file_label(f['filename'])}:{f['line']} {shorten(source or f['name'])}"
+
+
+@functools.lru_cache(maxsize=4096)
+def _file_label(filename: str) -> str:
+    """A file's name without its folders, shortened (cached: see _is_library_code)."""
+    return shorten(filename.rsplit("/", 1)[-1])
 
 
 def _live_from_before(segments: List[Dict[str, Any]], open_at_end: Dict[int, int]) -> int:
@@ -176,7 +185,11 @@ class Timeline:
             e["size"] if e["action"] in GROWS else -e["size"]
             for e in events if e["action"] in GROWS + SHRINKS)
         self.base_steps: List[Tuple[float, float]] = []
-        self.peak = (0.0, -1)                     # (active bytes, event index)
+        # The levels just before the first event (memory from before the
+        # recording, freed by it, counts too): the peak may be there.
+        self.active_at_start = float(base)
+        self.reserved_at_start = float(reserved)
+        self.peak = (self.active_at_start, 0) if events else (0.0, -1)   # (active bytes, event index)
         for i, e in enumerate(events):
             t = self.times[i]
             action = e["action"]
@@ -226,6 +239,20 @@ class Timeline:
             first = base_end + sum(size for _, size in freed_before)
             self.base_steps.insert(0, (self.times[0] if events else 0.0, float(first)))
         self.end_time = self.times[-1] if events else 0.0
+
+    def active_steps(self) -> Tuple[List[float], List[float]]:
+        """Active bytes as steps to draw: the level before the first event,
+        then after each event."""
+        return self._with_start(self.active, self.active_at_start)
+
+    def reserved_steps(self) -> Tuple[List[float], List[float]]:
+        """Reserved bytes as steps to draw, as :meth:`active_steps`."""
+        return self._with_start(self.reserved, self.reserved_at_start)
+
+    def _with_start(self, after_each: List[float], at_start: float) -> Tuple[List[float], List[float]]:
+        if not self.times:
+            return [], []
+        return [self.times[0]] + self.times, [at_start] + after_each
 
     @property
     def tracked_bands(self) -> List[Dict[str, Any]]:

@@ -222,6 +222,22 @@ def _run_script(argv: List[str], install: bool, quiet_stdout: bool = False, sycl
     saved_argv, saved_path = sys.argv, list(sys.path)
     sys.argv = list(argv)
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    process = os.getpid()
+    try:
+        code = _run_as_main(script, quiet_stdout)
+    finally:
+        sys.argv, sys.path[:] = saved_argv, saved_path
+    if os.getpid() != process:
+        # A process the script forked, ending: as under ``python script.py``
+        # it just exits, printing no summary and writing no report of its own
+        # (which would replace the parent's).
+        raise SystemExit(code)
+    return code
+
+
+def _run_as_main(script: str, quiet_stdout: bool) -> int:
+    """Run ``script`` as ``__main__``: its exit status (1 after printing its
+    traceback if it raised)."""
     try:
         with _stdout_to_stderr() if quiet_stdout else contextlib.nullcontext():
             # the script's globals stay alive, as a script's do until the
@@ -238,8 +254,6 @@ def _run_script(argv: List[str], install: bool, quiet_stdout: bool = False, sycl
     except BaseException as exc:                    # the script's own error
         sys.stderr.write(_script_traceback(exc, script))
         return 1
-    finally:
-        sys.argv, sys.path[:] = saved_argv, saved_path
     return 0
 
 
@@ -346,14 +360,24 @@ def _record_for_report(path: str) -> None:
 def _write_run_report(path: str, script: str) -> None:
     """``run --report``: the report of the pool the summary shows first."""
     from .._observe.report import write_report
+    from .._observe.history import history
+    from .._runtime.devices import DEVICE_POOLS
     type_name, index = _pools_to_report(None)[0]
     api = _memory_api(type_name)
+    snapshot = api._snapshot()
     try:
-        write_report(api._snapshot(), path, device=index, stats=api.memory_stats(index),
+        write_report(snapshot, path, device=index, stats=api.memory_stats(index),
                      title=f"unimem memory report: {os.path.basename(script)} ({type_name} device {index})")
     except OSError as exc:
         raise UsageError(f"cannot write {path}: {exc.strerror or exc}") from None
     print(f"unimem: wrote {path}", file=sys.stderr)
+    traces = snapshot.get("device_traces") or []
+    if history(DEVICE_POOLS[type_name]).enabled is None and not (index < len(traces) and traces[index]):
+        # PyTorch's recipe ends with _record_memory_history(enabled=None), which
+        # drops the history, the run's too: say so rather than leave an empty timeline
+        print(f"unimem: the script stopped recording the memory history (_record_memory_history(enabled="
+              f"None) drops it), so {path} has no timeline; a snapshot the script dumped before "
+              f"that has it: python -m unimem view SNAPSHOT", file=sys.stderr)
 
 
 def _run(args: argparse.Namespace) -> int:
