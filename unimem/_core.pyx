@@ -955,6 +955,9 @@ cdef class CachingAllocator:
             if self.recording:
                 self._flush_trace()
             raise self._out_of_memory(size, tried)
+        # lock_depth is the allocator's, not this thread's: while any thread
+        # holds the lock (a re-entered call, a finalizer elsewhere) the
+        # question waits for a later miss, as streams_added stays set
         if self.streams_added and self.lock_depth == 0:
             try:
                 _release_abandoned_streams(self, stream)

@@ -103,7 +103,10 @@ def default_queue(device: Any = None):
 
 
 def stream_handle(queue) -> int:
-    """The integer handle unimem keys ``queue``'s pools by (0: a default queue)."""
+    """The integer handle unimem keys ``queue``'s pools by (0: a default queue).
+    It names the queue while someone holds the queue: once only unimem does,
+    its cache goes back at another queue's first allocation and the handle
+    may then name a new queue, so keep the queue while you use its handle."""
     return _runtime().stream_handle(queue)
 
 

@@ -176,9 +176,24 @@ def test_the_allocator_re_entered_while_asking():
     assert a.memory_reserved() == 0
 
 
-def test_a_backend_without_the_method_keeps_pytorchs_behaviour():
-    """CUDA streams: the cache of a stream stays until empty_cache."""
-    a = _core.CachingAllocator(SimulatedBackend(), 0)
+class OnlyMallocAndFree:
+    """A backend with nothing but the two required members."""
+
+    def __init__(self):
+        self.inner = SimulatedBackend()
+
+    def malloc(self, size, device, stream):
+        return self.inner.malloc(size, device, stream)
+
+    def free(self, ptr, size, device, stream):
+        self.inner.free(ptr, size, device, stream)
+
+
+@pytest.mark.parametrize("backend", [SimulatedBackend, OnlyMallocAndFree])
+def test_a_backend_that_names_no_stream_keeps_pytorchs_behaviour(backend):
+    """CUDA streams (the protocol's default answers none) and a backend
+    without the member: the cache of a stream stays until empty_cache."""
+    a = _core.CachingAllocator(backend(), 0)
     cached_on(a, 1)
     p = a.malloc(MiB, 2)
     assert segments_by_stream(a) == {1: 2 * MiB, 2: 2 * MiB}

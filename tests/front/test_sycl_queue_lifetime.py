@@ -216,3 +216,43 @@ def test_a_dropped_queue_still_at_work_is_not_abandoned(xpu, dpctl):
     gc.collect()
     assert runtime.abandoned([handle], 0) == [handle], "the idle, dropped queue is abandoned"
     pool.empty_cache()
+
+
+def test_giving_back_an_abandoned_queues_cache_does_not_wait_on_it(xpu, dpctl):
+    """Every free waits on its queue, and unimem's waits take turns: the cache
+    of an abandoned queue, given back at another queue's first allocation,
+    made that allocation wait behind any other thread's wait on a busy queue
+    (0.38 s in the review's repro). A queue found idle with no holder but
+    unimem gets no more work, so its frees no longer wait: the waits are
+    counted here through the wait function unimem calls."""
+    import ctypes
+
+    from unimem.backends import _dpctl_api
+    from unimem.backends import xpu as xpu_backend
+    runtime = xpu_backend._SyclRuntime.get()
+    pool = xpu.allocator_for("device")
+    device = xpu.default_queue().sycl_device
+    dropped = dpctl.SyclQueue(device, property="in_order")
+    dropped_ref = dropped.addressof_ref()
+    pool.free(pool.malloc(4096, xpu.stream_handle(dropped)))
+    del dropped
+    gc.collect()
+    real_wait = runtime.functions["DPCTLQueue_Wait"]
+    waited_on = []
+    wait_type = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+    call_real = wait_type(real_wait)
+
+    def counting_wait(queue_ref):
+        waited_on.append(queue_ref)
+        call_real(queue_ref)
+    counting = wait_type(counting_wait)
+    frees_before = pool.memory_stats()["num_device_free"]
+    _dpctl_api.set_queue_wait(ctypes.cast(counting, ctypes.c_void_p).value)
+    try:
+        other = dpctl.SyclQueue(device, property="in_order")
+        p = pool.malloc(4096, xpu.stream_handle(other))        # gives the dropped queue's cache back
+    finally:
+        _dpctl_api.set_queue_wait(real_wait)
+    assert pool.memory_stats()["num_device_free"] == frees_before + 1, "the cache was not given back"
+    assert dropped_ref not in waited_on, "the allocation waited on the abandoned queue"
+    pool.free(p)

@@ -507,7 +507,7 @@ def test_temporary_queues_are_let_go_of_after_empty_cache(xpu, dpctl):
     # handles are reused: the table does not grow with every queue ever seen
     # (a dropped queue's cache goes back at the next queue's first miss, so
     # its handle serves the queue after it: the table stays a few entries)
-    assert len(runtime.queues) == table_size and len(second) >= 1
+    assert len(runtime.queues) == table_size and len(second) < 300
     # and a reused handle serves its new queue: data and bookkeeping stay right
     queue = dpctl.SyclQueue(device, property="in_order")
     y = xpu.full(4096, 7, dtype="u1", sycl_queue=queue)

@@ -32,12 +32,21 @@ cdef extern from *:
     #include <cstdint>
     #include <cstdlib>
     #include <mutex>
-    /* One stream handle: its queue (NULL: free) and the allocations made on
-       it and not yet freed. Zeroed memory is a valid empty slot. */
+    /* One stream handle: its queue (NULL: free), the allocations made on
+       it and not yet freed, and whether the queue was found idle with no
+       holder but unimem (a completed barrier; see mark_idle): a free on it
+       then needs no wait. Zeroed memory is a valid empty slot. */
     struct um_queue_slot {
         std::atomic<void*> queue;
         std::atomic<int64_t> live;
+        std::atomic<bool> idle;
     };
+    static bool um_slot_idle(um_queue_slot* s, size_t i) {
+        return s[i].idle.load(std::memory_order_acquire);
+    }
+    static void um_slot_set_idle(um_queue_slot* s, size_t i, bool idle) {
+        s[i].idle.store(idle, std::memory_order_release);
+    }
     static um_queue_slot* um_slots_new(size_t n) {
         return static_cast<um_queue_slot*>(std::calloc(n, sizeof(um_queue_slot)));
     }
@@ -96,6 +105,8 @@ cdef extern from *:
     void um_slots_delete(um_queue_slot* s) nogil
     void* um_slot_queue(um_queue_slot* s, size_t i) nogil
     void um_slot_set_queue(um_queue_slot* s, size_t i, void* q) nogil
+    bint um_slot_idle(um_queue_slot* s, size_t i) nogil
+    void um_slot_set_idle(um_queue_slot* s, size_t i, bint idle) nogil
     void um_slot_live_add(um_queue_slot* s, size_t i, int64_t d) nogil
     int64_t um_slot_live(um_queue_slot* s, size_t i) nogil
     ctypedef struct um_held_bytes:
@@ -174,6 +185,7 @@ cdef int usm_malloc(void* ctx, size_t size, int device, uintptr_t stream,
     um_held_add(c.held, device, <int64_t>size)
     if stream != 0:
         um_slot_live_add(c.slots, stream, 1)
+        um_slot_set_idle(c.slots, stream, False)      # in use again: work may follow
     return RAW_OK
 
 
@@ -184,8 +196,12 @@ cdef int usm_free(void* ctx, uintptr_t ptr, size_t size, int device,
     if q == NULL:
         return RAW_ERROR
     # As PyTorch's XPU allocator does: no kernel may still use the memory
-    # when sycl::free runs. Waiting on an idle queue costs next to nothing.
-    um_wait_queue(q)
+    # when sycl::free runs. Waiting on an idle queue costs next to nothing,
+    # but the waits take turns: an abandoned queue found idle (mark_idle) is
+    # not waited on, so that giving its cache back at another queue's first
+    # allocation never waits behind another thread's wait on a busy queue.
+    if stream == 0 or not um_slot_idle(c.slots, stream):
+        um_wait_queue(q)
     c.free(<void*>ptr, q)
     um_held_add(c.held, device, -<int64_t>size)
     if stream != 0:
@@ -256,6 +272,7 @@ cdef class USMRawAllocator:
         if handle in self._queues_by_handle:
             raise ValueError(f"stream handle {handle} already has a queue")
         self._queues_by_handle[handle] = queue
+        um_slot_set_idle(self.ctx.slots, handle, False)
         um_slot_set_queue(self.ctx.slots, handle, <void*><uintptr_t>queue.addressof_ref())
 
     def remove_queue(self, Py_ssize_t handle):
@@ -268,6 +285,14 @@ cdef class USMRawAllocator:
             raise ValueError(f"stream handle {handle} still has {live} allocation(s) on its queue")
         um_slot_set_queue(self.ctx.slots, handle, NULL)
         del self._queues_by_handle[handle]
+
+    def mark_idle(self, Py_ssize_t handle):
+        """Stream ``handle``'s queue has finished its work (a barrier on it
+        completed) and nobody but unimem holds it, so nobody can queue more:
+        frees on it need not wait, until the next allocation on it."""
+        if handle < 1 or <size_t>handle >= self.ctx.n_slots or handle not in self._queues_by_handle:
+            raise ValueError(f"stream handle {handle} has no queue")
+        um_slot_set_idle(self.ctx.slots, handle, True)
 
     def allocations_on(self, Py_ssize_t handle):
         """Allocations made on stream ``handle``'s queue and not yet freed."""

@@ -282,7 +282,7 @@ class _SyclRuntime:
         kept (the core waits on their events). Never waits: a queue still at
         work, or the table locked by another call, is asked about again at
         the core's next new stream."""
-        idle_candidates = []
+        unheld = []
         if not self._lock.acquire(blocking=False):
             return []
         try:
@@ -292,15 +292,21 @@ class _SyclRuntime:
                         or any(handle in names for names in self.named_streams)):
                     continue
                 if self._only_this_table_holds(queue):
-                    idle_candidates.append(handle)
+                    unheld.append(handle)
                 del queue
+            # Still under the lock (so no handle is dropped or given to another
+            # queue meanwhile): a barrier's event completes once the work
+            # queued before it has; nobody can queue more on a queue only
+            # unimem holds, so its frees need not wait (mark_idle).
+            complete = self.dpctl.event_status_type.complete
+            abandoned = [handle for handle in unheld
+                         if self.queues[handle].submit_barrier().execution_status == complete]
+            for handle in abandoned:
+                for raw in self.raw_allocators:
+                    raw.mark_idle(handle)
         finally:
             self._lock.release()
-        complete = self.dpctl.event_status_type.complete
-        # a barrier's event completes once the work queued before it has
-        return [handle for handle in idle_candidates
-                if self.queues[handle] is not None
-                and self.queues[handle].submit_barrier().execution_status == complete]
+        return abandoned
 
     def _drop_queue(self, handle: int) -> None:
         queue = self.queues[handle]
