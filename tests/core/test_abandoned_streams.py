@@ -15,6 +15,8 @@ import pytest
 from unimem import _core
 from unimem.backends.simulated import SimulatedBackend
 
+from tests.helpers.minimal_backend import MinimalBackend
+
 MiB = 1 << 20
 
 
@@ -176,20 +178,7 @@ def test_the_allocator_re_entered_while_asking():
     assert a.memory_reserved() == 0
 
 
-class OnlyMallocAndFree:
-    """A backend with nothing but the two required members."""
-
-    def __init__(self):
-        self.inner = SimulatedBackend()
-
-    def malloc(self, size, device, stream):
-        return self.inner.malloc(size, device, stream)
-
-    def free(self, ptr, size, device, stream):
-        self.inner.free(ptr, size, device, stream)
-
-
-@pytest.mark.parametrize("backend", [SimulatedBackend, OnlyMallocAndFree])
+@pytest.mark.parametrize("backend", [SimulatedBackend, MinimalBackend])
 def test_a_backend_that_names_no_stream_keeps_pytorchs_behaviour(backend):
     """CUDA streams (the protocol's default answers none) and a backend
     without the member: the cache of a stream stays until empty_cache."""

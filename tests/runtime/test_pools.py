@@ -18,6 +18,7 @@ from unimem.backends.faults import FaultInjectingBackend
 from unimem.backends.simulated import SimulatedBackend
 
 from tests.helpers.fake_cuda import fake, raw_allocator_of  # noqa: F401  (fixture)
+from tests.helpers.minimal_backend import MinimalBackend
 
 GiB = 1 << 30
 
@@ -103,18 +104,9 @@ def test_a_cupy_allocator_pool_does_not_keep_its_memory_pool_alive(fake):
 # ---------------------------------------------------------------------------
 # the Backend Protocol, and wrappers that forward all of it
 # ---------------------------------------------------------------------------
-class DuckBackend:
+class DuckBackend(MinimalBackend):
     """A backend that does not subclass Backend: malloc, free and a 1 GiB
     single-allocation limit, nothing else."""
-
-    def __init__(self):
-        self.inner = SimulatedBackend()
-
-    def malloc(self, size, device, stream):
-        return self.inner.malloc(size, device, stream)
-
-    def free(self, ptr, size, device, stream):
-        self.inner.free(ptr, size, device, stream)
 
     def max_allocation_size(self, device):
         return GiB
