@@ -142,7 +142,7 @@ cdef int _synchronize_and_free_events(CachingAllocator self) except -1:
 
 cdef int _release_abandoned_streams(CachingAllocator self, uintptr_t serving) except -1:
     """After a new stream's first miss: give back the cached memory of the
-    streams the backend says were abandoned (``abandoned_streams(streams,
+    streams (wholly free ones) the backend says were abandoned (``abandoned_streams(streams,
     device)``, optional: a SYCL queue made for one task, that nothing but
     unimem's tables holds any more and whose work is done). Nobody can
     allocate on such a stream again, so its free segments would stay
@@ -158,12 +158,26 @@ cdef int _release_abandoned_streams(CachingAllocator self, uintptr_t serving) ex
         return 0
     cdef vector[uintptr_t] held
     cdef StreamTable.iterator it
+    cdef StreamPools* sp
+    cdef Segment* seg
+    cdef cmap[uintptr_t, bint] busy      # streams with a segment that is not wholly free
     self._lock()
     try:
+        # Only streams whose every segment can go back now: the backend may
+        # stop waiting on what it names (the XPU backend's frees skip the
+        # queue wait), so a stream it names must leave the allocator whole
+        # (and its queue with it), never keep a segment in use.
+        seg = self.segments
+        while seg != NULL:
+            if seg.pool == NULL and not _segment_is_free(self, seg):
+                busy[seg.stream] = True
+            seg = seg.next_seg
         it = self.streams.begin()
         while it != self.streams.end():
-            if deref(it).first != 0 and deref(it).first != serving and deref(it).second.n_segments != 0:
-                held.push_back(deref(it).first)
+            sp = deref(it).second
+            if (sp.stream != 0 and sp.stream != serving and sp.n_segments != 0 and sp.n_stream_uses == 0
+                    and sp.n_private_segments == 0 and busy.find(sp.stream) == busy.end()):
+                held.push_back(sp.stream)
             inc(it)
     finally:
         self._unlock()

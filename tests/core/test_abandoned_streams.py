@@ -101,6 +101,27 @@ def test_a_segment_in_use_on_an_abandoned_stream_stays():
     a._check_invariants()
 
 
+def test_a_stream_is_named_only_when_all_its_memory_can_go_back():
+    """The backend may stop waiting on the streams it names (the XPU backend's
+    frees then skip the queue wait): a stream with a segment in use, a private
+    pool's segment or a block record_stream named it on is not even asked
+    about, so that a named stream always leaves the allocator whole."""
+    backend = Abandoning()
+    a = _core.CachingAllocator(backend, 0)
+    live = a.malloc(MiB, 1)
+    a.free(a.malloc(8 * MiB, 1))                # stream 1: a free segment beside one in use
+    named_on = a.malloc(MiB, 0)
+    a.record_stream(named_on, 2)                # stream 2: named by a live block of stream 0
+    cached_on(a, 3)                             # stream 3: wholly free
+    backend.abandoned = {1, 2, 3}
+    p = a.malloc(MiB, 4)
+    assert backend.asked[-1] == [3]
+    assert 1 in segments_by_stream(a) and sum(s["stream"] == 1 for s in a.snapshot()) == 2
+    for ptr in (live, named_on, p):
+        a.free(ptr)
+    a._check_invariants()
+
+
 def test_a_block_waiting_for_another_streams_work_stays_cached():
     """A block used on another stream (record_stream) whose event is not done
     keeps its segment, as empty_cache(wait=False) does."""
