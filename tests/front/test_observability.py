@@ -565,24 +565,84 @@ def test_oom_snapshot_is_written(tmp_path):
 # ---------------------------------------------------------------------------
 # Prometheus
 # ---------------------------------------------------------------------------
-def test_prometheus_collector_exposes_every_statistic():
+def _scrape():
     import prometheus_client
 
     import unimem.prometheus
-    p = unimem.cpu.caching_allocator_alloc(3000)
     registry = prometheus_client.CollectorRegistry()
     unimem.prometheus.register(registry)
-    text = prometheus_client.generate_latest(registry).decode()
-    allocated = unimem.cpu.memory_stats(0)["allocated_bytes.all.current"]
-    assert f'unimem_allocated_bytes{{device="cpu:0",metric="current",pool="all"}} {float(allocated)}' in text
-    assert 'unimem_num_ooms{device="cpu:0",metric="value",pool=""}' in text
-    assert 'unimem_reserved_bytes{device="cpu:0",metric="peak",pool="small_pool"}' in text
-    names = {line.split("{")[0] for line in text.splitlines() if line.startswith("unimem_")}
-    for name in ("allocation", "segment", "active", "inactive_split", "allocated_bytes", "reserved_bytes",
-                 "active_bytes", "inactive_split_bytes", "requested_bytes", "num_alloc_retries",
-                 "num_device_alloc", "oversize_segments", "max_split_size"):
-        assert f"unimem_{name}" in names
-    unimem.cpu.caching_allocator_delete(p)
+    return registry, {family.name: family for family in registry.collect()}
+
+
+def test_prometheus_collector_exposes_every_statistic():
+    p = unimem.cpu.caching_allocator_alloc(3000)
+    try:
+        registry, _ = _scrape()
+        stats = unimem.cpu.memory_stats(0)
+        cpu = {"device": "cpu:0"}
+        assert registry.get_sample_value("unimem_allocated_bytes", {**cpu, "pool": "all"}) \
+            == stats["allocated_bytes.all.current"] > 0
+        assert registry.get_sample_value("unimem_reserved_bytes_peak", {**cpu, "pool": "small_pool"}) \
+            == stats["reserved_bytes.small_pool.peak"]
+        assert registry.get_sample_value("unimem_segment_allocated_total", {**cpu, "pool": "large_pool"}) \
+            == stats["segment.large_pool.allocated"]
+        assert registry.get_sample_value("unimem_requested_bytes_freed_total", {**cpu, "pool": "all"}) \
+            == stats["requested_bytes.all.freed"]
+        assert registry.get_sample_value("unimem_num_ooms_total", {**cpu, "pool": "all"}) == stats["num_ooms"]
+        assert registry.get_sample_value("unimem_oversize_segments", {**cpu, "pool": "all"}) \
+            == stats["oversize_segments.current"]
+        # every statistic of the device is one sample: none dropped, none twice
+        samples = [s for family in registry.collect() for s in family.samples if s.labels["device"] == "cpu:0"]
+        assert len(samples) == len(stats)
+        assert len({(s.name, tuple(sorted(s.labels.items()))) for s in samples}) == len(samples)
+    finally:
+        unimem.cpu.caching_allocator_delete(p)
+
+
+def test_prometheus_types_and_names_follow_prometheus_naming():
+    """Every family was a gauge with a ``metric`` label, counters included,
+    and the pinned pool's timings were microseconds under a unit-less name:
+    ``rate()`` and ``increase()`` need counters named ``_total``, and
+    Prometheus' base unit of time is the second."""
+    pinned = unimem.host.caching_host_alloc(3000)
+    unimem.host.caching_host_delete(pinned)
+    registry, families = _scrape()
+    for name, family in families.items():
+        assert name.startswith("unimem_") and "metric" not in {l for s in family.samples for l in s.labels}
+        if family.type == "counter":
+            assert all(s.name.endswith("_total") for s in family.samples), name
+        else:
+            assert not name.endswith("_total"), name
+    counters = {name for name, family in families.items() if family.type == "counter"}
+    for name in ("num_ooms", "num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams",
+                 "num_host_alloc", "num_host_free", "allocated_bytes_allocated", "allocated_bytes_freed",
+                 "reserved_bytes_allocated", "segment_freed", "requested_bytes_allocated"):
+        assert f"unimem_{name}" in counters, name
+    gauges = {name for name, family in families.items() if family.type == "gauge"}
+    assert {"unimem_allocated_bytes", "unimem_allocated_bytes_peak", "unimem_reserved_bytes",
+            "unimem_host_alloc_time_max_seconds"} <= gauges
+    assert families["unimem_host_alloc_time_seconds"].type == "summary"
+    host = unimem.host.host_memory_stats()
+    labels = {"device": "host", "pool": "all"}
+    assert registry.get_sample_value("unimem_host_alloc_time_seconds_count", labels) \
+        == host["host_alloc_time.count"] >= 1
+    assert registry.get_sample_value("unimem_host_alloc_time_seconds_sum", labels) \
+        == pytest.approx(host["host_alloc_time.total"] / 1e6)
+    assert registry.get_sample_value("unimem_host_alloc_time_max_seconds", labels) \
+        == pytest.approx(host["host_alloc_time.max"] / 1e6)
+    assert registry.get_sample_value("unimem_num_host_alloc_total", labels) == host["num_host_alloc"]
+    assert registry.get_sample_value("unimem_allocated_bytes_peak", labels) == host["allocated_bytes.peak"]
+
+
+def test_prometheus_text_parses_back_with_its_types():
+    """What a Prometheus server reads: the exposition text, parsed back,
+    gives the same families and types (a counter's ``_total`` samples)."""
+    import prometheus_client
+    from prometheus_client.parser import text_string_to_metric_families
+    registry, families = _scrape()
+    parsed = {family.name: family.type for family in
+              text_string_to_metric_families(prometheus_client.generate_latest(registry).decode())}
+    assert parsed == {name: family.type for name, family in families.items()}
 
 
 def test_the_legacy_bool_form_of_record_memory_history():

@@ -461,7 +461,7 @@ def test_prometheus_and_dask_are_attributes_of_unimem():
             "unimem.prometheus.register(registry)\n"
             "p = unimem.cpu.caching_allocator_alloc(1000)\n"
             "assert registry.get_sample_value('unimem_allocated_bytes', "
-            "{'device': 'cpu:0', 'pool': 'all', 'metric': 'current'}) == 1024\n"
+            "{'device': 'cpu:0', 'pool': 'all'}) == 1024\n"
             "print(unimem.dask.UnimemPlugin.__name__, 'dask' in dir(unimem))\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "UnimemPlugin True", (done.stdout, done.stderr)
@@ -484,7 +484,7 @@ def test_prometheus_refuses_a_second_collector_in_one_registry():
         lines = [line for line in generate_latest(registry).decode().splitlines() if line.startswith("unimem_")]
         assert lines and max(collections.Counter(lines).values()) == 1
         assert registry.get_sample_value("unimem_allocated_bytes",
-                                         {"device": "cpu:0", "pool": "all", "metric": "current"}) >= 1024
+                                         {"device": "cpu:0", "pool": "all"}) >= 1024
     finally:
         unimem.cpu.caching_allocator_delete(p)
     registry.unregister(collector)
