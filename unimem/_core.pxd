@@ -139,13 +139,8 @@ cdef class CachingAllocator:
     cdef inline Block* _malloc_cached(self, size_t orig_size, uintptr_t stream, bint by_handle,
                                int* status) noexcept nogil
     cdef inline void _trace(self, int action, uintptr_t addr, size_t size, uintptr_t stream) noexcept nogil
-    cdef Block* _alloc_block(self, size_t alloc_size, size_t size, uintptr_t stream, bint is_small,
-                             bint is_retry, PrivatePool* pool) except? NULL
     cdef inline void _link_segment(self, Segment* seg) noexcept nogil
     cdef inline void _unlink_segment(self, Segment* seg) noexcept nogil
-    cdef inline size_t _segment_size(self, size_t size) noexcept nogil
-    cdef Block* _malloc_slow(self, size_t orig_size, uintptr_t stream, bint by_handle,
-                             bint* oom, size_t* tried, PrivatePool* pool, bint uncached) except? NULL
     cdef size_t _try_merge(self, Block* dst, Block* src, FreeIndex* fi) noexcept nogil
     cdef void _free_block(self, Block* b) noexcept nogil
     cdef inline int _reserve_class(self, Block* b) noexcept nogil
@@ -159,9 +154,6 @@ cdef class CachingAllocator:
     cdef inline void _update_unusual(self) noexcept nogil
     cdef int _check_usable(self) except -1
     cdef uintptr_t c_malloc(self, size_t size, uintptr_t stream, bint by_handle=*) except? 0
-    cdef uintptr_t _before_unusual_malloc(self, size_t size, uintptr_t stream, bint by_handle) except? 0
-    cdef uintptr_t _malloc_miss(self, size_t size, uintptr_t stream, bint by_handle, int status) except? 0
-    cdef int _after_malloc(self, uintptr_t ptr, size_t size, bint by_handle) except -1
     cdef int _try_free(self, uintptr_t ptr, bint by_handle, bint from_finalizer) except -1
     cdef int _after_free(self) except -1
     cdef int _free_slow(self, uintptr_t ptr, int rc) except -1

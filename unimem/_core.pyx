@@ -97,6 +97,9 @@ include "_core_streams.pxi"
 include "_core_expandable.pxi"
 include "_core_holes.pxi"
 include "_core_pools.pxi"
+include "_core_miss.pxi"
+include "_core_limits.pxi"
+include "_core_teardown.pxi"
 include "_core_sleep.pxi"
 include "_core_sleep_pools.pxi"
 
@@ -202,43 +205,7 @@ cdef class CachingAllocator:
         _live_allocators.add(self)
 
     def __del__(self):
-        # Wholly free segments go back to the backend. This is a finalizer
-        # (tp_finalize), not __dealloc__: when the allocator dies in a
-        # reference cycle, finalizers run before the collector clears the
-        # objects of the cycle, so the backend is still whole here. Segments
-        # with live blocks stay: raw addresses from malloc() may still be in
-        # use. At interpreter exit nothing is returned (the process is ending,
-        # and the device runtime may already be shutting down).
-        # Asleep, memory given back stays so (the address ranges with it):
-        # waking up could fail, and the allocator is going.
-        if self.unmerged != NULL:      # a whole segment must look whole (_core_pair.pxi)
-            _merge_deferred(self)
-        if self.poisoned or _interpreter_exiting() or self.sleep_states:
-            return
-        cdef Segment* seg = self.segments
-        cdef Segment* nxt
-        cdef Block* b
-        cdef Block* bn
-        while seg != NULL:
-            nxt = seg.next_seg
-            if seg.expandable:
-                if _expandable_teardown(self, seg):
-                    self._unlink_segment(seg)
-                    b = seg.head
-                    while b != NULL:
-                        bn = b.next
-                        block_delete(&self.slab, b)
-                        b = bn
-                    sys_free(seg)
-            elif _segment_is_free(self, seg):
-                _detach_segment(self, seg)
-                try:
-                    _backend_free(self, seg.base, seg.size, seg.stream, False, _segment_free_fn(self, seg))
-                except BaseException as exc:
-                    _report_unraisable(exc, "unimem allocator teardown")
-                block_delete(&self.slab, seg.head)
-                sys_free(seg)
-            seg = nxt
+        _give_back_free_segments(self)
 
     def __dealloc__(self):
         # The allocator's own C structures; memory was given back in __del__.
@@ -526,94 +493,8 @@ cdef class CachingAllocator:
         self.trace_buffer.push_back(ev)
 
     # ------------------------------------------------------------------
-    # the miss path (may call Python)
+    # the segment list (the miss path that makes segments: _core_miss.pxi)
     # ------------------------------------------------------------------
-
-
-    cdef Block* _alloc_block(self, size_t alloc_size, size_t size, uintptr_t stream, bint is_small,
-                             bint is_retry, PrivatePool* pool) except? NULL:
-        """A new segment from the backend (PyTorch's alloc_block), or NULL.
-        ``size`` is the rounded request: under a byte limit (CuPy's set_limit)
-        a segment that would pass the limit shrinks to it when it fits.
-        ``pool``: the private pool it is for (its allocator's memory), or NULL."""
-        if is_retry:
-            self.stats.num_alloc_retries += 1
-        # A reclaim before this attempt let the lock go around a backend call,
-        # whose Python (or another thread) may have put the allocator or the
-        # pool to sleep: no new segment then.
-        _refuse_if_asleep(self, pool)
-        if self.set_fraction and self.total_allocated_memory + alloc_size > self.allowed_memory_maximum:
-            if not (self.limit_in_bytes and self.total_allocated_memory + size <= self.allowed_memory_maximum):
-                return NULL
-            alloc_size = size
-        if self.total_allocated_memory + alloc_size > MAX_RESERVED:
-            return NULL
-        cdef Segment* seg = <Segment*>sys_malloc(sizeof(Segment))
-        cdef Block* b = block_new(&self.slab)
-        if seg == NULL or b == NULL:
-            sys_free(seg)
-            if b != NULL:
-                block_delete(&self.slab, b)
-            raise MemoryError("host memory for the allocator's bookkeeping ran out")
-        cdef uintptr_t ptr = 0
-        cdef int rc
-        try:
-            rc = _backend_malloc(self, alloc_size, stream, &ptr, pool)
-            if rc == 0:
-                _check_new_segment(self, ptr, alloc_size)
-        except BaseException:
-            sys_free(seg)
-            block_delete(&self.slab, b)
-            raise
-        if rc != 0:
-            sys_free(seg)
-            block_delete(&self.slab, b)
-            return NULL
-        if self.sleeping or (pool != NULL and pool.sleeping):
-            # The backend's Python put the allocator (or the pool) to sleep:
-            # the new memory goes back, and the request is refused.
-            sys_free(seg)
-            block_delete(&self.slab, b)
-            _backend_free(self, ptr, alloc_size, stream, False, _pool_free_fn(self, pool))
-            _refuse_if_asleep(self, pool)
-        # Looked up only now: a Python backend may have run finalizers that
-        # dropped the stream's (then empty) pools during the call.
-        cdef StreamPools* sp = self._stream_pools(stream) if pool == NULL else _pool_segment_tables(self, pool, stream)
-        if sp == NULL:
-            sys_free(seg)
-            block_delete(&self.slab, b)
-            _backend_free(self, ptr, alloc_size, stream, False, _pool_free_fn(self, pool))
-            raise MemoryError("host memory for the allocator's bookkeeping ran out")
-        seg.base = ptr
-        seg.size = alloc_size
-        seg.stream = stream
-        seg.is_small = is_small
-        seg.head = b
-        seg.expandable = False
-        seg.pool = pool
-        self._link_segment(seg)
-        sp.n_segments += 1
-        if pool != NULL:
-            _count_pool_segment(self, pool, stream, 1)
-        b.ptr = ptr
-        b.size = alloc_size
-        b.stream = stream
-        b.segment = seg
-        b.is_small = is_small
-        b.index = sp.small if is_small else sp.large
-        if self.debug_on:
-            memset(<void*>ptr, DEBUG_FILL, alloc_size)
-        self.total_allocated_memory += alloc_size
-        pool_increase(&self.stats, S_SEGMENT, is_small, 1)
-        pool_increase(&self.stats, S_RESERVED_BYTES, is_small, alloc_size)
-        if alloc_size >= self.max_split_size:
-            stat_increase(&self.stats.oversize_segments, 1)
-        self.stats.num_device_alloc += 1
-        if self.recording:
-            self._trace(T_SEGMENT_ALLOC, ptr, alloc_size, stream)
-        return b
-
-
     cdef inline void _link_segment(self, Segment* seg) noexcept nogil:
         seg.prev_seg = NULL
         seg.next_seg = self.segments
@@ -631,95 +512,6 @@ cdef class CachingAllocator:
             seg.next_seg.prev_seg = seg.prev_seg
         self.segments_by_base.erase(seg.base)
 
-
-
-
-
-
-
-
-
-    cdef inline size_t _segment_size(self, size_t size) noexcept nogil:
-        """The segment a miss of ``size`` rounded bytes asks the backend for
-        (PyTorch's get_allocation_size, or the request itself under CuPy's policy)."""
-        if self.exact_segments:
-            return size
-        if size <= K_SMALL_SIZE:
-            return K_SMALL_BUFFER
-        if size < K_MIN_LARGE_ALLOC:
-            return K_LARGE_BUFFER
-        return (size + K_ROUND_LARGE - 1) // K_ROUND_LARGE * K_ROUND_LARGE
-
-    cdef Block* _malloc_slow(self, size_t orig_size, uintptr_t stream, bint by_handle,
-                             bint* oom, size_t* tried, PrivatePool* pool, bint uncached) except? NULL:
-        """Everything after a cache miss, in PyTorch's order. Lock held.
-        ``tried`` receives the segment size asked for (the OOM message names it).
-        ``pool``: a private pool's request (NULL: the device's own pools);
-        ``uncached``: the cache is off, the segment is the rounded request."""
-        cdef size_t size = self._round_size(orig_size)
-        cdef bint is_small = size <= K_SMALL_SIZE
-        cdef bint expandable = self.expandable and pool == NULL   # a private pool's segments are plain
-        cdef size_t alloc_size = (_round_up(size, _page_of(self, is_small)) if expandable
-                                  else size if uncached else self._segment_size(size))
-        cdef size_t smallest = size if self.limit_in_bytes else alloc_size
-        cdef FreeIndex* fi = self._pool(stream, is_small) if pool == NULL else _pool_index(self, pool, stream, is_small)
-        cdef Block* b
-        oom[0] = False
-        tried[0] = alloc_size
-        # c_malloc's check ran before the lock: a sleep() may have come in
-        # between (its blocks are held, so only a miss can get here)
-        _refuse_if_asleep(self, pool)
-        # Reserve the bookkeeping first, so that nothing fails after the
-        # backend handed memory over.
-        if fi == NULL or self._reserve_for_alloc(fi) != 0:
-            raise MemoryError("host memory for the allocator's bookkeeping ran out")
-        # A request no device of this size can ever hold does not flush the cache.
-        if (self.capacity and alloc_size > self.capacity) or (
-                self.max_allocation and alloc_size > self.max_allocation) or (
-                self.set_fraction and smallest > self.allowed_memory_maximum):
-            oom[0] = True
-            return NULL
-        if self._gc_enabled():
-            _garbage_collect(self)
-        if self.max_reserved_ratio:
-            _release_to_reserved_ratio(self, size, alloc_size)
-        if expandable:
-            # PyTorch's order: grow; free everything cached (unmapping free
-            # pages and, as its release_cached_blocks does, releasing ranges
-            # left with no page) and grow again, counted as a retry.
-            b = _expandable_alloc(self, size, stream, is_small, False)
-            if b == NULL:
-                _synchronize_and_free_events(self)
-                _unmap_free_pages(self, False, 0)
-                _release_empty_ranges(self, False, 0)
-                b = _expandable_alloc(self, size, stream, is_small, True)
-                if b == NULL:
-                    # A range made for a request larger than a range is (1 TiB
-                    # for a 1 TiB request) and left with no page mapped goes
-                    # back; one of the usual size stays for the next miss, as
-                    # PyTorch keeps its segment.
-                    _release_empty_ranges(self, False, 0, _default_range_size(self))
-        else:
-            b = self._alloc_block(alloc_size, size, stream, is_small, False, pool)
-            if b == NULL and _release_available_cached_blocks(self, size, stream, pool):
-                b = self._alloc_block(alloc_size, size, stream, is_small, False, pool)
-            if b == NULL:
-                _synchronize_and_free_events(self)
-                _release_segments(self, False, False, 0, 0)
-                b = self._alloc_block(alloc_size, size, stream, is_small, True, pool)
-        if b == NULL and pool == NULL and not uncached:
-            b = _take_from_oom_pools(self, size, stream)     # MemPool(use_on_oom=True)
-        if b == NULL:
-            oom[0] = True
-            return NULL
-        # Releasing may have dropped (and _alloc_block made again) the
-        # stream's pools, and a Python backend may have run finalizers that
-        # took the reservation meanwhile: both are cheap to redo.
-        fi = b.index
-        if self._reserve_for_alloc(fi) != 0:
-            fi_insert(fi, b)
-            raise MemoryError("host memory for the allocator's bookkeeping ran out")
-        return self._alloc_found_block(b, fi, _handed_size(b, size), orig_size, by_handle)
 
     # ------------------------------------------------------------------
     # freeing
@@ -839,10 +631,6 @@ cdef class CachingAllocator:
             self._trace(T_FREE_REQUESTED, b.ptr, b.requested_size, b.stream)
 
 
-
-
-
-
     # ------------------------------------------------------------------
     # after the lock: history and out-of-memory reporting
     # ------------------------------------------------------------------
@@ -910,79 +698,17 @@ cdef class CachingAllocator:
         if size == 0:
             return 0
         if self.unusual:
-            routed = self._before_unusual_malloc(size, stream, by_handle)
+            routed = _before_unusual_malloc(self, size, stream, by_handle)
             if routed != 0:
                 return routed
         self._lock_hot()
         b = self._malloc_cached(size, stream, by_handle, &status)
         if b == NULL:
-            return self._malloc_miss(size, stream, by_handle, status)
+            return _malloc_miss(self, size, stream, by_handle, status)
         self._unlock()
         if self.unusual:          # history, debug mode (or a hook installed meanwhile)
-            self._after_malloc(b.ptr, size, by_handle)
+            _after_malloc(self, b.ptr, size, by_handle)
         return b.ptr
-
-    cdef uintptr_t _before_unusual_malloc(self, size_t size, uintptr_t stream, bint by_handle) except? 0:
-        """What c_malloc does first in an unusual state (poisoned, asleep,
-        events pending, routed requests): the address when a private pool or
-        the cache switch served the request, else 0 (c_malloc goes on)."""
-        if self.poisoned:
-            self._check_usable()
-        if self.sleeping:
-            _refuse_asleep(self)
-        if self.n_pending_events:
-            self.process_events()
-        if self.cache_off or not self.routes.empty():
-            return _malloc_routed(self, size, stream, by_handle)   # 0: not routed
-        return 0
-
-    cdef uintptr_t _malloc_miss(self, size_t size, uintptr_t stream, bint by_handle,
-                                int status) except? 0:
-        """c_malloc after a cache miss, the lock held (and let go here): a new
-        segment, reclaiming, or out-of-memory."""
-        cdef Block* b
-        cdef bint oom = False
-        cdef size_t tried = 0
-        try:
-            if status != 0:
-                raise MemoryError("host memory for the allocator's bookkeeping ran out")
-            b = self._malloc_slow(size, stream, by_handle, &oom, &tried, NULL, False)
-        finally:
-            self._unlock()
-        if oom:
-            if not self.dropped_streams.empty():
-                _tell_backend_dropped_streams(self)
-            if self.recording:
-                self._flush_trace()
-            raise self._out_of_memory(size, tried)
-        # lock_depth is the allocator's, not this thread's: while any thread
-        # holds the lock (a re-entered call, a finalizer elsewhere) the
-        # question waits for a later miss, as streams_added stays set
-        if self.streams_added and self.lock_depth == 0:
-            try:
-                _release_abandoned_streams(self, stream)
-            except BaseException:       # a Ctrl-C: the caller never saw the block
-                self._try_free(b.ptr, by_handle, True)
-                raise
-        self._after_malloc(b.ptr, size, by_handle)
-        return b.ptr
-
-    cdef int _after_malloc(self, uintptr_t ptr, size_t size, bint by_handle) except -1:
-        """History and debug mode, outside the lock. A Ctrl-C raised in the
-        history hook gives the new block back before it reaches the caller,
-        who never saw the address."""
-        try:
-            if not self.dropped_streams.empty():
-                _tell_backend_dropped_streams(self)
-            if self.recording:
-                self._flush_trace()
-        except BaseException:
-            self._try_free(ptr, by_handle, True)
-            raise
-        if self.debug_on:
-            _debug_after_malloc(self, ptr, size)
-        return 0
-
 
 
     cdef int _try_free(self, uintptr_t ptr, bint by_handle, bint from_finalizer) except -1:
@@ -1142,42 +868,7 @@ cdef class CachingAllocator:
         The backend may check the stream first (``check_stream(stream,
         device)``, optional): a handle that names no stream is refused here,
         not at the free, which could then never happen."""
-        cdef uintptr_t p = check_pointer(ptr)
-        cdef uintptr_t s = check_stream(stream)
-        cdef Block* b
-        cdef StreamPools* sp
-        check = getattr(self.backend, "check_stream", None)
-        self._lock()
-        try:
-            b = <Block*>um_find(&self.active, p)
-            if b == NULL:
-                raise InvalidPointerError(f"pointer {p:#x} is not a live allocation of this allocator")
-            if s == b.stream:
-                return
-            if b.stream_uses != NULL:
-                for i in range(b.stream_uses.size()):
-                    if b.stream_uses[0][i] == s:
-                        return
-            # Asked with the lock held, once the record will happen: the
-            # backend's hold on the stream begins in the order of the table's
-            # changes (see _tell_backend_dropped_streams), and a refused call
-            # leaves no hold behind. check_stream does not wait.
-            if check is not None:
-                check(s, self.device)
-                b = <Block*>um_find(&self.active, p)     # it ran Python: a finalizer may have freed it
-                if b == NULL:
-                    raise ValueError(f"pointer {p:#x} is not a live allocation of this allocator")
-            # The stream's table entry counts its uses, so that it is not
-            # dropped (nor the backend told) while a block may need an event on it.
-            sp = self._stream_pools(s)
-            if sp == NULL:
-                raise MemoryError("host memory for the allocator's bookkeeping ran out")
-            if b.stream_uses == NULL:
-                b.stream_uses = new vector[uintptr_t]()
-            b.stream_uses.push_back(s)
-            sp.n_stream_uses += 1
-        finally:
-            self._unlock()
+        return _record_stream(self, ptr, stream)
 
     def empty_cache(self, stream=None, wait=True):
         """Release all unoccupied cached memory (whole free segments) back to
@@ -1188,27 +879,7 @@ cdef class CachingAllocator:
         the device). With expandable segments, every whole free page is
         unmapped, in the middle of a segment too; the address ranges stay
         reserved (:meth:`empty_virt_addr_cache` releases them)."""
-        self._check_usable()
-        cdef bint one_stream = stream is not None
-        cdef uintptr_t handle = check_stream(stream) if one_stream else 0
-        if not isinstance(wait, bool):
-            raise TypeError(f"wait must be a bool, not {type(wait).__name__}")
-        self._lock()
-        try:
-            if wait:
-                _synchronize_and_free_events(self)
-            elif self.n_pending_events:
-                _process_events(self)
-            if self.expandable:
-                _unmap_free_pages(self, one_stream, handle)
-            _end_dead_pool_sleeps(self, NULL)   # pools that died asleep (a finalizer could not)
-            _release_segments(self, False, one_stream, handle, 0)
-            self._drop_unused_streams()
-            _reap_private_pools(self)
-        finally:
-            self._unlock()
-        _tell_backend_dropped_streams(self)
-        self._flush_trace()
+        return _empty_cache(self, stream, wait)
 
     def sleep(self, offload=True, segments=None, tag=None):
         """Give the memory of every segment back while its addresses stay
@@ -1259,31 +930,12 @@ cdef class CachingAllocator:
         hold no mapped page (torch_npu's ``empty_virt_addr_cache``). Call
         :meth:`empty_cache` first to unmap the free pages. Nothing to do
         without expandable segments."""
-        self._check_usable()
-        self._lock()
-        try:
-            if self.expandable:
-                _release_empty_ranges(self, False, 0)
-                self._drop_unused_streams()
-        finally:
-            self._unlock()
-        _tell_backend_dropped_streams(self)
-        self._flush_trace()
+        return _empty_virt_addr_cache(self)
 
     def reserved_address_space(self):
         """``{"ranges": n, "bytes": n}``: the address ranges expandable
         segments hold reserved, mapped or not."""
-        cdef Segment* seg
-        ranges = size = 0
-        self._lock()
-        seg = self.segments
-        while seg != NULL:
-            if seg.expandable:
-                ranges += 1
-                size += seg.size
-            seg = seg.next_seg
-        self._unlock()
-        return {"ranges": ranges, "bytes": size}
+        return _reserved_address_space(self)
 
     def process_events(self):
         """Move blocks whose stream events completed back to the pool."""
@@ -1310,16 +962,7 @@ cdef class CachingAllocator:
 
     def set_memory_fraction(self, double fraction):
         """Limit this allocator to ``fraction`` of the device's total memory."""
-        if not (0.0 <= fraction <= 1.0):
-            raise ValueError(f"Invalid fraction value: {fraction}. Allowed range: 0~1")
-        free, total = backend_memory_info(self.backend, self.device)
-        self._lock()
-        self.capacity = total
-        self.fraction = fraction
-        self.set_fraction = True
-        self.limit_in_bytes = False
-        self.allowed_memory_maximum = <size_t>(fraction * total)
-        self._unlock()
+        return _set_memory_fraction(self, fraction)
 
     def get_memory_fraction(self):
         """The memory fraction set with :meth:`set_memory_fraction` (1.0 if none)."""
@@ -1330,20 +973,7 @@ cdef class CachingAllocator:
         as ``cupy.cuda.MemoryPool.set_limit(size=...)`` does: a request whose
         segment would pass the limit gets a segment of just its rounded size
         when that fits (CuPy's pool allocates no more than asked)."""
-        cdef object n = check_size(limit)
-        if n > MAX_RESERVED:
-            raise ValueError(f"memory limit too large: {n} bytes")
-        self._lock()
-        if n == 0:
-            self.set_fraction = False
-            self.limit_in_bytes = False
-            self.fraction = 1.0
-        else:
-            self.set_fraction = True
-            self.limit_in_bytes = True
-            self.allowed_memory_maximum = n
-            self.fraction = (<double>n / self.capacity) if self.capacity else 1.0
-        self._unlock()
+        return _set_memory_limit(self, limit)
 
     def get_memory_limit(self):
         """The byte limit in force (0: none)."""
@@ -1390,16 +1020,7 @@ cdef class CachingAllocator:
     @property
     def settings(self):
         """The allocation policy in force, as PyTorch's option names."""
-        return {
-            "max_split_size": -1 if self.max_split_size == SIZE_UNSET else self.max_split_size,
-            "max_non_split_rounding": self.max_non_split_rounding,
-            "roundup_power2_divisions": [self.roundup_divisions[i] for i in range(K_ROUNDUP_INTERVALS)],
-            "garbage_collection_threshold": self.gc_threshold,
-            "max_reserved_ratio": self.max_reserved_ratio or None,
-            "memory_fraction": self.fraction if self.set_fraction else None,
-            "exact_segments": bool(self.exact_segments),
-            "expandable_segments": bool(self.expandable),
-        }
+        return _settings(self)
 
     def round_size(self, size):
         """The size a request of ``size`` bytes is rounded to."""
@@ -1584,20 +1205,7 @@ cdef class CachingAllocator:
         """In the child: only this thread survived. The lock is free, the
         events another thread was waiting on are pending again, and the
         other threads' uses of pools are over."""
-        self.lock.reset_after_fork()
-        self.lock_depth = 0
-        # A sleep() or wake_up() another thread had under way stops where it
-        # was: its state stays, and wake_up() in the child ends it.
-        self.sleep_busy = False
-        _forget_other_threads_routes(self)
-        self.trace_buffer.clear()
-        if self.trace_delivery is not None:     # another thread may have held it
-            self.trace_delivery = threading.RLock()
-        if self.syncing_events:
-            self.pending_events = self.syncing_events + self.pending_events
-            self.syncing_events = []
-            self.n_pending_events = len(self.pending_events)
-            self._update_unusual()
+        return _reset_after_fork(self)
 
     def _check_invariants(self):
         """Verify the allocator's internal consistency (for tests): segments
@@ -1606,96 +1214,5 @@ cdef class CachingAllocator:
         _check_invariants(self)
 
 
-
-# ---------------------------------------------------------------------------
-# Allocation handles: a block that frees itself when its last user lets go
-# ---------------------------------------------------------------------------
-@cython.no_gc_clear     # __dealloc__ frees through self.allocator: a collected cycle must not clear it first
-cdef class Allocation:
-    """A live block, freed when this object is garbage collected (or at
-    :meth:`release`). Array libraries keep one alive for as long as any array
-    views the memory.
-
-    Attributes: ``ptr`` (address), ``size`` (bytes requested), ``allocator``,
-    ``block_size`` (the block's rounded size).
-    """
-
-    @property
-    def block_size(self):
-        """The size of the block: ``size`` rounded as the allocator rounds
-        requests (0 for an empty allocation)."""
-        return self.allocator._round_size(self.size) if self.size else 0
-
-    def __dealloc__(self):
-        cdef uintptr_t ptr = self.ptr
-        if ptr != 0 and self.allocator is not None:
-            self.ptr = 0
-            try:
-                if self.allocator._try_free(ptr, True, True) != 0:
-                    raise ValueError(f"the block at {ptr:#x} was freed behind its Allocation's back")
-            except BaseException as exc:
-                _report_unraisable(exc, "unimem Allocation finalizer")
-
-    def release(self):
-        """Free the block now; later calls do nothing."""
-        cdef uintptr_t ptr = self.ptr
-        if ptr != 0:
-            self.ptr = 0
-            try:
-                rc = self.allocator._try_free(ptr, True, True)   # no Python code after the free
-            except BaseException:
-                self.ptr = ptr          # not freed (an event could not be recorded): still ours
-                raise
-            if rc != 0:
-                raise ValueError(f"the block at {ptr:#x} was freed behind its Allocation's back")
-            self.allocator._after_free()    # a Ctrl-C here leaves the handle empty, as it should
-
-    def __int__(self):
-        return self.ptr
-
-    def __index__(self):
-        return self.ptr
-
-    def __repr__(self):
-        return (f"<unimem.Allocation {self.size} bytes at {self.ptr:#x} on "
-                f"{self.allocator.device_name}:{self.allocator.device}>")
-
-
-cdef Allocation _make_allocation(CachingAllocator allocator, uintptr_t ptr, size_t size):
-    cdef Allocation a = Allocation.__new__(Allocation)
-    a.allocator = allocator
-    a.ptr = ptr
-    a.size = size
-    return a
-
-
-# ---------------------------------------------------------------------------
-# fork(): locks held by other threads would stay held in the child
-# ---------------------------------------------------------------------------
-# Before fork() each allocator's lock is taken (waiting a little at most), so
-# that the child gets allocators in a consistent state, not one caught half-way
-# through another thread's update. A lock that cannot be had in time (its
-# holder waits on something) is reset in the child as before.
-cdef list _held_for_fork = []
-
-
-def _before_fork():
-    cdef CachingAllocator allocator
-    _held_for_fork.clear()
-    for allocator in list(_live_allocators):
-        if allocator._lock_for_fork():
-            _held_for_fork.append(allocator)
-
-
-def _after_fork_in_parent():
-    cdef CachingAllocator allocator
-    for allocator in _held_for_fork:
-        allocator._unlock()
-    _held_for_fork.clear()
-
-
-def _after_fork_in_child():
-    _held_for_fork.clear()
-    for allocator in list(_live_allocators):
-        allocator._reset_lock_after_fork()
-
+include "_core_allocation.pxi"
+include "_core_fork.pxi"

@@ -594,3 +594,32 @@ cdef bint _expandable_teardown(CachingAllocator self, Segment* seg):
     except BaseException as exc:
         _report_unraisable(exc, "unimem allocator teardown")
     return True
+
+
+cdef object _empty_virt_addr_cache(CachingAllocator self):
+    """CachingAllocator.empty_virt_addr_cache."""
+    self._check_usable()
+    self._lock()
+    try:
+        if self.expandable:
+            _release_empty_ranges(self, False, 0)
+            self._drop_unused_streams()
+    finally:
+        self._unlock()
+    _tell_backend_dropped_streams(self)
+    self._flush_trace()
+
+
+cdef object _reserved_address_space(CachingAllocator self):
+    """CachingAllocator.reserved_address_space."""
+    cdef Segment* seg
+    ranges = size = 0
+    self._lock()
+    seg = self.segments
+    while seg != NULL:
+        if seg.expandable:
+            ranges += 1
+            size += seg.size
+        seg = seg.next_seg
+    self._unlock()
+    return {"ranges": ranges, "bytes": size}

@@ -434,7 +434,7 @@ cdef uintptr_t _malloc_routed(CachingAllocator self, size_t size, uintptr_t stre
             if b != NULL:
                 b = self._alloc_found_block(b, fi, _handed_size(b, rounded), size, by_handle)
         if b == NULL:
-            b = self._malloc_slow(size, stream, by_handle, &oom, &tried, pool, self.cache_off)
+            b = _malloc_slow(self, size, stream, by_handle, &oom, &tried, pool, self.cache_off)
     finally:
         try:
             if pool != NULL:
@@ -446,7 +446,7 @@ cdef uintptr_t _malloc_routed(CachingAllocator self, size_t size, uintptr_t stre
     if oom:
         self._after_free()          # history, and the streams the retries dropped
         raise self._out_of_memory(size, tried)
-    self._after_malloc(b.ptr, size, by_handle)
+    _after_malloc(self, b.ptr, size, by_handle)
     return b.ptr
 
 

@@ -230,3 +230,28 @@ cdef int _release_to_reserved_ratio(CachingAllocator self, size_t size, size_t a
 
 cdef inline int64_t _gc_age(CachingAllocator self, Block* b) noexcept nogil:
     return self._pool_of(b).get_free_blocks_call_count - b.gc_count_base
+
+
+cdef object _empty_cache(CachingAllocator self, stream, wait):
+    """CachingAllocator.empty_cache."""
+    self._check_usable()
+    cdef bint one_stream = stream is not None
+    cdef uintptr_t handle = check_stream(stream) if one_stream else 0
+    if not isinstance(wait, bool):
+        raise TypeError(f"wait must be a bool, not {type(wait).__name__}")
+    self._lock()
+    try:
+        if wait:
+            _synchronize_and_free_events(self)
+        elif self.n_pending_events:
+            _process_events(self)
+        if self.expandable:
+            _unmap_free_pages(self, one_stream, handle)
+        _end_dead_pool_sleeps(self, NULL)   # pools that died asleep (a finalizer could not)
+        _release_segments(self, False, one_stream, handle, 0)
+        self._drop_unused_streams()
+        _reap_private_pools(self)
+    finally:
+        self._unlock()
+    _tell_backend_dropped_streams(self)
+    self._flush_trace()

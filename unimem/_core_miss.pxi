@@ -1,0 +1,238 @@
+# Included by _core.pyx: the miss path of an allocation (it may call Python):
+# what c_malloc does out of line in an unusual state (_before_unusual_malloc),
+# after a cache miss (_malloc_miss: a new segment, reclaiming, or
+# out-of-memory; PyTorch's malloc after get_free_block failed), and after a
+# new block was handed out (_after_malloc: history, debug mode). The cache
+# hit never comes here.
+
+
+cdef Block* _alloc_block(CachingAllocator self, size_t alloc_size, size_t size, uintptr_t stream, bint is_small,
+                         bint is_retry, PrivatePool* pool) except? NULL:
+    """A new segment from the backend (PyTorch's alloc_block), or NULL.
+    ``size`` is the rounded request: under a byte limit (CuPy's set_limit)
+    a segment that would pass the limit shrinks to it when it fits.
+    ``pool``: the private pool it is for (its allocator's memory), or NULL."""
+    if is_retry:
+        self.stats.num_alloc_retries += 1
+    # A reclaim before this attempt let the lock go around a backend call,
+    # whose Python (or another thread) may have put the allocator or the
+    # pool to sleep: no new segment then.
+    _refuse_if_asleep(self, pool)
+    if self.set_fraction and self.total_allocated_memory + alloc_size > self.allowed_memory_maximum:
+        if not (self.limit_in_bytes and self.total_allocated_memory + size <= self.allowed_memory_maximum):
+            return NULL
+        alloc_size = size
+    if self.total_allocated_memory + alloc_size > MAX_RESERVED:
+        return NULL
+    cdef Segment* seg = <Segment*>sys_malloc(sizeof(Segment))
+    cdef Block* b = block_new(&self.slab)
+    if seg == NULL or b == NULL:
+        sys_free(seg)
+        if b != NULL:
+            block_delete(&self.slab, b)
+        raise MemoryError("host memory for the allocator's bookkeeping ran out")
+    cdef uintptr_t ptr = 0
+    cdef int rc
+    try:
+        rc = _backend_malloc(self, alloc_size, stream, &ptr, pool)
+        if rc == 0:
+            _check_new_segment(self, ptr, alloc_size)
+    except BaseException:
+        sys_free(seg)
+        block_delete(&self.slab, b)
+        raise
+    if rc != 0:
+        sys_free(seg)
+        block_delete(&self.slab, b)
+        return NULL
+    if self.sleeping or (pool != NULL and pool.sleeping):
+        # The backend's Python put the allocator (or the pool) to sleep:
+        # the new memory goes back, and the request is refused.
+        sys_free(seg)
+        block_delete(&self.slab, b)
+        _backend_free(self, ptr, alloc_size, stream, False, _pool_free_fn(self, pool))
+        _refuse_if_asleep(self, pool)
+    # Looked up only now: a Python backend may have run finalizers that
+    # dropped the stream's (then empty) pools during the call.
+    cdef StreamPools* sp = self._stream_pools(stream) if pool == NULL else _pool_segment_tables(self, pool, stream)
+    if sp == NULL:
+        sys_free(seg)
+        block_delete(&self.slab, b)
+        _backend_free(self, ptr, alloc_size, stream, False, _pool_free_fn(self, pool))
+        raise MemoryError("host memory for the allocator's bookkeeping ran out")
+    seg.base = ptr
+    seg.size = alloc_size
+    seg.stream = stream
+    seg.is_small = is_small
+    seg.head = b
+    seg.expandable = False
+    seg.pool = pool
+    self._link_segment(seg)
+    sp.n_segments += 1
+    if pool != NULL:
+        _count_pool_segment(self, pool, stream, 1)
+    b.ptr = ptr
+    b.size = alloc_size
+    b.stream = stream
+    b.segment = seg
+    b.is_small = is_small
+    b.index = sp.small if is_small else sp.large
+    if self.debug_on:
+        memset(<void*>ptr, DEBUG_FILL, alloc_size)
+    self.total_allocated_memory += alloc_size
+    pool_increase(&self.stats, S_SEGMENT, is_small, 1)
+    pool_increase(&self.stats, S_RESERVED_BYTES, is_small, alloc_size)
+    if alloc_size >= self.max_split_size:
+        stat_increase(&self.stats.oversize_segments, 1)
+    self.stats.num_device_alloc += 1
+    if self.recording:
+        self._trace(T_SEGMENT_ALLOC, ptr, alloc_size, stream)
+    return b
+
+
+cdef inline size_t _segment_size(CachingAllocator self, size_t size) noexcept nogil:
+    """The segment a miss of ``size`` rounded bytes asks the backend for
+    (PyTorch's get_allocation_size, or the request itself under CuPy's policy)."""
+    if self.exact_segments:
+        return size
+    if size <= K_SMALL_SIZE:
+        return K_SMALL_BUFFER
+    if size < K_MIN_LARGE_ALLOC:
+        return K_LARGE_BUFFER
+    return (size + K_ROUND_LARGE - 1) // K_ROUND_LARGE * K_ROUND_LARGE
+
+
+cdef Block* _malloc_slow(CachingAllocator self, size_t orig_size, uintptr_t stream, bint by_handle,
+                         bint* oom, size_t* tried, PrivatePool* pool, bint uncached) except? NULL:
+    """Everything after a cache miss, in PyTorch's order. Lock held.
+    ``tried`` receives the segment size asked for (the OOM message names it).
+    ``pool``: a private pool's request (NULL: the device's own pools);
+    ``uncached``: the cache is off, the segment is the rounded request."""
+    cdef size_t size = self._round_size(orig_size)
+    cdef bint is_small = size <= K_SMALL_SIZE
+    cdef bint expandable = self.expandable and pool == NULL   # a private pool's segments are plain
+    cdef size_t alloc_size = (_round_up(size, _page_of(self, is_small)) if expandable
+                              else size if uncached else _segment_size(self, size))
+    cdef size_t smallest = size if self.limit_in_bytes else alloc_size
+    cdef FreeIndex* fi = self._pool(stream, is_small) if pool == NULL else _pool_index(self, pool, stream, is_small)
+    cdef Block* b
+    oom[0] = False
+    tried[0] = alloc_size
+    # c_malloc's check ran before the lock: a sleep() may have come in
+    # between (its blocks are held, so only a miss can get here)
+    _refuse_if_asleep(self, pool)
+    # Reserve the bookkeeping first, so that nothing fails after the
+    # backend handed memory over.
+    if fi == NULL or self._reserve_for_alloc(fi) != 0:
+        raise MemoryError("host memory for the allocator's bookkeeping ran out")
+    # A request no device of this size can ever hold does not flush the cache.
+    if (self.capacity and alloc_size > self.capacity) or (
+            self.max_allocation and alloc_size > self.max_allocation) or (
+            self.set_fraction and smallest > self.allowed_memory_maximum):
+        oom[0] = True
+        return NULL
+    if self._gc_enabled():
+        _garbage_collect(self)
+    if self.max_reserved_ratio:
+        _release_to_reserved_ratio(self, size, alloc_size)
+    if expandable:
+        # PyTorch's order: grow; free everything cached (unmapping free
+        # pages and, as its release_cached_blocks does, releasing ranges
+        # left with no page) and grow again, counted as a retry.
+        b = _expandable_alloc(self, size, stream, is_small, False)
+        if b == NULL:
+            _synchronize_and_free_events(self)
+            _unmap_free_pages(self, False, 0)
+            _release_empty_ranges(self, False, 0)
+            b = _expandable_alloc(self, size, stream, is_small, True)
+            if b == NULL:
+                # A range made for a request larger than a range is (1 TiB
+                # for a 1 TiB request) and left with no page mapped goes
+                # back; one of the usual size stays for the next miss, as
+                # PyTorch keeps its segment.
+                _release_empty_ranges(self, False, 0, _default_range_size(self))
+    else:
+        b = _alloc_block(self, alloc_size, size, stream, is_small, False, pool)
+        if b == NULL and _release_available_cached_blocks(self, size, stream, pool):
+            b = _alloc_block(self, alloc_size, size, stream, is_small, False, pool)
+        if b == NULL:
+            _synchronize_and_free_events(self)
+            _release_segments(self, False, False, 0, 0)
+            b = _alloc_block(self, alloc_size, size, stream, is_small, True, pool)
+    if b == NULL and pool == NULL and not uncached:
+        b = _take_from_oom_pools(self, size, stream)     # MemPool(use_on_oom=True)
+    if b == NULL:
+        oom[0] = True
+        return NULL
+    # Releasing may have dropped (and _alloc_block made again) the
+    # stream's pools, and a Python backend may have run finalizers that
+    # took the reservation meanwhile: both are cheap to redo.
+    fi = b.index
+    if self._reserve_for_alloc(fi) != 0:
+        fi_insert(fi, b)
+        raise MemoryError("host memory for the allocator's bookkeeping ran out")
+    return self._alloc_found_block(b, fi, _handed_size(b, size), orig_size, by_handle)
+
+
+cdef uintptr_t _before_unusual_malloc(CachingAllocator self, size_t size, uintptr_t stream, bint by_handle) except? 0:
+    """What c_malloc does first in an unusual state (poisoned, asleep,
+    events pending, routed requests): the address when a private pool or
+    the cache switch served the request, else 0 (c_malloc goes on)."""
+    if self.poisoned:
+        self._check_usable()
+    if self.sleeping:
+        _refuse_asleep(self)
+    if self.n_pending_events:
+        self.process_events()
+    if self.cache_off or not self.routes.empty():
+        return _malloc_routed(self, size, stream, by_handle)   # 0: not routed
+    return 0
+
+
+cdef uintptr_t _malloc_miss(CachingAllocator self, size_t size, uintptr_t stream, bint by_handle,
+                            int status) except? 0:
+    """c_malloc after a cache miss, the lock held (and let go here): a new
+    segment, reclaiming, or out-of-memory."""
+    cdef Block* b
+    cdef bint oom = False
+    cdef size_t tried = 0
+    try:
+        if status != 0:
+            raise MemoryError("host memory for the allocator's bookkeeping ran out")
+        b = _malloc_slow(self, size, stream, by_handle, &oom, &tried, NULL, False)
+    finally:
+        self._unlock()
+    if oom:
+        if not self.dropped_streams.empty():
+            _tell_backend_dropped_streams(self)
+        if self.recording:
+            self._flush_trace()
+        raise self._out_of_memory(size, tried)
+    # lock_depth is the allocator's, not this thread's: while any thread
+    # holds the lock (a re-entered call, a finalizer elsewhere) the
+    # question waits for a later miss, as streams_added stays set
+    if self.streams_added and self.lock_depth == 0:
+        try:
+            _release_abandoned_streams(self, stream)
+        except BaseException:       # a Ctrl-C: the caller never saw the block
+            self._try_free(b.ptr, by_handle, True)
+            raise
+    _after_malloc(self, b.ptr, size, by_handle)
+    return b.ptr
+
+
+cdef int _after_malloc(CachingAllocator self, uintptr_t ptr, size_t size, bint by_handle) except -1:
+    """History and debug mode, outside the lock. A Ctrl-C raised in the
+    history hook gives the new block back before it reaches the caller,
+    who never saw the address."""
+    try:
+        if not self.dropped_streams.empty():
+            _tell_backend_dropped_streams(self)
+        if self.recording:
+            self._flush_trace()
+    except BaseException:
+        self._try_free(ptr, by_handle, True)
+        raise
+    if self.debug_on:
+        _debug_after_malloc(self, ptr, size)
+    return 0
