@@ -106,12 +106,6 @@ cdef object _out_of_memory_error(CachingAllocator self, object requested, object
     ``requested`` bytes, for which a segment of ``tried`` bytes was asked
     (PyTorch's message names the latter)."""
     self._lock()
-    self.stats.num_ooms += 1
-    allocated = pool_current(&self.stats, S_ALLOCATED_BYTES)
-    reserved = pool_current(&self.stats, S_RESERVED_BYTES)
-    if self.recording:
-        self._trace(T_OOM, 0, min(self._round_size(min(requested, MAX_REQUEST)), <object>INT64_MAX), 0)
-    observers = list(self.oom_observers)
     allowed_text = ""
     if self.set_fraction:
         allowed_text = f"{format_size(self.allowed_memory_maximum)} allowed; "
@@ -119,11 +113,7 @@ cdef object _out_of_memory_error(CachingAllocator self, object requested, object
         allowed_text += (f"It allows at most {format_size(self.max_allocation)} "
                          f"in one allocation. ")
     self._unlock()
-    self._flush_trace()
-    try:
-        free, total = backend_memory_info(self.backend, self.device)
-    except Exception:
-        free, total = None, (self.capacity or None)
+    allocated, reserved, free, total = _count_out_of_memory(self, requested)
     name = self.device_name
     api = getattr(self.backend, "api_name", None) or name
     if requested >= ONE_EXABYTE:
@@ -138,12 +128,34 @@ cdef object _out_of_memory_error(CachingAllocator self, object requested, object
             f"Of the allocated memory {format_size(allocated)} is allocated by unimem, "
             f"and {format_size(reserved - allocated)} is reserved by unimem but unallocated."
         )
-    error = OutOfMemoryError(message, device=self.device, requested=requested,
-                             capacity=total or 0, free=free or 0,
-                             allocated=allocated, reserved=reserved)
+    return OutOfMemoryError(message, device=self.device, requested=requested,
+                            capacity=total or 0, free=free or 0,
+                            allocated=allocated, reserved=reserved)
+
+
+cdef tuple _count_out_of_memory(CachingAllocator self, object requested):
+    """What every OutOfMemoryError raised for ``requested`` bytes does first:
+    count it (``num_ooms``), record it in the history, and call the
+    out-of-memory observers. Returns ``(allocated, reserved, free, total)``
+    as the observers were told (free and total None when the backend cannot
+    say). Not with the lock held: the observers and the history hook run
+    Python."""
+    self._lock()
+    self.stats.num_ooms += 1
+    allocated = pool_current(&self.stats, S_ALLOCATED_BYTES)
+    reserved = pool_current(&self.stats, S_RESERVED_BYTES)
+    if self.recording:
+        self._trace(T_OOM, 0, min(self._round_size(min(requested, MAX_REQUEST)), <object>INT64_MAX), 0)
+    observers = list(self.oom_observers)
+    self._unlock()
+    self._flush_trace()
+    try:
+        free, total = backend_memory_info(self.backend, self.device)
+    except Exception:
+        free, total = None, (self.capacity or None)
     for observer in observers:
         try:
             observer(self.device, requested, allocated, reserved, free)
         except Exception as exc:        # a Ctrl-C in an observer reaches the caller
             _report_unraisable(exc, "unimem out-of-memory observer")
-    return error
+    return allocated, reserved, free, total

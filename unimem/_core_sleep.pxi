@@ -517,29 +517,70 @@ cdef int _sleep(CachingAllocator self, bint offload, object select, object tag,
     return 0
 
 
+cdef size_t _wake_excess(CachingAllocator self, object state) except? 0:
+    """The bytes still given back by a pool's sleep, when backing them all
+    with memory again would pass the memory limit; else 0. A whole-device
+    sleep is held to no limit: nothing else could take its room, and the
+    limit may have been lowered since (with allocation refused, nothing
+    could make room). Lock held."""
+    cdef size_t needed = 0
+    if state.whole_device or not self.set_fraction:
+        return 0
+    for span in state.spans:
+        if span.released:
+            needed += <size_t>span.size
+    return needed if self.total_allocated_memory + needed > self.allowed_memory_maximum else 0
+
+
+cdef object _wake_refused(CachingAllocator self, size_t needed, size_t reserved, size_t allowed):
+    """The OutOfMemoryError of a wake_up the memory limit refuses, counted
+    as every out-of-memory error is."""
+    _count_out_of_memory(self, needed)
+    return OutOfMemoryError(
+        f"wake_up: backing the {needed} bytes the sleep gave back with memory again would pass "
+        f"the memory limit ({reserved + needed} bytes reserved, {allowed} allowed); the sleep "
+        f"stays in force and nothing changed: free the device's memory (and empty_cache()) or "
+        f"raise the limit, and call wake_up() again",
+        device=self.device, requested=needed)
+
+
 cdef int _wake_up(CachingAllocator self, object tag) except -1:
-    """CachingAllocator.wake_up: see there."""
+    """CachingAllocator.wake_up: see there. A pool's wake that the memory
+    limit refuses changes nothing: its memory is checked against the limit
+    as a whole before any of it is backed again."""
+    cdef size_t excess = 0
+    cdef size_t reserved = 0
     self._lock()
     try:
         _refuse_reentry(self)
         state = self.sleep_states.get(tag)
-        if state is None:
-            return 0                       # awake already (or woken by another thread meanwhile)
-        self.sleep_busy = True
-        try:
-            for span in state.spans:
-                if span.released:
-                    # A whole-device sleep is held to no limit: nothing else
-                    # could take its room, and the limit may have been lowered
-                    # since (with allocation refused, nothing could make room).
-                    _restore_span(self, span, not state.whole_device)
-                _copy_back(self, state, span)
-            _end_sleep(self, state, tag)
-        finally:
-            self.sleep_busy = False
+        if state is not None:          # else awake already (or woken by another thread meanwhile)
+            excess = _wake_excess(self, state)
+            reserved = self.total_allocated_memory
+            if excess == 0:
+                _wake_spans(self, state, tag)
     finally:
         self._unlock()
         self._flush_trace()        # what was woken before a refused span too
+    if excess:                     # raised outside the lock: the observers run Python
+        raise _wake_refused(self, excess, reserved, self.allowed_memory_maximum)
+    return 0
+
+
+cdef int _wake_spans(CachingAllocator self, object state, object tag) except -1:
+    """Back the sleep's spans with memory again, copy their bytes back and
+    end the sleep. Lock held."""
+    self.sleep_busy = True
+    try:
+        for span in state.spans:
+            if span.released:
+                # checked as a whole (_wake_excess); span by span again, as
+                # the Python a backend call runs may allocate
+                _restore_span(self, span, not state.whole_device)
+            _copy_back(self, state, span)
+        _end_sleep(self, state, tag)
+    finally:
+        self.sleep_busy = False
     return 0
 
 

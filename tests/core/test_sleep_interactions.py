@@ -250,7 +250,7 @@ def test_waking_a_pool_is_held_to_the_memory_limit(expandable):
     with pytest.raises(_core.OutOfMemoryError, match="memory limit"):
         a.wake_up_pool(pool_id)
     assert a.is_sleeping(pool_id)
-    assert stats(a) == before
+    assert stats(a) == {**before, "num_ooms": before["num_ooms"] + 1}
     assert a.memory_reserved() <= 64 * MiB
     a._check_invariants()
     a.free(device)
@@ -259,6 +259,47 @@ def test_waking_a_pool_is_held_to_the_memory_limit(expandable):
     assert not a.is_sleeping(pool_id)
     assert ctypes.string_at(kept, 40 * MiB) == b"\x5a" * (40 * MiB)
     a.free(kept)
+    a._check_invariants()
+
+
+@pytest.mark.parametrize("expandable", [False, True])
+def test_a_refused_pool_wake_backs_none_of_its_segments(expandable):
+    """A pool of two segments whose whole wake passes the limit, though its
+    small segment alone fits: the small one was backed again before the
+    large one was refused. The refused wake_up changed reserved memory and
+    num_device_alloc, the pool stayed asleep with those bytes unusable, and
+    a device allocation that fitted before it was then refused. Nothing
+    changes now but the out-of-memory count, and the observers hear of it."""
+    a = _core.CachingAllocator(PageAlignedBackend(), 0, expandable_segments=expandable)
+    a.set_memory_limit(60 * MiB)
+    pool_id = (0, 1)
+    a.create_pool(pool_id, None, False, False)
+    a.begin_pool(pool_id)
+    large = a.malloc(8 * MiB)
+    small = a.malloc(1000)
+    a.end_pool(pool_id)
+    ctypes.memset(large, 0x11, 8 * MiB)
+    ctypes.memset(small, 0x22, 1000)
+    a.sleep_pool(pool_id)
+    device = a.malloc(a.get_memory_limit() - a.memory_reserved() - 3 * MiB)
+    before = stats(a)
+    told = []
+    a.add_oom_observer(lambda *args: told.append(args))
+    with pytest.raises(_core.OutOfMemoryError, match="nothing changed"):
+        a.wake_up_pool(pool_id)
+    assert a.is_sleeping(pool_id)
+    assert stats(a) == {**before, "num_ooms": before["num_ooms"] + 1}
+    assert len(told) == 1 and told[0][1] > 3 * MiB
+    a._check_invariants()
+    extra = a.malloc(1000)                       # fitted before the refused wake, fits after it
+    a.free(extra)
+    a.free(device)
+    a.empty_cache()
+    a.wake_up_pool(pool_id)
+    assert ctypes.string_at(large, 8 * MiB) == b"\x11" * (8 * MiB)
+    assert ctypes.string_at(small, 1000) == b"\x22" * 1000
+    a.free(large)
+    a.free(small)
     a._check_invariants()
 
 
