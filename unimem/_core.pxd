@@ -77,6 +77,7 @@ cdef class CachingAllocator:
     cdef list pending_events              # [(event, block address)], stream-ordered frees
     cdef list syncing_events              # taken from pending_events, waited on outside the lock
     cdef size_t n_pending_events
+    cdef vector[uintptr_t] deferred_frees   # freed on a runtime's thread, needing events (_core_streams.pxi)
 
     # private pools (MemPool) and the cache switch: _core_pools.pxi
     cdef cmap[uint64_t, PrivatePool*] private_pools   # by id (creation order)

@@ -675,7 +675,8 @@ cdef class CachingAllocator:
 
 
     cdef inline void _update_unusual(self) noexcept nogil:
-        self.unusual = (self.poisoned or self.n_pending_events != 0 or self.recording
+        self.unusual = (self.poisoned or self.n_pending_events != 0 or not self.deferred_frees.empty()
+                        or self.recording
                         or self.debug_on or self.cache_off or not self.routes.empty()
                         or self.sleeping)
 
@@ -808,6 +809,8 @@ cdef class CachingAllocator:
         self.lock.lock()
         self.lock_depth += 1
         rc = self._free_fast(ptr, False)
+        if rc == 2 and _defer_free(self, ptr) == 0:
+            rc = 0              # its events are recorded from Python's side (_free_deferred)
         self._unlock()
         if rc == 2 or rc == 3:
             _free_from_deleter(<void*>self, ptr)
@@ -938,7 +941,11 @@ cdef class CachingAllocator:
         return _reserved_address_space(self)
 
     def process_events(self):
-        """Move blocks whose stream events completed back to the pool."""
+        """Move blocks whose stream events completed back to the pool (and
+        free the blocks a runtime's thread let go of that wait for other
+        streams: _free_deferred)."""
+        if not self.deferred_frees.empty():
+            _free_deferred(self)
         self._lock()
         try:
             if self.n_pending_events:

@@ -176,13 +176,13 @@ cdef Block* _malloc_slow(CachingAllocator self, size_t orig_size, uintptr_t stre
 
 cdef uintptr_t _before_unusual_malloc(CachingAllocator self, size_t size, uintptr_t stream, bint by_handle) except? 0:
     """What c_malloc does first in an unusual state (poisoned, asleep,
-    events pending, routed requests): the address when a private pool or
+    events pending or frees deferred, routed requests): the address when a private pool or
     the cache switch served the request, else 0 (c_malloc goes on)."""
     if self.poisoned:
         self._check_usable()
     if self.sleeping:
         _refuse_asleep(self)
-    if self.n_pending_events:
+    if self.n_pending_events or not self.deferred_frees.empty():
         self.process_events()
     if self.cache_off or not self.routes.empty():
         return _malloc_routed(self, size, stream, by_handle)   # 0: not routed

@@ -239,6 +239,8 @@ cdef object _empty_cache(CachingAllocator self, stream, wait):
     cdef uintptr_t handle = check_stream(stream) if one_stream else 0
     if not isinstance(wait, bool):
         raise TypeError(f"wait must be a bool, not {type(wait).__name__}")
+    if not self.deferred_frees.empty():
+        _free_deferred(self)
     self._lock()
     try:
         if wait:

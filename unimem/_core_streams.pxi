@@ -3,6 +3,71 @@
 # free index only when they all completed; empty_cache and the last retry
 # before out-of-memory wait for them, outside the lock.
 
+cdef extern from *:
+    """
+    #include <vector>
+    static inline int um_push_address(std::vector<uintptr_t>& v, uintptr_t p) {
+        try { v.push_back(p); return 0; } catch (...) { return -1; }
+    }
+    """
+    # -1 when host memory ran out (nothing changed then)
+    int _push_address "um_push_address"(vector[uintptr_t]& v, uintptr_t p) nogil
+
+
+cdef int _defer_free(CachingAllocator self, uintptr_t ptr) noexcept nogil:
+    """Keep the free of ``ptr``, a live block used on other streams, for a
+    call from Python's side (_free_deferred); 0 when kept. Its deleter runs
+    on a runtime's thread (a SYCL host task dropping the last reference to
+    an array when its kernels are done), where recording an event submits
+    work to a queue: a barrier submitted there waits for the SYCL scheduler
+    while holding the GIL, and a thread submitting kernels (which holds the
+    scheduler) waits for the GIL, a deadlock. PyTorch records its events at
+    the free, on any thread; CUDA allows that, SYCL does not from a host
+    task. The block stays live (allocated) until then. Lock held."""
+    if _push_address(self.deferred_frees, ptr) != 0:
+        return -1
+    self.unusual = True
+    return 0
+
+
+cdef int _free_deferred(CachingAllocator self) except -1:
+    """Free the blocks _defer_free kept, recording their events now. Called
+    from Python's side (the next allocation that is not a re-entered one,
+    process_events, empty_cache, synchronize), not with this thread holding
+    the lock: recording runs Python. A block whose event cannot be recorded
+    stays kept for the next call (reported as unraisable); a Ctrl-C keeps
+    the rest and reaches the caller."""
+    cdef vector[uintptr_t] kept
+    cdef size_t i
+    if self.lock.held_here():
+        return 0
+    self._lock()
+    kept.swap(self.deferred_frees)
+    self._update_unusual()
+    self._unlock()
+    i = 0
+    try:
+        while i < kept.size():
+            try:
+                self._try_free(kept[i], False, False)
+            except Exception as exc:
+                _report_unraisable(exc, "unimem: freeing a block a runtime's thread let go of")
+                self._lock()
+                _push_address(self.deferred_frees, kept[i])
+                self._update_unusual()
+                self._unlock()
+            i += 1
+    except BaseException:
+        self._lock()
+        while i < kept.size():
+            _push_address(self.deferred_frees, kept[i])
+            i += 1
+        self._update_unusual()
+        self._unlock()
+        raise
+    return 0
+
+
 cdef int _free_with_events(CachingAllocator self, uintptr_t ptr) except -1:
     """Free a block used on other streams: record an event on each, and
     keep the block out of the pool until all of them have completed.

@@ -561,6 +561,11 @@ def synchronize(device: Any = None) -> None:
     """
     index = _ctx().registry.current_index() if device is None else _device_to_index(device)
     get_type("xpu").backend.synchronize(index)
+    # dpctl's keep-alive host tasks let go of arrays on their own threads:
+    # the frees that wait for other queues are done here (_free_deferred)
+    for pool in [_ctx().registry.initialized().get(index), *_shared_pools_made(index)]:
+        if pool is not None:
+            pool.process_events()
 
 
 # ---------------------------------------------------------------------------

@@ -118,6 +118,10 @@ def synchronize(device: DeviceLike = None, /) -> None:
     device_synchronize = getattr(dtype.backend, "synchronize", None)
     if device_synchronize is not None:
         device_synchronize(index)
+        # the frees the finished work let go of on a runtime's thread
+        allocator = dtype.registry.initialized().get(index)
+        if allocator is not None:
+            allocator.process_events()
 
 
 # torch.accelerator's older names, the same functions
