@@ -954,6 +954,13 @@ cdef class CachingAllocator:
             self._unlock()
         self._flush_trace()
 
+    def _free_as_runtime_thread(self, ptr):
+        """Free ``ptr`` as a SYCL runtime's thread does: ``c_free_detached``
+        without the GIL (for tests)."""
+        cdef uintptr_t p = check_pointer(ptr)
+        with nogil:
+            self.c_free_detached(p)
+
     def _stream_count(self):
         """How many streams have pools (for tests)."""
         return self.streams.size()

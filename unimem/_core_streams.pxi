@@ -35,36 +35,56 @@ cdef int _free_deferred(CachingAllocator self) except -1:
     from Python's side (the next allocation that is not a re-entered one,
     process_events, empty_cache, synchronize), not with this thread holding
     the lock: recording runs Python. A block whose event cannot be recorded
-    stays kept for the next call (reported as unraisable); a Ctrl-C keeps
-    the rest and reaches the caller."""
+    is live again and stays kept for the next call (reported as
+    unraisable); a Ctrl-C there keeps it and the rest, and reaches the
+    caller. What runs after the frees (the history hook, a cache that is
+    off giving segments back) runs once they are all done: a block freed
+    is never kept again (another thread may have it by then)."""
     cdef vector[uintptr_t] kept
-    cdef size_t i
+    cdef size_t i = 0
+    cdef uintptr_t ptr
+    cdef int rc
+    cdef bint freed
     if self.lock.held_here():
         return 0
     self._lock()
     kept.swap(self.deferred_frees)
     self._update_unusual()
     self._unlock()
-    i = 0
     try:
         while i < kept.size():
+            ptr = kept[i]
+            freed = False
+            self._lock_hot()
+            rc = self._free_fast(ptr, False)
             try:
-                self._try_free(kept[i], False, False)
+                if rc == 2 or rc == 3:
+                    self._free_slow(ptr, rc)       # lets the lock go
+                else:
+                    self._unlock()
+                freed = True
             except Exception as exc:
                 _report_unraisable(exc, "unimem: freeing a block a runtime's thread let go of")
-                self._lock()
-                _push_address(self.deferred_frees, kept[i])
-                self._update_unusual()
-                self._unlock()
+            if not freed:
+                _keep_for_later(self, kept, i, i + 1)
+            elif self.cache_off and rc != 1:
+                _give_back_segment_at(self, ptr)
             i += 1
     except BaseException:
-        self._lock()
-        while i < kept.size():
-            _push_address(self.deferred_frees, kept[i])
-            i += 1
-        self._update_unusual()
-        self._unlock()
+        _keep_for_later(self, kept, i if not freed else i + 1, kept.size())
         raise
+    self._after_free()
+    return 0
+
+
+cdef int _keep_for_later(CachingAllocator self, vector[uintptr_t]& kept, size_t start, size_t stop) except -1:
+    """Put back kept[start:stop] for the next _free_deferred."""
+    self._lock()
+    while start < stop:
+        _push_address(self.deferred_frees, kept[start])
+        start += 1
+    self._update_unusual()
+    self._unlock()
     return 0
 
 

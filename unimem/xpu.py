@@ -563,7 +563,7 @@ def synchronize(device: Any = None) -> None:
     get_type("xpu").backend.synchronize(index)
     # dpctl's keep-alive host tasks let go of arrays on their own threads:
     # the frees that wait for other queues are done here (_free_deferred)
-    for pool in [_ctx().registry.initialized().get(index), *_shared_pools_made(index)]:
+    for pool in [_ctx().registry.initialized().get(index), *_shared_pools_made(index), host._existing()]:
         if pool is not None:
             pool.process_events()
 

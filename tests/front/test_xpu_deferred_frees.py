@@ -47,3 +47,27 @@ def test_a_recorded_block_freed_by_a_host_task_does_not_hang(xpu, install, make)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=150)
     assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-4000:])
     assert done.stdout.split()[-2:] == ["done", "0"], done.stdout
+
+
+def test_the_event_of_record_stream_is_a_barrier_submitted_without_the_gil(xpu):
+    """dpctl's SyclQueue.submit_barrier keeps the GIL while it waits for the
+    SYCL scheduler, which a thread waiting for the GIL may hold: the XPU
+    backend submits its barriers through a ctypes foreign function (CFUNCTYPE
+    lets the GIL go during the call; PYFUNCTYPE would not)."""
+    import ctypes
+
+    import dpctl
+    backend = xpu.allocator_for("device").backend
+    submit = backend.runtime._submit_barrier
+    assert not submit._flags_ & ctypes._FUNCFLAG_PYTHONAPI
+    q = dpctl.SyclQueue(xpu.default_queue().sycl_device, property="in_order")
+    x = xpu.ones(1 << 16, dtype="f4", sycl_queue=q)
+    y = x * 2
+    event = backend.record_event(xpu.stream_handle(q), 0)
+    assert isinstance(event, dpctl.SyclEvent)
+    backend.event_synchronize(event)
+    assert backend.event_done(event)
+    assert float(y[-1]) == 2.0
+    for _ in range(2000):          # each barrier's reference is given back (no growth, no crash)
+        backend.event_done(backend.record_event(0, 0))
+    del x, y

@@ -84,6 +84,12 @@ def _default_queue(device):
         return dpctl.SyclQueue(device)
 
 
+# dpctl.SyclEvent(capsule) reads a DPCTLSyclEventRef from a capsule of this name
+_EVENT_CAPSULE_NAME = b"SyclEventRef"
+_new_capsule = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)(
+    ("PyCapsule_New", ctypes.pythonapi))
+
+
 class _SyclRuntime:
     """What every XPU backend of this process shares: the devices, their
     default queues, dpctl's C functions and the queue <-> handle table."""
@@ -101,6 +107,17 @@ class _SyclRuntime:
                                            "DPCTLfree_with_queue", "DPCTLQueue_Wait"))
         # every queue wait of unimem's takes its turn (see _dpctl_api.wait_queue)
         _dpctl_api.set_queue_wait(self.functions["DPCTLQueue_Wait"])
+        # Barriers (the events of record_stream) are submitted through ctypes,
+        # which lets the GIL go during the call. dpctl's SyclQueue.submit_barrier
+        # keeps it, and a submission waits for the SYCL scheduler, which a
+        # thread waiting for the GIL may hold (another thread submitting
+        # dpnp's next kernel while a keep-alive host task lets go of an
+        # array): four threads of dpnp code with record_stream hung within
+        # seconds (/tmp/adv_thr/thr2.py).
+        barrier = self.c_functions(("DPCTLQueue_SubmitBarrier", "DPCTLEvent_Delete"))
+        self._submit_barrier = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)(
+            barrier["DPCTLQueue_SubmitBarrier"])
+        self._delete_event = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(barrier["DPCTLEvent_Delete"])
         # queue -> stream handle; a device's default queue is handle 0
         self.handles: Dict[Any, int] = {q: 0 for q in self.default_queues}
         self.queues: List[Any] = [None]          # handle -> queue (handle 0: per device; None: free)
@@ -119,6 +136,18 @@ class _SyclRuntime:
         # so from the first such queue on, look again after each garbage
         # collection (gc.callbacks: about 1.5 us a collection, paid only then)
         self.sweeping_after_collections = False
+
+    def submit_barrier(self, queue: Any) -> Any:
+        """``queue.submit_barrier()``, submitted without the GIL: a
+        ``dpctl.SyclEvent`` that completes once the work submitted to
+        ``queue`` so far has."""
+        ref = self._submit_barrier(queue.addressof_ref())
+        if not ref:
+            raise RuntimeError(f"dpctl could not submit a barrier to {queue!r}")
+        try:      # dpctl's SyclEvent takes a copy of the reference in the capsule
+            return self.dpctl.SyclEvent(_new_capsule(ref, _EVENT_CAPSULE_NAME, None))
+        finally:
+            self._delete_event(ref)
 
     def c_functions(self, names: Tuple[str, ...]) -> Dict[str, int]:
         """The addresses of functions of dpctl's C interface (libDPCTLSyclInterface)."""
@@ -450,7 +479,7 @@ class XPUBackend(Backend):
             _dpctl_api.wait_queue(queue)    # not queue.wait(): two at once crash the OpenCL CPU runtime
 
     def record_event(self, stream: int, device: int):
-        return self.runtime.queue(stream, device).submit_barrier()
+        return self.runtime.submit_barrier(self.runtime.queue(stream, device))
 
     def event_done(self, event) -> bool:
         return event.execution_status == self.runtime.dpctl.event_status_type.complete
