@@ -878,8 +878,10 @@ cdef class CachingAllocator:
         the backend, or only ``stream``'s when one is given. Waits for pending
         stream events first (PyTorch's device pools); with ``wait`` False only
         asks about them, and blocks whose stream work is still running stay
-        cached (PyTorch's pinned host pool, whose empty_cache never waits for
-        the device). With expandable segments, every whole free page is
+        cached (PyTorch's pinned host pool, whose empty_cache waits for no
+        event). Either way the backend's free may wait for the work queued
+        where the memory was used (the SYCL backends wait on the segment's
+        queue, as cudaFree and cudaFreeHost synchronize). With expandable segments, every whole free page is
         unmapped, in the middle of a segment too; the address ranges stay
         reserved (:meth:`empty_virt_addr_cache` releases them)."""
         return _empty_cache(self, stream, wait)

@@ -235,8 +235,12 @@ def empty_host_cache() -> None:
     r"""Release all unoccupied cached host (pinned) memory currently held by the host caching
     allocator so that it can be used by other applications.
 
-    As PyTorch's, it does not wait for the device: a freed block whose
-    recorded stream work (``record_stream``) is still running stays cached."""
+    As PyTorch's, it does not wait for stream events: a freed block whose
+    recorded stream work (``record_stream``) is still running stays cached.
+    Giving a wholly free segment back does wait for the work queued where
+    it was used, as PyTorch's ``cudaFreeHost`` synchronizes the device: the
+    SYCL pool frees it after a wait on its queue (``sycl::free`` must not
+    free memory a kernel may still read)."""
     pool = _existing()
     if pool is not None:
         pool.empty_cache(wait=False)
