@@ -104,6 +104,21 @@ def test_peak_requested_and_ratios():
     assert recorded["torch_reserved_peak"] == 40 * MiB and recorded["torch_recorded"]
 
 
+def test_the_time_column_is_the_median_of_interleaved_rounds(monkeypatch):
+    """Each round replays both policies back to back, which goes first
+    alternating, and gives one ratio; the column is their median."""
+    order = []
+    times = iter([3.0, 1.0, 1.0, 2.0, 6.0, 1.0])     # (expandable, default), (default, ...), ...
+    def fake_replay(events, backend="simulated", **options):
+        order.append("expandable" if options else "default")
+        return {"replay_s": next(times)}
+    monkeypatch.setattr(bench_memory, "replay_peak", fake_replay)
+    result = bench_memory.time_ratio([], "cpu", {"expandable_segments": True}, 3)
+    assert order == ["expandable", "default", "default", "expandable", "expandable", "default"]
+    assert result == {"time_ratio": 3.0, "time_ratio_low": 2.0, "time_ratio_high": 6.0, "time_rounds": 3}
+    assert bench_memory.time_cell(result) == "3.00x (2.00-6.00)"
+
+
 def test_the_pages_holding_live_bytes_at_the_peak():
     page = 2 * MiB
     snapshot = [{"blocks": [
