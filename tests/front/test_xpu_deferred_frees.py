@@ -71,3 +71,36 @@ def test_the_event_of_record_stream_is_a_barrier_submitted_without_the_gil(xpu):
     for _ in range(2000):          # each barrier's reference is given back (no growth, no crash)
         backend.event_done(backend.record_event(0, 0))
     del x, y
+
+
+SHARED_LOOP = """
+import faulthandler
+faulthandler.dump_traceback_later(90, exit=True)
+import dpctl
+import unimem.accelerator as acc
+import unimem.xpu as xpu
+dev = xpu.default_queue().sycl_device
+q1 = dpctl.SyclQueue(dev, property="in_order")
+q2 = dpctl.SyclQueue(dev, property="in_order")
+shared = xpu.allocator_for("shared")
+before = shared.memory_allocated()
+for i in range(50):
+    a = xpu.ones(1 << 18, dtype="f4", sycl_queue=q1, usm_type="shared")
+    b = a * 2
+    xpu.record_stream(a, q2)
+    del a, b                       # the host task lets go: the frees are kept
+q1.wait(); q2.wait()
+acc.synchronize()
+print("done", shared.memory_allocated() - before)
+"""
+
+
+def test_accelerator_synchronize_does_the_kept_frees_of_the_shared_pool(xpu):
+    """unimem.accelerator.synchronize on XPU did the kept frees of the
+    device's pool only: blocks of the shared USM pool freed by a host task
+    stayed allocated (2 MiB of 50 loops) until that pool's next allocation.
+    It now does what unimem.xpu.synchronize does."""
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(SHARED_LOOP)], capture_output=True,
+                          text=True, timeout=150)
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-4000:])
+    assert done.stdout.split()[-2:] == ["done", "0"], done.stdout

@@ -114,6 +114,12 @@ def synchronize(device: DeviceLike = None, /) -> None:
     """
     dtype = current_type()
     index = _device_index(device, dtype)
+    if dtype.name == "xpu":
+        # unimem.xpu's also does the frees that the finished work let go of
+        # in the shared USM and pinned pools beside the device's
+        from .. import xpu
+        xpu.synchronize(index)
+        return
     # Optional for user backends: one without it has no asynchronous work.
     device_synchronize = getattr(dtype.backend, "synchronize", None)
     if device_synchronize is not None:
