@@ -419,12 +419,39 @@ def full_like(x: Any, fill_value: Any, dtype: Any = None, **kwargs: Any):
     return _filled(_like(x, dtype, kwargs), lambda out: out.fill(fill_value))
 
 
-def asarray(obj: Any, dtype: Any = None, *, order: Optional[str] = "C", device: Any = None,
+def _empty_in_layout(order: Optional[str], source: Any, dtype: Any, **kwargs: Any) -> Any:
+    """``empty`` for asarray's copy of ``source``, laid out as ``order``
+    says (dpnp's values): "C", "F"; "A": F if the source is Fortran
+    contiguous and not C contiguous, else C; "K" or None (dpnp's default):
+    the source's axes in the order of their strides, made as a transposed
+    view of a C-contiguous block."""
+    key = "K" if order is None else order.upper() if isinstance(order, str) else order
+    if key not in ("C", "F", "A", "K"):
+        raise ValueError(f"order must be 'K', 'A', 'F' or 'C', got {order!r}")
+    flags, shape, strides = source.flags, tuple(source.shape), tuple(source.strides)
+    if key in ("C", "F"):
+        return empty(shape, dtype, order=key, **kwargs)
+    if flags.c_contiguous or key == "A" and not flags.f_contiguous:
+        return empty(shape, dtype, order="C", **kwargs)
+    if flags.f_contiguous:
+        return empty(shape, dtype, order="F", **kwargs)
+    # "K": axes by decreasing stride (a stable sort, as numpy's), and as
+    # dpnp's copy, an axis that runs backwards runs backwards in the copy
+    axes = sorted(range(len(shape)), key=lambda axis: -abs(strides[axis]))
+    block = empty(tuple(shape[axis] for axis in axes), dtype, order="C", **kwargs)
+    view = block.transpose(tuple(int(axis) for axis in numpy.argsort(axes)))
+    backwards = tuple(slice(None, None, -1) if stride < 0 else slice(None) for stride in strides)
+    return view[backwards] if any(stride < 0 for stride in strides) else view
+
+
+def asarray(obj: Any, dtype: Any = None, *, order: Optional[str] = None, device: Any = None,
             usm_type: Optional[str] = None, sycl_queue: Any = None):
     """Copy ``obj`` (a NumPy array, a sequence, a scalar or a dpnp array) into
     a new pool-backed ``dpnp.ndarray``. As ``dpnp.asarray``, a dpnp or USM
     array keeps its queue and USM type unless ``device``, ``sycl_queue`` or
-    ``usm_type`` say otherwise; anything else goes to device USM."""
+    ``usm_type`` say otherwise; anything else goes to device USM. ``order``
+    as dpnp's: "C", "F", "A" or "K"; None (the default) is "K", the
+    source's layout."""
     dpnp = _ctx().dpnp
     usm_source = hasattr(obj, "__sycl_usm_array_interface__")
     if usm_source:
@@ -437,8 +464,8 @@ def asarray(obj: Any, dtype: Any = None, *, order: Optional[str] = "C", device: 
         source = obj
         if source.sycl_queue != queue:
             source = source.to_device(queue)
-        out = empty(source.shape, source.dtype if dtype is None else dtype, order=order,
-                    usm_type=usm_type, sycl_queue=queue)
+        out = _empty_in_layout(order, source, source.dtype if dtype is None else dtype,
+                               usm_type=usm_type, sycl_queue=queue)
 
         def copy(out: Any) -> None:
             out[...] = source
@@ -452,11 +479,11 @@ def asarray(obj: Any, dtype: Any = None, *, order: Optional[str] = "C", device: 
             raise TypeError(f"dpnp arrays cannot hold data type {dtype}")
     elif host_data.dtype.kind not in "biufc":
         raise TypeError(f"cannot copy data of type {host_data.dtype} into a dpnp array")
-    out = empty(host_data.shape, dtype, order=order, usm_type=usm_type, sycl_queue=queue)
+    out = _empty_in_layout(order, host_data, dtype, usm_type=usm_type, sycl_queue=queue)
 
     def copy(out: Any) -> None:
         if out.size:          # asarray, not ascontiguousarray: that makes 0-d data 1-d
-            out.get_array()[...] = numpy.asarray(host_data, dtype=out.dtype, order="C")
+            out.get_array()[...] = numpy.asarray(host_data, dtype=out.dtype, order="K")
     return _filled(out, copy)
 
 

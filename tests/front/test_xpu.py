@@ -649,6 +649,44 @@ def test_asarray_keeps_a_usm_arrays_queue_and_usm_type_as_dpnp_does(xpu, dpnp, d
         assert like.usm_type == usm_type == dpnp.empty_like(source, usm_type=None).usm_type
 
 
+ASARRAY_LAYOUTS = {
+    "fortran": lambda: np.asfortranarray(np.arange(24.0).reshape(2, 3, 4)),
+    "axes swapped": lambda: np.arange(24.0).reshape(2, 3, 4).transpose(1, 0, 2),
+    "fortran, every other column": lambda: np.asfortranarray(np.arange(24.0).reshape(4, 6))[:, ::2],
+    "backwards": lambda: np.arange(6.0).reshape(2, 3)[:, ::-1],
+    "backwards, strided, swapped": lambda: np.arange(24.0).reshape(2, 3, 4)[::-1, :, ::2].transpose(2, 0, 1),
+    "C": lambda: np.arange(6.0).reshape(2, 3),
+    "0-d": lambda: np.float64(3.0),
+    "nested list": lambda: [[1, 2], [3, 4]],
+}
+
+
+@pytest.mark.parametrize("layout", list(ASARRAY_LAYOUTS))
+def test_asarray_lays_out_its_copy_as_dpnp_asarray_does(xpu, dpnp, layout):
+    """dpnp.asarray's order defaults to None ("K", the source's layout);
+    unimem's defaulted to "C" and made None "C": a Fortran array came back
+    C-contiguous. Every order, from host data and from a dpnp array, gives
+    dpnp's strides and values, in memory from the pool."""
+    before = xpu.memory_allocated()
+    for order in (None, "K", "A", "C", "F", "k", "a"):
+        for source in (ASARRAY_LAYOUTS[layout](), dpnp.asarray(ASARRAY_LAYOUTS[layout]())):
+            made, expected = xpu.asarray(source, order=order), dpnp.asarray(source, order=order)
+            assert (made.shape, made.strides, made.dtype) == (expected.shape, expected.strides, expected.dtype), \
+                (order, type(source))
+            np.testing.assert_array_equal(made.asnumpy(), expected.asnumpy())
+            assert xpu.memory_allocated() > before or made.size == 0
+            del made, expected
+            gc.collect()
+    assert xpu.memory_allocated() == before
+
+
+def test_asarray_refuses_an_order_dpnp_refuses(xpu):
+    before = xpu.memory_allocated()
+    with pytest.raises(ValueError, match="order must be 'K', 'A', 'F' or 'C'"):
+        xpu.asarray([1.0, 2.0], order="X")
+    assert xpu.memory_allocated() == before
+
+
 def test_none_is_the_default_order_and_usm_type_of_empty_as_in_dpnp(xpu, dpnp):
     made = xpu.empty((2, 3), order=None, usm_type=None)
     expected = dpnp.empty((2, 3), order=None, usm_type=None)
