@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, example, given, settings, strategies as st
 import unimem
 import unimem.cuda
 import unimem.xpu
-from unimem import _core, accelerator, cpu, host, xpu
+from unimem import _core, _xpu_pools, accelerator, cpu, host, xpu
 from unimem._runtime import devices as _devices
 from unimem._runtime.config import parse_alloc_conf
 from unimem.backends.simulated import SimulatedBackend
@@ -47,8 +47,9 @@ def allocators():
             found += list(dtype.registry.initialized().values())
     if host._registry is not None:
         found += list(host._registry.initialized().values())
-    if xpu._shared_registry is not None:
-        found += list(xpu._shared_registry.initialized().values())
+    shared = _xpu_pools.shared_registry()
+    if shared is not None:
+        found += list(shared.initialized().values())
     return found
 
 
