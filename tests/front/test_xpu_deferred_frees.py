@@ -104,3 +104,17 @@ def test_accelerator_synchronize_does_the_kept_frees_of_the_shared_pool(xpu):
                           text=True, timeout=150)
     assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-4000:])
     assert done.stdout.split()[-2:] == ["done", "0"], done.stdout
+
+
+def test_accelerator_synchronize_loads_no_dpnp(xpu):
+    """Doing the shared pool's kept frees must not make accelerator.synchronize
+    load dpnp (the review of the first fix, which went through unimem.xpu's
+    context): a later install_allocators(sycl_interpose=True) then refused,
+    dpnp's extensions being loaded, and without dpnp it raised."""
+    code = ("import sys, unimem.accelerator as acc\n"
+            "assert acc.current_accelerator().type == 'xpu'\n"
+            "acc.synchronize()\n"
+            "print(sorted(m for m in ('dpnp', 'unimem.xpu') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=150)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.stdout.split()[-1] == "[]", done.stdout

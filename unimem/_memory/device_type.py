@@ -29,6 +29,13 @@ def show_pools_beside(type_name: str, pools: PoolsBeside) -> None:
     _POOLS_BESIDE[type_name] = pools
 
 
+def pools_beside(type_name: str, index: Optional[int]) -> List[_core.CachingAllocator]:
+    """The pools made so far beside device ``index`` of ``type_name`` (every
+    device's for None): those :func:`show_pools_beside` named."""
+    beside = _POOLS_BESIDE.get(type_name)
+    return beside.made(index) if beside is not None else []
+
+
 class DeviceTypeAPI:
     """The memory functions of one device type (``"cpu"``, ``"xpu"``, ``"cuda"``):
     the plumbing every part of :class:`unimem._memory_api.MemoryAPI` shares."""
@@ -39,8 +46,7 @@ class DeviceTypeAPI:
 
     def pools_beside(self, index: Optional[int]) -> List[_core.CachingAllocator]:
         """The pools shown beside device ``index``'s (every device's for None): :class:`PoolsBeside`."""
-        beside = _POOLS_BESIDE.get(self.type_name)
-        return beside.made(index) if beside is not None else []
+        return pools_beside(self.type_name, index)
 
     def stats_beside(self, device: DeviceLike) -> Dict[str, Any]:
         """The statistics of the pools beside ``device``'s, their keys prefixed."""

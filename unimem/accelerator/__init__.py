@@ -19,6 +19,8 @@ from typing import Any, Dict, Iterator, Optional
 import numpy
 
 from .._runtime.devices import DeviceLike, current_type, device, device_index as _device_index, is_negative_index
+from .. import host
+from .._memory.device_type import pools_beside
 from . import memory
 # torch.accelerator re-exports its memory functions too; a star import, so
 # that type checkers see the re-export of every name in memory.__all__.
@@ -114,20 +116,15 @@ def synchronize(device: DeviceLike = None, /) -> None:
     """
     dtype = current_type()
     index = _device_index(device, dtype)
-    if dtype.name == "xpu":
-        # unimem.xpu's also does the frees that the finished work let go of
-        # in the shared USM and pinned pools beside the device's
-        from .. import xpu
-        xpu.synchronize(index)
-        return
     # Optional for user backends: one without it has no asynchronous work.
     device_synchronize = getattr(dtype.backend, "synchronize", None)
     if device_synchronize is not None:
         device_synchronize(index)
-        # the frees the finished work let go of on a runtime's thread
-        allocator = dtype.registry.initialized().get(index)
-        if allocator is not None:
-            allocator.process_events()
+        # the frees the finished work let go of on a runtime's thread: in the
+        # device's pool, the pools beside it (XPU's shared USM) and the pinned pool
+        for pool in [dtype.registry.initialized().get(index), *pools_beside(dtype.name, index), host._existing()]:
+            if pool is not None:
+                pool.process_events()
 
 
 # torch.accelerator's older names, the same functions
