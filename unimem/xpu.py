@@ -211,10 +211,17 @@ def _like(x: Any, dtype: Any, kwargs: Dict[str, Any]) -> Any:
     # Neither C nor F contiguous: the axes by falling stride length (as
     # dpnp's empty_like orders them), made C-contiguous in that order and
     # viewed back in x's.
+    return _empty_with_axes_ordered_as(x, dtype, kwargs)
+
+
+def _empty_with_axes_ordered_as(x: Any, dtype: Any, kwargs: Dict[str, Any]) -> Any:
+    """A pool array shaped like ``x`` whose axes are laid out in the order of
+    ``x``'s falling stride lengths (as dpnp orders them: a length-1 axis
+    last), made C-contiguous in that order and viewed back in ``x``'s."""
     shape, strides = x.shape, x.strides
-    by_stride = sorted(range(x.ndim), key=lambda d: abs(strides[d]) if shape[d] > 1 else 0, reverse=True)
+    by_stride = sorted(range(len(shape)), key=lambda d: abs(strides[d]) if shape[d] > 1 else 0, reverse=True)
     made = empty(tuple(shape[d] for d in by_stride), dtype, order="C", **kwargs)
-    back = sorted(range(x.ndim), key=by_stride.__getitem__)
+    back = sorted(range(len(shape)), key=by_stride.__getitem__)
     return made.transpose(back)
 
 
@@ -241,29 +248,32 @@ def full_like(x: Any, fill_value: Any, dtype: Any = None, **kwargs: Any):
     return _filled(_like(x, dtype, kwargs), lambda out: out.fill(fill_value))
 
 
-def _empty_in_layout(order: Optional[str], source: Any, dtype: Any, **kwargs: Any) -> Any:
-    """``empty`` for asarray's copy of ``source``, laid out as ``order``
-    says (dpnp's values): "C", "F"; "A": F if the source is Fortran
-    contiguous and not C contiguous, else C; "K" or None (dpnp's default):
-    the source's axes in the order of their strides, made as a transposed
-    view of a C-contiguous block."""
-    key = "K" if order is None else order.upper() if isinstance(order, str) else order
+def _empty_in_layout(order: Any, source: Any, dtype: Any, **kwargs: Any) -> Any:
+    """``empty`` for asarray's copy of ``source``, laid out as dpnp.asarray
+    lays it out for ``order`` (of which, as dpnp, only the first letter
+    counts): "C", "F"; "A": F if the source is Fortran contiguous and not C
+    contiguous, else C; "K" or None (dpnp's default): the source's layout,
+    axes in the order of their strides and, as dpnp's copy, an axis that
+    runs backwards running backwards in the copy."""
+    if order is None:
+        key = "K"
+    elif not isinstance(order, str):
+        raise TypeError(f"order must be a str or None, got {type(order).__name__}")
+    else:
+        key = order[:1].upper()
     if key not in ("C", "F", "A", "K"):
         raise ValueError(f"order must be 'K', 'A', 'F' or 'C', got {order!r}")
-    flags, shape, strides = source.flags, tuple(source.shape), tuple(source.strides)
+    flags, strides = source.flags, tuple(source.strides)
     if key in ("C", "F"):
-        return empty(shape, dtype, order=key, **kwargs)
+        return empty(source.shape, dtype, order=key, **kwargs)
     if flags.c_contiguous or key == "A" and not flags.f_contiguous:
-        return empty(shape, dtype, order="C", **kwargs)
+        return empty(source.shape, dtype, order="C", **kwargs)
     if flags.f_contiguous:
-        return empty(shape, dtype, order="F", **kwargs)
-    # "K": axes by decreasing stride (a stable sort, as numpy's), and as
-    # dpnp's copy, an axis that runs backwards runs backwards in the copy
-    axes = sorted(range(len(shape)), key=lambda axis: -abs(strides[axis]))
-    block = empty(tuple(shape[axis] for axis in axes), dtype, order="C", **kwargs)
-    view = block.transpose(tuple(int(axis) for axis in numpy.argsort(axes)))
-    backwards = tuple(slice(None, None, -1) if stride < 0 else slice(None) for stride in strides)
-    return view[backwards] if any(stride < 0 for stride in strides) else view
+        return empty(source.shape, dtype, order="F", **kwargs)
+    view = _empty_with_axes_ordered_as(source, dtype, kwargs)
+    if any(stride < 0 for stride in strides):
+        view = view[tuple(slice(None, None, -1) if stride < 0 else slice(None) for stride in strides)]
+    return view
 
 
 def asarray(obj: Any, dtype: Any = None, *, order: Optional[str] = None, device: Any = None,

@@ -655,6 +655,8 @@ ASARRAY_LAYOUTS = {
     "fortran, every other column": lambda: np.asfortranarray(np.arange(24.0).reshape(4, 6))[:, ::2],
     "backwards": lambda: np.arange(6.0).reshape(2, 3)[:, ::-1],
     "backwards, strided, swapped": lambda: np.arange(24.0).reshape(2, 3, 4)[::-1, :, ::2].transpose(2, 0, 1),
+    "a length-1 axis, backwards": lambda: np.arange(4.0).reshape(2, 1, 2)[:, :, ::-1],
+    "a length-1 axis, swapped": lambda: np.arange(8.0).reshape(2, 1, 4)[:, :, ::2].transpose(2, 1, 0),
     "C": lambda: np.arange(6.0).reshape(2, 3),
     "0-d": lambda: np.float64(3.0),
     "nested list": lambda: [[1, 2], [3, 4]],
@@ -666,11 +668,14 @@ def test_asarray_lays_out_its_copy_as_dpnp_asarray_does(xpu, dpnp, layout):
     """dpnp.asarray's order defaults to None ("K", the source's layout);
     unimem's defaulted to "C" and made None "C": a Fortran array came back
     C-contiguous. Every order, from host data and from a dpnp array, gives
-    dpnp's strides and values, in memory from the pool."""
+    dpnp's strides and values, in memory from the pool. (unimem's asarray
+    always copies: against dpnp's copy, since dpnp hands back a dpnp source
+    that needs no copy as it is.)"""
+    gc.collect()
     before = xpu.memory_allocated()
-    for order in (None, "K", "A", "C", "F", "k", "a"):
+    for order in (None, "K", "A", "C", "F", "k", "a", "Cx"):     # dpnp reads the first letter
         for source in (ASARRAY_LAYOUTS[layout](), dpnp.asarray(ASARRAY_LAYOUTS[layout]())):
-            made, expected = xpu.asarray(source, order=order), dpnp.asarray(source, order=order)
+            made, expected = xpu.asarray(source, order=order), dpnp.asarray(source, order=order, copy=True)
             assert (made.shape, made.strides, made.dtype) == (expected.shape, expected.strides, expected.dtype), \
                 (order, type(source))
             np.testing.assert_array_equal(made.asnumpy(), expected.asnumpy())
@@ -680,10 +685,14 @@ def test_asarray_lays_out_its_copy_as_dpnp_asarray_does(xpu, dpnp, layout):
     assert xpu.memory_allocated() == before
 
 
-def test_asarray_refuses_an_order_dpnp_refuses(xpu):
+@pytest.mark.parametrize("order, error", [("X", ValueError), ("", ValueError), (1, TypeError),
+                                          (b"C", TypeError)])
+def test_asarray_refuses_an_order_dpnp_refuses(xpu, dpnp, order, error):
     before = xpu.memory_allocated()
-    with pytest.raises(ValueError, match="order must be 'K', 'A', 'F' or 'C'"):
-        xpu.asarray([1.0, 2.0], order="X")
+    with pytest.raises(error):
+        dpnp.asarray([1.0, 2.0], order=order)
+    with pytest.raises(error, match="order must be"):
+        xpu.asarray([1.0, 2.0], order=order)
     assert xpu.memory_allocated() == before
 
 
