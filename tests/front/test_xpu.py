@@ -670,8 +670,10 @@ def test_asarray_lays_out_its_copy_as_dpnp_asarray_does(xpu, dpnp, layout):
     C-contiguous. Every order, from host data and from a dpnp array, gives
     dpnp's strides and values, in memory from the pool. (unimem's asarray
     always copies: against dpnp's copy, since dpnp hands back a dpnp source
-    that needs no copy as it is.)"""
+    that needs no copy as it is.) dpctl lets go of an array once the kernels
+    using it are done: the counts are read after synchronize()."""
     gc.collect()
+    xpu.synchronize()
     before = xpu.memory_allocated()
     for order in (None, "K", "A", "C", "F", "k", "a", "Cx"):     # dpnp reads the first letter
         for source in (ASARRAY_LAYOUTS[layout](), dpnp.asarray(ASARRAY_LAYOUTS[layout]())):
@@ -682,6 +684,7 @@ def test_asarray_lays_out_its_copy_as_dpnp_asarray_does(xpu, dpnp, layout):
             assert xpu.memory_allocated() > before or made.size == 0
             del made, expected
             gc.collect()
+    xpu.synchronize()
     assert xpu.memory_allocated() == before
 
 
