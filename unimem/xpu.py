@@ -201,28 +201,30 @@ def _like(x: Any, dtype: Any, kwargs: Dict[str, Any]) -> Any:
         kwargs["usm_type"] = x.usm_type
     if "device" not in kwargs and "sycl_queue" not in kwargs:
         kwargs["sycl_queue"] = x.sycl_queue
-    dtype = x.dtype if dtype is None else dtype
-    order = order.upper()
+    return _empty_laid_out_as(x, order.upper(), x.dtype if dtype is None else dtype, kwargs, False)
+
+
+def _empty_laid_out_as(x: Any, order: str, dtype: Any, kwargs: Dict[str, Any], backwards: bool) -> Any:
+    """A pool array shaped like ``x`` (a NumPy or dpnp array), laid out as
+    dpnp lays out a copy or an ``empty_like`` for ``order`` ("C", "F", "A"
+    or "K"): "A" is F for an ``x`` that is Fortran contiguous and not C
+    contiguous, else C; "K" is that for a contiguous ``x``, else the axes by
+    falling stride length (a length-1 axis last, as dpnp orders them), made
+    C-contiguous in that order and viewed back in ``x``'s. ``backwards``:
+    an axis that runs backwards in ``x`` runs backwards in the result too
+    (dpnp.asarray's copy does that, dpnp.empty_like does not)."""
     flags = x.flags
     if order == "A" or (order == "K" and (flags.c_contiguous or flags.f_contiguous)):
         order = "F" if flags.f_contiguous and not flags.c_contiguous else "C"
     if order != "K":
         return empty(x.shape, dtype, order=order, **kwargs)
-    # Neither C nor F contiguous: the axes by falling stride length (as
-    # dpnp's empty_like orders them), made C-contiguous in that order and
-    # viewed back in x's.
-    return _empty_with_axes_ordered_as(x, dtype, kwargs)
-
-
-def _empty_with_axes_ordered_as(x: Any, dtype: Any, kwargs: Dict[str, Any]) -> Any:
-    """A pool array shaped like ``x`` whose axes are laid out in the order of
-    ``x``'s falling stride lengths (as dpnp orders them: a length-1 axis
-    last), made C-contiguous in that order and viewed back in ``x``'s."""
     shape, strides = x.shape, x.strides
     by_stride = sorted(range(len(shape)), key=lambda d: abs(strides[d]) if shape[d] > 1 else 0, reverse=True)
     made = empty(tuple(shape[d] for d in by_stride), dtype, order="C", **kwargs)
-    back = sorted(range(len(shape)), key=by_stride.__getitem__)
-    return made.transpose(back)
+    view = made.transpose(sorted(range(len(shape)), key=by_stride.__getitem__))
+    if backwards and any(stride < 0 for stride in strides):
+        view = view[tuple(slice(None, None, -1) if stride < 0 else slice(None) for stride in strides)]
+    return view
 
 
 def empty_like(x: Any, dtype: Any = None, **kwargs: Any):
@@ -250,11 +252,9 @@ def full_like(x: Any, fill_value: Any, dtype: Any = None, **kwargs: Any):
 
 def _empty_in_layout(order: Any, source: Any, dtype: Any, **kwargs: Any) -> Any:
     """``empty`` for asarray's copy of ``source``, laid out as dpnp.asarray
-    lays it out for ``order`` (of which, as dpnp, only the first letter
-    counts): "C", "F"; "A": F if the source is Fortran contiguous and not C
-    contiguous, else C; "K" or None (dpnp's default): the source's layout,
-    axes in the order of their strides and, as dpnp's copy, an axis that
-    runs backwards running backwards in the copy."""
+    lays it out (:func:`_empty_laid_out_as`, axes that run backwards kept)
+    for ``order``: of a str only the first letter counts, as dpnp reads it;
+    None (dpnp's default) is "K"."""
     if order is None:
         key = "K"
     elif not isinstance(order, str):
@@ -263,17 +263,7 @@ def _empty_in_layout(order: Any, source: Any, dtype: Any, **kwargs: Any) -> Any:
         key = order[:1].upper()
     if key not in ("C", "F", "A", "K"):
         raise ValueError(f"order must be 'K', 'A', 'F' or 'C', got {order!r}")
-    flags, strides = source.flags, tuple(source.strides)
-    if key in ("C", "F"):
-        return empty(source.shape, dtype, order=key, **kwargs)
-    if flags.c_contiguous or key == "A" and not flags.f_contiguous:
-        return empty(source.shape, dtype, order="C", **kwargs)
-    if flags.f_contiguous:
-        return empty(source.shape, dtype, order="F", **kwargs)
-    view = _empty_with_axes_ordered_as(source, dtype, kwargs)
-    if any(stride < 0 for stride in strides):
-        view = view[tuple(slice(None, None, -1) if stride < 0 else slice(None) for stride in strides)]
-    return view
+    return _empty_laid_out_as(source, key, dtype, kwargs, True)
 
 
 def asarray(obj: Any, dtype: Any = None, *, order: Optional[str] = None, device: Any = None,
