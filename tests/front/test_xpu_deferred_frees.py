@@ -9,11 +9,11 @@ free is now kept for the next call from Python's side (_free_deferred).
 Run in a child process: the failure is a hang. The child also checks that
 synchronize() does the kept frees: every byte allocated in the loop is free
 after it."""
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from tests.helpers.crash_guard import run_python
 
 LOOP = """
 import faulthandler, sys
@@ -43,10 +43,8 @@ print("done", xpu.memory_allocated() - before)
                                            ("xpu.set_allocator()", "dpnp.ones")],
                          ids=["unimem.xpu.ones", "dpnp.ones, allocator installed"])
 def test_a_recorded_block_freed_by_a_host_task_does_not_hang(xpu, install, make):
-    code = textwrap.dedent(LOOP.format(install=install, make=make))
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=150)
-    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-4000:])
-    assert done.stdout.split()[-2:] == ["done", "0"], done.stdout
+    out = run_python(textwrap.dedent(LOOP.format(install=install, make=make)), marker="done", timeout=150)
+    assert out.split()[-2:] == ["done", "0"], out
 
 
 def test_the_event_of_record_stream_is_a_barrier_submitted_without_the_gil(xpu):
@@ -100,10 +98,8 @@ def test_accelerator_synchronize_does_the_kept_frees_of_the_shared_pool(xpu):
     device's pool only: blocks of the shared USM pool freed by a host task
     stayed allocated (2 MiB of 50 loops) until that pool's next allocation.
     It now does what unimem.xpu.synchronize does."""
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(SHARED_LOOP)], capture_output=True,
-                          text=True, timeout=150)
-    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-4000:])
-    assert done.stdout.split()[-2:] == ["done", "0"], done.stdout
+    out = run_python(textwrap.dedent(SHARED_LOOP), marker="done", timeout=150)
+    assert out.split()[-2:] == ["done", "0"], out
 
 
 def test_accelerator_synchronize_loads_no_dpnp(xpu):
@@ -114,7 +110,6 @@ def test_accelerator_synchronize_loads_no_dpnp(xpu):
     code = ("import sys, unimem.accelerator as acc\n"
             "assert acc.current_accelerator().type == 'xpu'\n"
             "acc.synchronize()\n"
-            "print(sorted(m for m in ('dpnp', 'unimem.xpu') if m in sys.modules))")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=150)
-    assert done.returncode == 0, done.stderr[-4000:]
-    assert done.stdout.split()[-1] == "[]", done.stdout
+            "print('loaded', sorted(m for m in ('dpnp', 'unimem.xpu') if m in sys.modules))")
+    out = run_python(code, marker="loaded", timeout=150)
+    assert out.split()[-1] == "[]", out
