@@ -119,7 +119,7 @@ setup(
     ext_modules=cythonize(
         [extension("unimem._core"), extension("unimem._runtime.registry"),
          extension("unimem.backends._host"), extension("unimem.backends._dpctl_api"),
-         extension("unimem._usm_memory"),
+         extension("unimem._usm_memory"), extension("unimem._cupy_allocator"),
          *([extension(SYCL_INTERPOSER)] if sys.platform.startswith("linux") else []),
          extension("benchmarks._timing")],
         compiler_directives={"language_level": "3"},

@@ -27,7 +27,7 @@ import warnings
 import weakref
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from . import _core
+from . import _core, _cupy_allocator
 from ._runtime.registry import DeviceRegistry
 from ._runtime import devices as _devices
 from ._runtime.config import settings_from_env
@@ -152,33 +152,10 @@ _MEMORY_CLASSES: Optional[Tuple[type, type, type]] = None
 _device_types = _devices._types          # the device types made so far, by name (mutated, never rebound)
 
 
-def allocator(size: int) -> Any:
-    """Allocate ``size`` bytes for CuPy on its current device and stream.
-
-    Install with ``cupy.cuda.set_allocator(unimem.cuda.allocator)``. Returns a
-    ``cupy.cuda.MemoryPointer`` whose memory goes back to unimem's pool when
-    CuPy lets go of it. Its ``mem`` is a :class:`PooledMemory` (the block's
-    rounded size, ``free()`` to give it back early), as from CuPy's pool; for
-    0 bytes, a CuPy ``Memory`` at address 0.
-    """
-    # Every cupy.empty comes here: no call that is not needed (issue 30: the
-    # first GPU run measured this path at 1.5-1.8x CuPy's own pool).
-    dtype = _device_types.get("cuda")
-    return _memory_pointer((dtype if dtype is not None else get_type("cuda")).registry, size)
-
-
-def _memory_pointer(registry: DeviceRegistry, size: int) -> Any:
-    """A ``cupy.cuda.MemoryPointer`` to a new block of ``registry``'s pool on
-    CuPy's current device and stream, holding it until CuPy lets go."""
-    try:
-        allocation = registry.allocate_current(size)
-    except _core.OutOfMemoryError as error:
-        raise _cupy_out_of_memory_class()(error) from None
-    pooled, empty, memory_pointer = _MEMORY_CLASSES or _memory_classes()
-    ptr = allocation.ptr
-    if ptr == 0:
-        return memory_pointer(empty(allocation.allocator.device), 0)
-    return memory_pointer(pooled(ptr, allocation.block_size, allocation, allocation.allocator.device), 0)
+# Every cupy.empty calls unimem.cuda.allocator: it is typed Cython
+# (unimem/_cupy_allocator.pyx), the same steps without Python frames.
+_cupy_allocator.bind(_device_types, get_type, _memory_classes, _cupy_out_of_memory_class)
+allocator = _cupy_allocator.allocator
 
 
 @forward_to_inner(intercepted={"malloc", "free", "_raw_api", "_raw_owner", "host_accessible"})
@@ -332,7 +309,7 @@ class MemoryPool:
     def malloc(self, size: int) -> Any:
         """Allocate ``size`` bytes on the current device (and stream); returns
         a ``cupy.cuda.MemoryPointer``."""
-        return _memory_pointer(self._registry, size)
+        return _cupy_allocator.memory_pointer(self._registry, size)
 
     def free_all_blocks(self, stream: Any = None) -> None:
         """Releases free blocks.

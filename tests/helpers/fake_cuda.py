@@ -200,13 +200,16 @@ class FakeCudaRuntime:
 
 
 @contextlib.contextmanager
-def serving_cuda(runtime):
+def serving_cuda(runtime, cupy_streams=False):
     """Serve unimem's ``cuda`` device type from ``runtime`` (wired as on a GPU,
-    the current stream read from the fake instead of CuPy) while inside."""
+    the current stream read from the fake instead of CuPy) while inside.
+    ``cupy_streams``: keep the stream function a GPU's type has (CuPy's
+    current stream), for a test that replaces CuPy's ``get_current_stream``."""
     from unimem._runtime import devices as _devices
     from unimem._runtime.devices import make_cuda_type
     saved = (_devices._types.get("cuda"), _devices._unavailable.get("cuda"))
-    _devices.install_type("cuda", make_cuda_type(runtime, current_stream_fn=runtime.current_stream))
+    _devices.install_type("cuda", make_cuda_type(runtime) if cupy_streams
+                          else make_cuda_type(runtime, current_stream_fn=runtime.current_stream))
     try:
         yield runtime
     finally:

@@ -12,7 +12,8 @@ included, and mapped to its layer:
 2     the core: ``unimem._core``, ``unimem._native.*``
 3     the runtime: ``unimem._runtime.*``
 4     the front and observability: ``unimem.accelerator.*``, ``unimem.cpu``,
-      ``unimem.cuda``, ``unimem.xpu`` (and its ``unimem._xpu_pools``), ``unimem.host``, ``unimem._memory_api``,
+      ``unimem.cuda`` (and its ``unimem._cupy_allocator``), ``unimem.xpu`` (and its
+      ``unimem._xpu_pools``), ``unimem.host``, ``unimem._memory_api``,
       ``unimem._observe.*``
 5     integrations and entry points: ``unimem._integrations.*``, ``unimem.dask``,
       ``unimem.prometheus``, ``unimem.cli.*``, ``unimem`` (its ``__init__``),
@@ -49,6 +50,7 @@ LAYER_OF_PREFIX = (                 # first match wins: more specific first
     ("unimem.accelerator", 4),
     ("unimem.cpu", 4),
     ("unimem.cuda", 4),
+    ("unimem._cupy_allocator", 4),
     ("unimem.xpu", 4),
     ("unimem._xpu_pools", 4),
     ("unimem.host", 4),

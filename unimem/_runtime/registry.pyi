@@ -11,6 +11,8 @@ class DeviceRegistry:
     slot: int
     device_type: str
     device_count: int
+    @property
+    def only(self) -> Optional[CachingAllocator]: ...
     current_device_fn: Optional[Callable[[], int]]
     current_stream_fn: Optional[Callable[[int], int]]
     stream_handle_fn: Optional[Callable[[Any], int]]

@@ -68,8 +68,8 @@ cdef class DeviceRegistry:
     cdef list _allocators
     # The allocator of a registry with one device, once made: the fast
     # functions' common case (no device, no stream, an exact int) goes
-    # straight to it.
-    cdef CachingAllocator only
+    # straight to it (and unimem.cuda.allocator's, read as ``only``).
+    cdef readonly CachingAllocator only
     cdef object _create_lock
     cdef object _thread_current         # threading.local, when no C table slot was free
     cdef object __weakref__

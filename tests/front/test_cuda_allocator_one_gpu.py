@@ -1,0 +1,131 @@
+"""``unimem.cuda.allocator`` on a one-GPU machine wired as CuPy wires it.
+
+There the allocator takes its short way (``unimem/_cupy_allocator.pyx``):
+the stream key is read inline from CuPy's current stream instead of through
+the registry's stream function. These tests run that way without a GPU: a
+simulated one-GPU runtime whose type keeps unimem's default stream function
+(``cupy_current_stream_key``), with CuPy's ``get_current_stream`` replaced by
+the simulation's current stream.
+"""
+import threading
+import types
+
+import pytest
+
+import unimem
+from unimem._runtime import devices as _devices
+from unimem.backends import cuda as cuda_backend
+
+from tests.helpers.fake_cuda import FakeCudaRuntime, serving_cuda
+
+cupy = pytest.importorskip("cupy", reason="CuPy (cupy-cuda12x) is in the test extra")
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def one_gpu(monkeypatch):
+    """A one-GPU simulated runtime serving ``cuda`` with the stream function
+    a real GPU gets; CuPy's current stream is the simulation's."""
+    runtime = FakeCudaRuntime(devices=1, capacity=64 * MiB)
+    monkeypatch.setattr(cuda_backend, "_get_current_stream",
+                        lambda device: types.SimpleNamespace(ptr=runtime.current_stream(device)))
+    with serving_cuda(runtime, cupy_streams=True):
+        registry = _devices.get_type("cuda").registry
+        assert registry.current_stream_fn is cuda_backend.cupy_current_stream_key   # the short way's condition
+        yield runtime
+
+
+def stats():
+    import unimem.cuda as ucuda
+    return ucuda.memory_stats(0)
+
+
+def test_blocks_are_reused_on_the_stream_that_freed_them(one_gpu):
+    import unimem.cuda as ucuda
+    one_gpu.set_stream(7)
+    first = ucuda.allocator(1000)
+    address = first.ptr
+    del first
+    one_gpu.set_stream(9)
+    other = ucuda.allocator(1000)
+    assert other.ptr != address                      # stream 7's free block is not 9's
+    one_gpu.set_stream(7)
+    again = ucuda.allocator(1000)
+    assert again.ptr == address
+    s = stats()
+    assert s["allocation.all.current"] == 2 and s["num_device_alloc"] == 2   # a segment per stream
+    del other, again
+
+
+def test_per_thread_default_streams_are_keyed_per_thread(one_gpu):
+    """cudaStreamPerThread (2) names each thread's own stream: a block freed
+    on it in one thread is not another thread's at once (issue 22's rule)."""
+    import unimem.cuda as ucuda
+    seen = {}
+
+    def in_thread(name, keep):
+        one_gpu.set_stream(cuda_backend.CUDA_STREAM_PER_THREAD)
+        pointer = ucuda.allocator(4096)
+        seen[name] = pointer.ptr
+        if keep:
+            seen[name + " kept"] = pointer
+    first = threading.Thread(target=in_thread, args=("a", False))
+    first.start(), first.join()
+    second = threading.Thread(target=in_thread, args=("b", True))
+    second.start(), second.join()
+    assert seen["a"] != seen["b"]
+    one_gpu.set_stream(cuda_backend.CUDA_STREAM_PER_THREAD)
+    mine = [ucuda.allocator(4096) for _ in range(2)]
+    assert seen["a"] not in {p.ptr for p in mine}   # thread a's block is keyed to thread a
+    del mine, seen["b kept"]
+
+
+def test_what_cupy_gets_back(one_gpu):
+    import unimem.cuda as ucuda
+    pointer = ucuda.allocator(1000)
+    assert isinstance(pointer, cupy.cuda.MemoryPointer) and pointer.device_id == 0
+    assert isinstance(pointer.mem, ucuda.PooledMemory) and pointer.mem.size == 1024
+    assert pointer.mem.allocation.size == 1000
+    assert stats()["requested_bytes.all.current"] == 1000
+    pointer.mem.free()
+    assert stats()["allocated_bytes.all.current"] == 0
+    empty = ucuda.allocator(0)
+    assert empty.ptr == 0 and empty.mem.size == 0 and empty.device_id == 0
+
+
+def test_out_of_memory_is_cupys_error_too_and_changes_nothing(one_gpu):
+    import unimem.cuda as ucuda
+    kept = ucuda.allocator(MiB)
+    before = stats()
+    with pytest.raises(cupy.cuda.memory.OutOfMemoryError) as info:
+        ucuda.allocator(128 * MiB)
+    assert isinstance(info.value, unimem.OutOfMemoryError)
+    after = stats()
+    assert after["allocated_bytes.all.current"] == before["allocated_bytes.all.current"] == 2 * MiB - MiB
+    del kept
+
+
+@pytest.mark.parametrize("size, error", [(-1, ValueError), ("1000", TypeError), (1.5, TypeError)])
+def test_bad_sizes_are_refused_and_change_nothing(one_gpu, size, error):
+    import unimem.cuda as ucuda
+    kept = ucuda.allocator(1000)
+    before = stats()
+    with pytest.raises(error):
+        ucuda.allocator(size)
+    assert stats() == before
+    del kept
+
+
+def test_a_stream_that_cannot_be_read_is_an_error_that_changes_nothing(one_gpu, monkeypatch):
+    import unimem.cuda as ucuda
+    kept = ucuda.allocator(1000)
+    before = stats()
+
+    def broken(device):
+        raise RuntimeError("no current stream")
+    monkeypatch.setattr(cuda_backend, "_get_current_stream", broken)
+    with pytest.raises(RuntimeError, match="no current stream"):
+        ucuda.allocator(1000)
+    assert stats() == before
+    del kept
