@@ -2,11 +2,14 @@
 """``unimem.cuda.allocator`` in C: the function every ``cupy.empty`` calls
 once ``cupy.cuda.set_allocator(unimem.cuda.allocator)`` is installed.
 
-The same steps as a Python version, without its frames: issue 30's GPU run
-measured ``cupy.empty`` + free at 1.11-1.18x CuPy's own pool through the
-Python function, 1.07-1.09x with its frames flattened, and 0.91-0.93x as one
-C function (H200, ``.gpu/ab.py`` of that run). What the function does is
-unimem.cuda's; this module only holds the hot path, bound by :func:`bind`.
+The same steps as the Python version it replaced, without its frames. On
+an H200 (2026-11-27, ``benchmarks/results/gpu/allocator_ab.json``),
+``cupy.empty`` + free took 1.15-1.23x CuPy's own pool through the Python
+function and 1.04-1.09x through this one; a variant holding device 0's
+allocator, with no registry lookups, read 0.89-0.95x. What the function
+does is unimem.cuda's; this module only holds the hot path, bound by
+:func:`bind` when unimem.cuda is imported (which :func:`allocator` does
+itself if it was reached first: unpickled in a fresh process, say).
 """
 from cpython.dict cimport PyDict_GetItem
 from cpython.object cimport PyObject
@@ -61,6 +64,8 @@ def allocator(size):
     rounded size, ``free()`` to give it back early), as from CuPy's pool; for
     0 bytes, a CuPy ``Memory`` at address 0.
     """
+    if _device_types is None:           # unimem.cuda binds this module at import
+        import unimem.cuda
     cdef PyObject* found = PyDict_GetItem(_device_types, _CUDA)
     return memory_pointer((<object>found if found is not NULL else _get_type(_CUDA)).registry, size)
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import operator
 import os
+import threading
 import warnings
 import weakref
 from typing import Any, Callable, Dict, Optional, Tuple
@@ -106,7 +107,11 @@ def _memory_classes() -> Tuple[type, type, type]:
     """CuPy's ``MemoryPointer`` and the ``Memory`` classes for pool blocks,
     made once CuPy is imported."""
     global _MEMORY_CLASSES
-    if _MEMORY_CLASSES is None:
+    if _MEMORY_CLASSES is not None:
+        return _MEMORY_CLASSES
+    with _MEMORY_CLASSES_LOCK:            # threads' first allocations: one PooledMemory class
+        if _MEMORY_CLASSES is not None:
+            return _MEMORY_CLASSES
         memory = _cupy().cuda.memory
 
         class PooledMemory(memory.UnownedMemory):
@@ -149,6 +154,7 @@ def _memory_classes() -> Tuple[type, type, type]:
 
 
 _MEMORY_CLASSES: Optional[Tuple[type, type, type]] = None
+_MEMORY_CLASSES_LOCK = threading.Lock()
 _device_types = _devices._types          # the device types made so far, by name (mutated, never rebound)
 
 
@@ -156,6 +162,7 @@ _device_types = _devices._types          # the device types made so far, by name
 # (unimem/_cupy_allocator.pyx), the same steps without Python frames.
 _cupy_allocator.bind(_device_types, get_type, _memory_classes, _cupy_out_of_memory_class)
 allocator = _cupy_allocator.allocator
+allocator.__module__ = __name__          # pickled as unimem.cuda.allocator (Dask's client.run, spawn)
 
 
 @forward_to_inner(intercepted={"malloc", "free", "_raw_api", "_raw_owner", "host_accessible"})

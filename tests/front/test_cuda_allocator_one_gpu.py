@@ -16,6 +16,7 @@ import unimem
 from unimem._runtime import devices as _devices
 from unimem.backends import cuda as cuda_backend
 
+from tests.helpers.crash_guard import run_python
 from tests.helpers.fake_cuda import FakeCudaRuntime, serving_cuda
 
 cupy = pytest.importorskip("cupy", reason="CuPy (cupy-cuda12x) is in the test extra")
@@ -129,3 +130,58 @@ def test_a_stream_that_cannot_be_read_is_an_error_that_changes_nothing(one_gpu, 
         ucuda.allocator(1000)
     assert stats() == before
     del kept
+
+
+def test_the_allocator_unpickled_in_a_fresh_process_works(one_gpu):
+    """Dask's ``client.run(cupy.cuda.set_allocator, unimem.cuda.allocator)``
+    and spawned processes unpickle the function where unimem.cuda may not be
+    imported: it is pickled by its name in unimem.cuda, and works from
+    wherever it was reached first (the C function was unbound there)."""
+    import base64
+    import pickle
+
+    import unimem.cuda as ucuda
+    assert pickle.loads(pickle.dumps(ucuda.allocator)) is ucuda.allocator
+    payload = base64.b64encode(pickle.dumps(ucuda.allocator)).decode()
+    code = f"""
+import base64, pickle, sys, types
+allocator = pickle.loads(base64.b64decode({payload!r}))
+from unimem._cupy_allocator import allocator as direct
+assert direct is allocator
+from tests.helpers.fake_cuda import FakeCudaRuntime, serving_cuda
+from unimem.backends import cuda as cuda_backend
+cuda_backend._get_current_stream = lambda device: types.SimpleNamespace(ptr=0)
+with serving_cuda(FakeCudaRuntime(devices=1, capacity=1 << 26), cupy_streams=True):
+    pointer = allocator(1000)
+    assert pointer.mem.size == 1024, pointer.mem.size
+print("PASSED")
+"""
+    run_python(code)
+
+
+def test_threads_first_allocations_share_one_pooled_memory_class(one_gpu, monkeypatch):
+    """The classes are made at the first allocation; threads making their
+    first ones at once got different PooledMemory classes (isinstance of
+    unimem.cuda.PooledMemory then failed for some blocks)."""
+    import time
+
+    import unimem.cuda as ucuda
+    monkeypatch.setattr(ucuda, "_MEMORY_CLASSES", None)
+    real_cupy = ucuda._cupy
+
+    def slow_cupy():                    # the window in which another thread arrives
+        time.sleep(0.05)
+        return real_cupy()
+    monkeypatch.setattr(ucuda, "_cupy", slow_cupy)
+    barrier = threading.Barrier(6)
+    made = []
+
+    def first():
+        barrier.wait()
+        made.append(ucuda._memory_classes())
+    threads = [threading.Thread(target=first) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len({id(classes) for classes in made}) == 1 and len(made) == 6

@@ -136,7 +136,7 @@ def test_the_cuda_targets_are_judged_as_they_are_named():
     measured = [_cuda_row(512, 1.02, 0.99, 1.04), _cuda_row(4 << 20, 1.15, 0.82, 1.83),
                 _cuda_row(1 << 30, 0.96, 0.82, 1.56)]
     pool, rmm, work = cuda_targets(measured, workloads, with_rmm=True)
-    assert not pool["met"] and pool["measured"] == "worst 1.15 (0.82-1.83) at 4 MiB"
+    assert not pool["met"] and pool["measured"] == "worst 1.150 (0.82-1.83) at 4 MiB"
     assert rmm["met"] and work["met"] and "within each one's rounds" in work["target"]
     fast = [_cuda_row(512, 0.97, 0.9, 1.2), _cuda_row(4 << 20, 1.0, 0.95, 1.1)]
     assert cuda_targets(fast, workloads, with_rmm=True)[0]["met"]
@@ -145,6 +145,9 @@ def test_the_cuda_targets_are_judged_as_they_are_named():
     slow_work = [dict(workloads[1], unimem_vs_cupy=1.02, unimem_vs_cupy_spread=[1.01, 1.05])]
     assert not cuda_targets(fast, slow_work, with_rmm=False)[-1]["met"]
     assert len(cuda_targets(fast, slow_work, with_rmm=False)) == 2
+    just_over = cuda_targets([_cuda_row(512, 1.004, 0.99, 1.01)], slow_work, with_rmm=False)
+    assert not just_over[0]["met"] and "1.004" in just_over[0]["measured"]
+    assert not just_over[1]["met"] and "(1.010-" in just_over[1]["measured"]
 
 
 def test_the_pages_holding_live_bytes_at_the_peak():
