@@ -11,7 +11,9 @@ Loaded with ``-p tests.helpers.cupy_allocator_plugin`` into both runs (see
   (:class:`tests.helpers.outcome_log.OutcomeLog`), and one ``{"session": ...}``
   line per process that ran tests, with unimem's counters, so that the
   caller can check that the "with" run really was served by unimem's pools
-  and the "without" run was not.
+  and the "without" run was not; each process also writes its counters
+  after every test (``{"counters": ...}``), which is all a run stopped at
+  its time limit leaves.
 """
 import os
 
@@ -52,11 +54,15 @@ def pytest_configure(config):
 def pytest_runtest_logreport(report):
     if _log is not None:
         _log.report(report)
+        if report.when == "teardown" and _log.runs_tests:
+            # After every test, so that a run stopped at its time limit
+            # (no session record then) still says what unimem served.
+            _log.write({"counters": dict(_counters(), pid=os.getpid())})
 
 
 def pytest_sessionfinish(session, exitstatus):
     if _log is not None and _log.runs_tests:
-        _log.write({"session": dict(_counters(), hooked=HOOKED, exitstatus=int(exitstatus))})
+        _log.write({"session": dict(_counters(), pid=os.getpid(), hooked=HOOKED, exitstatus=int(exitstatus))})
 
 
 def pytest_unconfigure(config):

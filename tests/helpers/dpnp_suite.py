@@ -129,7 +129,7 @@ class Run:
                         self.start = record["start"]
                     elif "session" in record:
                         self.session = record["session"]
-                    else:
+                    elif "id" in record:             # a test's phase (not a plugin's counters)
                         self._add(record)
                         running = None if record["when"] == "teardown" else record["id"]
         if running is not None and self.session is None:

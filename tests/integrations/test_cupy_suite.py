@@ -71,3 +71,35 @@ def test_the_plugins_counters_hold_before_unimem_allocated(monkeypatch):
     monkeypatch.setattr(cupy_allocator_plugin.unimem.cuda, "memory_stats",
                         lambda: {"allocation.all.allocated": 7})
     assert cupy_allocator_plugin._counters()["device_allocations"] == 7
+
+
+def test_what_unimem_served_is_each_processs_last_count(tmp_path):
+    """Each process's counters grow through its run: the count is the last
+    one of each process, summed. A run cut at its time limit has no session
+    records, only the counters written after each test (the H200 run of
+    2026-11-27 reported 0 allocations for such a run that unimem served)."""
+    log = tmp_path / "log.jsonl"
+    records = [{"counters": {"pid": 1, "device_allocations": 10}},
+               {"id": "t", "when": "call", "outcome": "passed"},
+               {"counters": {"pid": 2, "device_allocations": 5}},
+               {"counters": {"pid": 1, "device_allocations": 30}},
+               {"session": {"pid": 2, "device_allocations": 7, "hooked": True}}]
+    log.write_text("".join(json.dumps(r) + "\n" for r in records) + "not json\n")
+    assert cupy_suite.served_by_unimem(str(log)) == 30 + 7
+    log.write_text("".join(json.dumps(r) + "\n" for r in records[:4]))      # cut short: no session record
+    assert cupy_suite.served_by_unimem(str(log)) == 30 + 5
+
+
+def test_a_run_cut_at_its_time_limit_still_leaves_its_counters(tmp_path, monkeypatch):
+    tests = tmp_path / "tests" / "cupy_tests"
+    tests.mkdir(parents=True)
+    (tests / "test_slow.py").write_text("import time\n\ndef test_quick():\n    pass\n\n"
+                                        "def test_slow():\n    time.sleep(120)\n")
+    monkeypatch.setenv(cupy_suite.TESTS_ENV, str(tmp_path / "tests"))
+    run = cupy_suite.run_slice(True, str(tmp_path), ["cupy_tests/test_slow.py"], timeout=20)
+    assert run.timed_out and run.outcomes.get("tests/cupy_tests/test_slow.py::test_quick") == "passed", run.output
+    assert cupy_suite.sessions(run.log_path) == []
+    with open(run.log_path) as f:
+        counters = [json.loads(line)["counters"] for line in f if '"counters"' in line]
+    assert len(counters) == 1 and counters[0]["installed"] and counters[0]["pid"] > 0
+    assert cupy_suite.served_by_unimem(run.log_path) == counters[0]["device_allocations"]
