@@ -19,7 +19,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 from tests.helpers import REPO_ROOT
 from tests.helpers.dpnp_suite import Run, describe, differences
@@ -109,18 +109,19 @@ def compared_ids(without: Run, with_: Run) -> List[str]:
     return sorted(set(without.outcomes) | set(with_.outcomes))
 
 
-def sessions(log_path: str) -> List[Dict[str, object]]:
-    """Every ``{"session": ...}`` record of a run (one per process that ran tests)."""
-    found = []
+def _records(log_path: str) -> Iterator[Dict[str, Any]]:
+    """The log's JSON records, in order (a line cut short by a kill is skipped)."""
     with open(log_path) as f:
         for line in f:
             try:
-                record = json.loads(line)
+                yield json.loads(line)
             except ValueError:
                 continue
-            if "session" in record:
-                found.append(record["session"])
-    return found
+
+
+def sessions(log_path: str) -> List[Dict[str, object]]:
+    """Every ``{"session": ...}`` record of a run (one per process that ran tests)."""
+    return [record["session"] for record in _records(log_path) if "session" in record]
 
 
 def served_by_unimem(log_path: str) -> int:
@@ -128,15 +129,10 @@ def served_by_unimem(log_path: str) -> int:
     counters (its session record, or, in a run stopped at its time limit,
     the counters it wrote after its last test), summed over processes."""
     last: Dict[object, int] = {}
-    with open(log_path) as f:
-        for number, line in enumerate(f):
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            counters = record.get("session") or record.get("counters")
-            if counters:
-                last[counters.get("pid", ("line", number))] = int(counters["device_allocations"])
+    for number, record in enumerate(_records(log_path)):
+        counters = record.get("session") or record.get("counters")
+        if counters:
+            last[counters.get("pid", ("record", number))] = int(counters["device_allocations"])
     return sum(last.values())
 
 
