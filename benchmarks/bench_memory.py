@@ -19,7 +19,8 @@ Each trace is replayed on a simulated 80 GiB device through:
   expandable segments: one address range per stream and pool, grown by
   mapping 2 MiB pages; the simulated device maps as CUDA's driver does),
   whose default ``max_reserved_ratio`` unmaps free whole pages in the holes
-  of a range before mapping more; beside it the same without the bound
+  of a range before mapping more (and gives requests of up to 1 MiB the
+  large pool's range, not one of their own); beside it the same without the bound
   (PyTorch's, and unimem's before issue 27). Its device calls are the map
   and unmap calls (``num_device_alloc`` / ``num_device_free``), and its
   replay time is given against the default policy's on the same backend

@@ -45,6 +45,7 @@ cdef class CachingAllocator:
     cdef size_t roundup_divisions[K_ROUNDUP_INTERVALS]
     cdef double gc_threshold
     cdef double max_reserved_ratio        # 0: off (PyTorch's policy)
+    cdef size_t small_request_max         # the largest request of the small pool (_core_holes.pxi)
     cdef double fraction
     cdef bint set_fraction
     cdef size_t allowed_memory_maximum

@@ -178,6 +178,7 @@ cdef class CachingAllocator:
                 raise ValueError("exact_segments and expandable_segments exclude each other "
                                  "(a segment is either the request or a growing range)")
             _setup_expandable(self, backend, device, name)
+        self.small_request_max = 0 if self.expandable and max_reserved_ratio else K_SMALL_SIZE
         if um_init(&self.active, 10) != 0:
             raise MemoryError("cannot allocate the allocator's tables")
         self.backend = backend
@@ -460,7 +461,7 @@ cdef class CachingAllocator:
         """A cache hit, or NULL. ``status`` is set to -1 when host memory for the
         allocator's own bookkeeping ran out. Lock held."""
         cdef size_t size = self._round_size(orig_size)
-        cdef bint is_small = size <= K_SMALL_SIZE
+        cdef bint is_small = size <= self.small_request_max
         cdef FreeIndex* fi = self._pool(stream, is_small)
         status[0] = 0
         if self.unmerged != NULL:             # the pair of one size (_core_pair.pxi)

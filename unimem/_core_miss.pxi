@@ -109,7 +109,7 @@ cdef Block* _malloc_slow(CachingAllocator self, size_t orig_size, uintptr_t stre
     ``pool``: a private pool's request (NULL: the device's own pools);
     ``uncached``: the cache is off, the segment is the rounded request."""
     cdef size_t size = self._round_size(orig_size)
-    cdef bint is_small = size <= K_SMALL_SIZE
+    cdef bint is_small = size <= (self.small_request_max if pool == NULL else K_SMALL_SIZE)
     cdef bint expandable = self.expandable and pool == NULL   # a private pool's segments are plain
     cdef size_t alloc_size = (_round_up(size, _page_of(self, is_small)) if expandable
                               else size if uncached else _segment_size(self, size))

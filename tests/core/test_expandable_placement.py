@@ -235,6 +235,55 @@ def test_the_small_pool_maps_2_mib_at_a_time_on_host_pages():
     a.empty_virt_addr_cache()
 
 
+def test_with_a_ratio_small_requests_share_the_large_pools_range():
+    """Under max_reserved_ratio, requests up to 1 MiB go to the large pool's
+    range: bytes freed by small blocks then hold a large request without a
+    page mapped. PyTorch's two pools (no ratio) map a second range for it."""
+    for ratio, ranges, maps in [(LOOSE, 1, 0), (0.0, 2, 1)]:
+        a, backend = simulated(max_reserved_ratio=ratio)
+        small = [a.malloc(512 << 10) for _ in range(8)]           # 4 MiB: two pages
+        a.free(small[0])
+        a.free(small[1])
+        a.free(small[2])
+        a.free(small[3])                                           # the first 2 MiB page, free
+        calls = a.memory_stats()["num_device_alloc"]
+        big = a.malloc(2 * MiB)
+        stats = a.memory_stats()
+        assert a.reserved_address_space()["ranges"] == ranges, ratio
+        assert stats["num_device_alloc"] - calls == maps, ratio
+        if ratio:
+            assert big == small[0]                                 # in the small blocks' bytes
+            assert stats["allocated_bytes.small_pool.current"] == 0
+            assert stats["allocated_bytes.large_pool.current"] == 4 * MiB
+        else:
+            assert stats["allocated_bytes.small_pool.current"] == 2 * MiB
+        a._check_invariants()
+        for ptr in [big] + small[4:]:
+            a.free(ptr)
+        a.empty_cache()
+        a.empty_virt_addr_cache()
+        assert backend.held() == 0 and a.reserved_address_space()["ranges"] == 0
+
+
+def test_a_private_pool_keeps_its_small_pool_under_a_ratio():
+    """Private pools' segments are plain (never expandable): their small
+    requests still go to 2 MiB small segments of their own."""
+    a, backend = simulated(max_reserved_ratio=LOOSE)
+    pool = (0, 1)
+    a.create_pool(pool)
+    a.begin_pool(pool)
+    ptr = a.malloc(512 << 10)
+    a.end_pool(pool)
+    stats = a.memory_stats()
+    assert stats["reserved_bytes.small_pool.current"] == 2 * MiB
+    assert stats["allocated_bytes.small_pool.current"] == 512 << 10
+    a._check_invariants()
+    a.free(ptr)
+    a.release_pool(pool)
+    a.empty_cache()
+    assert backend.held() == 0
+
+
 class AllocatesWhileMapping(SimulatedBackend):
     """A backend whose map_pages runs Python that allocates from the same
     allocator (as a finalizer run by a garbage collection may), once."""
