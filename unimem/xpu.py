@@ -301,6 +301,11 @@ def asarray(obj: Any, dtype: Any = None, *, order: Optional[str] = None, device:
             raise TypeError(f"dpnp arrays cannot hold data type {dtype}")
     elif host_data.dtype.kind not in "biufc":
         raise TypeError(f"cannot copy data of type {host_data.dtype} into a dpnp array")
+    elif not isinstance(obj, numpy.ndarray):
+        # Python values are converted as dpnp.asarray converts them (NumPy's
+        # rules): 300 as uint8 is an OverflowError and 1+2j as float32 a
+        # TypeError, not a value wrapped or cut by a cast. An array is cast.
+        host_data = numpy.asarray(obj, dtype=dtype)
     out = _empty_in_layout(order, host_data, dtype, usm_type=usm_type, sycl_queue=queue)
 
     def copy(out: Any) -> None:

@@ -688,6 +688,34 @@ def test_asarray_lays_out_its_copy_as_dpnp_asarray_does(xpu, dpnp, layout):
     assert xpu.memory_allocated() == before
 
 
+@pytest.mark.parametrize("obj, dtype", [
+    (300, "u1"), ([300], "u1"), ([-1], "u4"), (1 + 2j, "f4"), ([1 + 2j], "i4"), ([1.5], "i4"),
+    (3.7, "i2"), (np.array([300]), "u1"), (np.array([1 + 2j]), "f4"), (np.int64(300), "u1")])
+def test_asarray_converts_values_as_dpnp_asarray_does(xpu, dpnp, obj, dtype):
+    """A Python value that does not fit the dtype is dpnp's error (NumPy's:
+    300 as uint8 is an OverflowError, 1+2j as float32 a TypeError); unimem
+    cast it, wrapping 300 to 44 and dropping the imaginary part. A NumPy
+    array or scalar is cast as dpnp casts it. Nothing is left allocated."""
+    import warnings
+    xpu.synchronize()
+    before = xpu.memory_allocated()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", np.exceptions.ComplexWarning)
+        try:
+            expected = dpnp.asarray(obj, dtype=dtype).asnumpy()
+        except Exception as exc:                                # noqa: BLE001 - dpnp's error is the answer
+            with pytest.raises(type(exc)):
+                xpu.asarray(obj, dtype=dtype)
+        else:
+            made = xpu.asarray(obj, dtype=dtype)
+            assert made.dtype == expected.dtype
+            np.testing.assert_array_equal(made.asnumpy(), expected)
+            del made
+    gc.collect()
+    xpu.synchronize()
+    assert xpu.memory_allocated() == before
+
+
 @pytest.mark.parametrize("order, error", [("X", ValueError), ("", ValueError), (1, TypeError),
                                           (b"C", TypeError)])
 def test_asarray_refuses_an_order_dpnp_refuses(xpu, dpnp, order, error):
