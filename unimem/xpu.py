@@ -292,7 +292,14 @@ def asarray(obj: Any, dtype: Any = None, *, order: Optional[str] = None, device:
         def copy(out: Any) -> None:
             out[...] = source
         return _filled(out, copy)
-    host_data = numpy.asarray(obj)
+    if dtype is not None and not isinstance(obj, numpy.ndarray):
+        # Python values are converted with the dtype, as dpnp.asarray converts
+        # them (NumPy's rules): 300 as uint8 is an OverflowError, 1+2j as
+        # float32 a TypeError, 2**64 or None as float64 a value; not a value
+        # wrapped or cut by a cast. An array is cast (below).
+        host_data = numpy.asarray(obj, dtype=dtype)
+    else:
+        host_data = numpy.asarray(obj)
     if dtype is None:
         dtype = host_data.dtype
         if dtype == numpy.float64 and not queue.sycl_device.has_aspect_fp64:
@@ -301,11 +308,6 @@ def asarray(obj: Any, dtype: Any = None, *, order: Optional[str] = None, device:
             raise TypeError(f"dpnp arrays cannot hold data type {dtype}")
     elif host_data.dtype.kind not in "biufc":
         raise TypeError(f"cannot copy data of type {host_data.dtype} into a dpnp array")
-    elif not isinstance(obj, numpy.ndarray):
-        # Python values are converted as dpnp.asarray converts them (NumPy's
-        # rules): 300 as uint8 is an OverflowError and 1+2j as float32 a
-        # TypeError, not a value wrapped or cut by a cast. An array is cast.
-        host_data = numpy.asarray(obj, dtype=dtype)
     out = _empty_in_layout(order, host_data, dtype, usm_type=usm_type, sycl_queue=queue)
 
     def copy(out: Any) -> None:

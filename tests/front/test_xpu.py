@@ -690,12 +690,15 @@ def test_asarray_lays_out_its_copy_as_dpnp_asarray_does(xpu, dpnp, layout):
 
 @pytest.mark.parametrize("obj, dtype", [
     (300, "u1"), ([300], "u1"), ([-1], "u4"), (1 + 2j, "f4"), ([1 + 2j], "i4"), ([1.5], "i4"),
-    (3.7, "i2"), (np.array([300]), "u1"), (np.array([1 + 2j]), "f4"), (np.int64(300), "u1")])
+    (3.7, "i2"), (np.array([300]), "u1"), (np.array([1 + 2j]), "f4"), (np.int64(300), "u1"),
+    (2**64, "f8"), ([1, 2**70], "f8"), (2**64, "u8"), (None, "f4"), ("1.5", "f4")])
 def test_asarray_converts_values_as_dpnp_asarray_does(xpu, dpnp, obj, dtype):
     """A Python value that does not fit the dtype is dpnp's error (NumPy's:
     300 as uint8 is an OverflowError, 1+2j as float32 a TypeError); unimem
-    cast it, wrapping 300 to 44 and dropping the imaginary part. A NumPy
-    array or scalar is cast as dpnp casts it. Nothing is left allocated."""
+    cast it, wrapping 300 to 44 and dropping the imaginary part. One that
+    NumPy holds as an object without the dtype (2**64, None) is converted
+    with it, as dpnp does. A NumPy array or scalar is cast as dpnp casts it.
+    Nothing is left allocated."""
     import warnings
     xpu.synchronize()
     before = xpu.memory_allocated()

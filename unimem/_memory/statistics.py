@@ -62,6 +62,9 @@ class StatisticsAPI(DeviceTypeAPI):
         - ``all``: combined statistics across all memory pools.
         - ``large_pool``: statistics for the large allocation pool (> 1 MiB).
         - ``small_pool``: statistics for the small allocation pool (<= 1 MiB).
+          (unimem: with expandable segments under ``max_reserved_ratio``,
+          ``expandable_segments:True``'s default, every request is in the
+          large pool, and ``small_pool`` stays 0.)
 
         Metric type:
 
