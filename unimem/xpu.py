@@ -266,6 +266,12 @@ def _empty_in_layout(order: Any, source: Any, dtype: Any, **kwargs: Any) -> Any:
     return _empty_laid_out_as(source, key, dtype, kwargs, True)
 
 
+def _holds_usm_array(obj: Any) -> bool:
+    """Whether the list or tuple ``obj`` holds a USM array, at any depth."""
+    return isinstance(obj, (list, tuple)) and any(
+        hasattr(item, "__sycl_usm_array_interface__") or _holds_usm_array(item) for item in obj)
+
+
 def asarray(obj: Any, dtype: Any = None, *, order: Optional[str] = None, device: Any = None,
             usm_type: Optional[str] = None, sycl_queue: Any = None):
     """Copy ``obj`` (a NumPy array, a sequence, a scalar or a dpnp array) into
@@ -292,14 +298,24 @@ def asarray(obj: Any, dtype: Any = None, *, order: Optional[str] = None, device:
         def copy(out: Any) -> None:
             out[...] = source
         return _filled(out, copy)
-    if dtype is not None and not isinstance(obj, numpy.ndarray):
-        # Python values are converted with the dtype, as dpnp.asarray converts
-        # them (NumPy's rules): 300 as uint8 is an OverflowError, 1+2j as
-        # float32 a TypeError, 2**64 or None as float64 a value; not a value
-        # wrapped or cut by a cast. An array is cast (below).
-        host_data = numpy.asarray(obj, dtype=dtype)
-    else:
-        host_data = numpy.asarray(obj)
+    try:
+        if dtype is not None and not isinstance(obj, numpy.ndarray):
+            # Python values are converted with the dtype, as dpnp.asarray
+            # converts them (NumPy's rules): 300 as uint8 is an OverflowError,
+            # 1+2j as float32 a TypeError, 2**64 or None as float64 a value;
+            # not a value wrapped or cut by a cast. An array is cast (below).
+            host_data = numpy.asarray(obj, dtype=dtype)
+        else:
+            host_data = numpy.asarray(obj)
+    except TypeError:
+        if not _holds_usm_array(obj):
+            raise
+        # A sequence of dpnp (USM) arrays, which refuse to become NumPy
+        # arrays: dpnp.asarray builds it on their device, and it is copied
+        # into the pool as a dpnp array is (asked only after NumPy refused,
+        # so that a long list of numbers is not walked in Python).
+        built = dpnp.asarray(obj, dtype=dtype, device=device, usm_type=usm_type, sycl_queue=sycl_queue)
+        return asarray(built, order=order)
     if dtype is None:
         dtype = host_data.dtype
         if dtype == numpy.float64 and not queue.sycl_device.has_aspect_fp64:

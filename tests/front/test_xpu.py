@@ -719,6 +719,35 @@ def test_asarray_converts_values_as_dpnp_asarray_does(xpu, dpnp, obj, dtype):
     assert xpu.memory_allocated() == before
 
 
+def test_asarray_of_a_sequence_of_dpnp_arrays_is_built_as_dpnp_builds_it(xpu, dpnp):
+    """dpnp arrays refuse to become NumPy arrays: unimem handed a list of
+    them to NumPy and raised its TypeError ("Implicit conversion ... not
+    allowed"), where dpnp.asarray stacks them on their device. Now the same
+    array as dpnp's (shape, dtype, USM type, values, and dpnp's errors), in
+    memory from the pool, and nothing left allocated afterwards."""
+    single, pair = dpnp.asarray([300]), dpnp.asarray([1.5, 2.5])
+    on_host = dpnp.asarray([1.0], usm_type="host")
+    gc.collect()
+    xpu.synchronize()
+    before = xpu.memory_allocated()
+    for obj, options in [([single], {}), ((pair, pair), {}), ([np.array([1]), single], {}),
+                         ([[single, single]], {}), ([single], {"dtype": "f4"}), ([single], {"dtype": "u1"}),
+                         ([on_host], {}), ([single], {"usm_type": "shared"})]:
+        made, expected = xpu.asarray(obj, **options), dpnp.asarray(obj, **options)
+        assert (made.shape, made.dtype, made.usm_type) == (expected.shape, expected.dtype, expected.usm_type)
+        np.testing.assert_array_equal(made.asnumpy(), expected.asnumpy())
+        if made.usm_type == "device":                            # (host and shared: pools of their own)
+            assert xpu.memory_allocated() > before               # the copy is a pool block
+        del made, expected
+    with pytest.raises(ValueError, match="Inconsistent dimensions"):
+        dpnp.asarray([[1, 2], single[:0]])
+    with pytest.raises(ValueError, match="Inconsistent dimensions"):
+        xpu.asarray([[1, 2], single[:0]])
+    gc.collect()
+    xpu.synchronize()
+    assert xpu.memory_allocated() == before
+
+
 @pytest.mark.parametrize("order, error", [("X", ValueError), ("", ValueError), (1, TypeError),
                                           (b"C", TypeError)])
 def test_asarray_refuses_an_order_dpnp_refuses(xpu, dpnp, order, error):
