@@ -30,7 +30,9 @@ Each trace is replayed on a simulated 80 GiB device through:
 
 For the 2 MiB pages, a last table gives the mapped pages that hold a live
 byte at the moment reserved memory peaked: what no order of unmapping could
-have given back then (only where the blocks had been placed could).
+have given back then (only where the blocks had been placed could); and
+beside unimem's ratio, what a simulation of other placement rules reaches
+when every whole free page is unmapped at once (:mod:`benchmarks.placement_floor`).
 
 Targets: on every trace, peak reserved <= 1.15 x peak requested with
 max_reserved_ratio:1.1; with expandable segments <= 1.10 x on the cpu pool,
@@ -50,6 +52,8 @@ import time
 from typing import Any, Dict, List, Optional
 
 from ._common import command_line, print_table, report
+from .placement_floor import RULES as PLACEMENT_RULES
+from .placement_floor import peak_live_pages
 from .torch_traces import saved_traces
 from .traces import TRACES, Event, replay
 
@@ -189,6 +193,8 @@ def measure(name: str, events: List[Event], torch_reserved_peak: Optional[int] =
     row["expandable"].update(time_ratio(events, "simulated", expandable, rounds))
     # What of that peak no unmapping could have given back (issue 27's 2 MiB target).
     row["expandable"]["live_pages_at_peak"] = live_pages_at_peak(events, **expandable)
+    # And what other placement rules could have reached (placement_floor.py).
+    row["placement_floor"] = {rule: peak_live_pages(events, rule) / requested for rule in PLACEMENT_RULES}
     if cpu:
         row["cpu_expandable"].update(time_ratio(events, "cpu", expandable, rounds))
     return row
@@ -287,6 +293,11 @@ def run(quick: bool = False) -> Dict[str, Any]:
                 [[r["trace"], mib(r["expandable"]["reserved_peak"]), mib(r["expandable"]["live_pages_at_peak"]),
                   f"{r['expandable']['live_pages_at_peak'] / r['expandable']['reserved_peak']:.1%}",
                   f"{r['expandable']['live_pages_at_peak'] / r['requested_peak']:.3f}"] for r in rows])
+    print_table("2 MiB pages, simulated without the allocator: peak reserved / peak requested when every "
+                "whole free page is unmapped at once, by placement rule (benchmarks/placement_floor.py)",
+                ["trace", "unimem, expandable", *PLACEMENT_RULES],
+                [[r["trace"], f"{r['expandable']['ratio']:.3f}"]
+                 + [f"{r['placement_floor'][rule]:.3f}" for rule in PLACEMENT_RULES] for r in rows])
     host = measure_host_rss(quick)
     print_table(f"cpu pool, expandable segments: resident memory (host pages of "
                 f"{host['granularity']} bytes, {host['allocations']} allocations)",

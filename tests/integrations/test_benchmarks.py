@@ -258,3 +258,34 @@ def test_a_recorded_pytorch_trace_ends_with_nothing_allocated():
             else:
                 live.remove(event[1])
         assert not live, trace["name"]
+
+
+def test_placement_floor_counts_the_pages_each_rule_leaves_live():
+    """Two traces worked by hand on 2 MiB pages (page p is [2p, 2p + 2) MiB)."""
+    from benchmarks.placement_floor import peak_live_pages
+    # A [0, 3) and B [3, 4) hold pages 0 and 1; once A is freed, the lowest
+    # address puts C on page 0 again, either end puts it at [2, 3) on page 1,
+    # where B is: then D (2.5 MiB) fits no hole and takes pages 2 and 3.
+    events = [("alloc", 1, 3 * MiB), ("alloc", 2, MiB), ("free", 1), ("alloc", 3, MiB),
+              ("alloc", 4, 5 * MiB // 2)]
+    assert peak_live_pages(events, "best fit, lowest address (unimem's)") == 8 * MiB
+    assert peak_live_pages(events, "best fit, either end") == 6 * MiB
+    assert peak_live_pages(events, "fewest new pages") == 6 * MiB
+    # B (2 MiB) after A (1 MiB): page-aligned, B starts on page 1 and freeing
+    # A empties page 0, where C then goes; unaligned, B at [1, 3) keeps page
+    # 0 live and C must take page 2.
+    events = [("alloc", 1, MiB), ("alloc", 2, 2 * MiB), ("free", 1), ("alloc", 3, 2 * MiB)]
+    assert peak_live_pages(events, "fewest new pages, page-aligned") == 4 * MiB
+    assert peak_live_pages(events, "fewest new pages") == 6 * MiB
+    assert peak_live_pages(events, "best fit, lowest address (unimem's)") == 6 * MiB
+
+
+def test_placement_floor_of_unimems_rule_is_what_the_allocator_reaches_on_creeping_sizes():
+    """The simulation's rule is the allocator's: on a trace where every mapped
+    page holds a live byte at the peak, the two peaks are equal."""
+    from benchmarks.placement_floor import peak_live_pages
+    from benchmarks.traces import creeping_sizes
+    from unimem._runtime.config import parse_alloc_conf
+    events = creeping_sizes(steps=600, live_bytes=24 * MiB)
+    replayed = bench_memory.replay_peak(events, **parse_alloc_conf("expandable_segments:True").core_kwargs())
+    assert peak_live_pages(events, "best fit, lowest address (unimem's)") == replayed["reserved_peak"]
