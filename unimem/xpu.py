@@ -22,7 +22,7 @@ import contextlib
 import numbers
 import operator
 import sys
-from typing import Any, Dict, Iterator, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterator, NoReturn, Optional, Sequence, Tuple, Union
 
 import numpy
 
@@ -55,6 +55,14 @@ DPNP_TYPES = frozenset(numpy.dtype(t) for t in (
 # ---------------------------------------------------------------------------
 # array arguments
 # ---------------------------------------------------------------------------
+def _refuse_dtype(dt: numpy.dtype, what: str) -> NoReturn:
+    """The error dpnp gives for a data type it cannot hold: a ValueError for
+    one of its types in the other byte order, a TypeError for the rest."""
+    if dt.newbyteorder("=") in DPNP_TYPES:
+        raise ValueError(f"Data type '{dt.str}' can only have native byteorder.")
+    raise TypeError(what)
+
+
 def _normalize_shape(shape: ShapeLike) -> Tuple[int, ...]:
     if type(shape) is int:
         dims: Tuple[int, ...] = (shape,)
@@ -87,8 +95,8 @@ def _normalize_dtype(dtype: Any, queue, index: int) -> numpy.dtype:
         except TypeError as exc:
             raise TypeError(f"data type {dtype!r} not understood") from exc
         if dt not in DPNP_TYPES:
-            raise TypeError(f"dpnp arrays cannot hold data type {dt} (booleans, integers, float16/32/64 "
-                            f"and complex64/128 in native byte order only)")
+            _refuse_dtype(dt, f"dpnp arrays cannot hold data type {dt} (booleans, integers, float16/32/64 "
+                              f"and complex64/128 in native byte order only)")
         dev = ctx.runtime.devices[index]
         if dt in (numpy.float64, numpy.complex128) and not dev.has_aspect_fp64:
             raise ValueError(f"device {dev.name} does not support double precision ({dt})")
@@ -321,7 +329,7 @@ def asarray(obj: Any, dtype: Any = None, *, order: Optional[str] = None, device:
         if dtype == numpy.float64 and not queue.sycl_device.has_aspect_fp64:
             dtype = numpy.float32
         elif dtype not in DPNP_TYPES:
-            raise TypeError(f"dpnp arrays cannot hold data type {dtype}")
+            _refuse_dtype(dtype, f"dpnp arrays cannot hold data type {dtype}")
     elif host_data.dtype.kind not in "biufc":
         raise TypeError(f"cannot copy data of type {host_data.dtype} into a dpnp array")
     out = _empty_in_layout(order, host_data, dtype, usm_type=usm_type, sycl_queue=queue)

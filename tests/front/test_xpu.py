@@ -719,6 +719,29 @@ def test_asarray_converts_values_as_dpnp_asarray_does(xpu, dpnp, obj, dtype):
     assert xpu.memory_allocated() == before
 
 
+@pytest.mark.parametrize("dtype", [np.dtype(t).newbyteorder("S").str for t in ("i4", "f8", "u2", "c8")]
+                         + ["U4", "f16"])
+def test_a_data_type_dpnp_cannot_hold_is_dpnps_error(xpu, dpnp, dtype):
+    """One of dpnp's types in the other byte order is a ValueError in dpnp
+    ("can only have native byteorder"), where unimem raised a TypeError; a
+    type dpnp has no kind of stays a TypeError. The same for empty, for
+    asarray with the dtype, and for a NumPy array of that type. Nothing is
+    left allocated."""
+    xpu.synchronize()
+    before = xpu.memory_allocated()
+    calls = [(lambda m: m.empty(3, dtype=dtype)), (lambda m: m.asarray([1], dtype=dtype))]
+    if np.dtype(dtype).kind != "U":            # dpnp refuses a string array for another reason
+        calls.append(lambda m: m.asarray(np.ones(2, dtype=dtype)))
+    for call in calls:
+        with pytest.raises(Exception) as dpnps:
+            call(dpnp)
+        with pytest.raises(dpnps.type):
+            call(xpu)
+    gc.collect()
+    xpu.synchronize()
+    assert xpu.memory_allocated() == before
+
+
 def test_asarray_of_a_sequence_of_dpnp_arrays_is_built_as_dpnp_builds_it(xpu, dpnp):
     """dpnp arrays refuse to become NumPy arrays: unimem handed a list of
     them to NumPy and raised its TypeError ("Implicit conversion ... not
