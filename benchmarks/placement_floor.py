@@ -7,7 +7,9 @@ unmapping order can do for a given placement. Only where blocks go differs
 from rule to rule:
 
 * best fit, at its lowest address: the smallest free span that holds the
-  request, else the end of the range (unimem's and PyTorch's rule);
+  request, else the end of the range (the rule of the allocator's cache,
+  PyTorch's and unimem's; on a miss under its ratio unimem places a block
+  where the fewest new bytes are mapped, which may differ);
 * best fit, either end: as above, at whichever end of the span maps fewer
   new pages;
 * fewest new pages: the span and end that map the fewest new pages, the
@@ -18,8 +20,8 @@ from rule to rule:
 
 Blocks never move once placed (nothing may move memory a kernel can be
 using), so no rule can empty a page that holds a live byte. The bench's
-``memory`` table places the rule unimem uses beside the others: when none of
-them reaches a ratio, the fault is not unimem's placement alone.
+``memory`` table places the allocator's own ratio beside the rules': when
+none of them reaches a ratio, the fault is not unimem's placement alone.
 
     python -m benchmarks.placement_floor      # the generated traces
 """
@@ -56,7 +58,7 @@ def _fewest_pages(new_pages: int, span: "int | None", start: int) -> Tuple:
 
 RULES: Dict[str, Tuple[Key, bool, bool]] = {
     # name: (key, also the high end of a span, page-aligned starts for a page or more)
-    "best fit, lowest address (unimem's)": (_best_fit, False, False),
+    "best fit, lowest address": (_best_fit, False, False),
     "best fit, either end": (_best_fit_fewer_pages, True, False),
     "fewest new pages": (_fewest_pages, True, False),
     "fewest new pages, page-aligned": (_fewest_pages, True, True),
