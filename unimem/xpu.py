@@ -55,11 +55,16 @@ DPNP_TYPES = frozenset(numpy.dtype(t) for t in (
 # ---------------------------------------------------------------------------
 # array arguments
 # ---------------------------------------------------------------------------
-def _refuse_dtype(dt: numpy.dtype, what: str) -> NoReturn:
+def _refuse_dtype(dt: numpy.dtype, what: str, asked_for: bool = True) -> NoReturn:
     """The error dpnp gives for a data type it cannot hold: a ValueError for
-    one of its types in the other byte order, a TypeError for the rest."""
+    one of its types in the other byte order, and for a structured type
+    asked for ("not understood"; the structured type of an array to copy,
+    ``asked_for`` False, is a TypeError in dpnp.asarray); a TypeError
+    (``what``) for the rest."""
     if dt.newbyteorder("=") in DPNP_TYPES:
         raise ValueError(f"Data type '{dt.str}' can only have native byteorder.")
+    if dt.fields is not None and asked_for:
+        raise ValueError(f"Data type '{dt}' is not understood.")
     raise TypeError(what)
 
 
@@ -96,7 +101,7 @@ def _normalize_dtype(dtype: Any, queue, index: int) -> numpy.dtype:
             raise TypeError(f"data type {dtype!r} not understood") from exc
         if dt not in DPNP_TYPES:
             _refuse_dtype(dt, f"dpnp arrays cannot hold data type {dt} (booleans, integers, float16/32/64 "
-                              f"and complex64/128 in native byte order only)")
+                              f"and complex64/128)")
         dev = ctx.runtime.devices[index]
         if dt in (numpy.float64, numpy.complex128) and not dev.has_aspect_fp64:
             raise ValueError(f"device {dev.name} does not support double precision ({dt})")
@@ -178,10 +183,24 @@ def full(shape: ShapeLike, fill_value: Any, dtype: Any = None, **kwargs: Any):
     if not isinstance(fill_value, (numbers.Number, numpy.generic)) or isinstance(fill_value, numpy.void):
         raise TypeError(f"fill_value must be a scalar, not {type(fill_value).__name__}")
     if dtype is None:
-        dtype = numpy.asarray(fill_value).dtype
-        if dtype.kind == "f":
-            dtype = None          # the device's default floating type
+        dtype = _fill_dtype(fill_value, kwargs)
     return _filled(empty(shape, dtype, **kwargs), lambda out: out.fill(fill_value))
+
+
+def _fill_dtype(fill_value: Any, kwargs: Dict[str, Any]) -> Any:
+    """dpnp.full's data type for ``fill_value`` when none is given: the
+    device's default of the value's kind, whatever the width of a NumPy
+    scalar (``dpnp.full(3, numpy.int8(1))`` is int64, ``numpy.complex64``
+    complex128). Any other kind is passed on, for empty to refuse."""
+    dtype = numpy.asarray(fill_value).dtype
+    if dtype.kind in "iu":
+        return numpy.dtype(numpy.int64)
+    if dtype.kind == "f":
+        return None               # the device's default floating type
+    if dtype.kind == "c":
+        queue, _ = _queue_and_index(kwargs.get("device"), kwargs.get("sycl_queue"))
+        return numpy.dtype(numpy.complex128 if queue.sycl_device.has_aspect_fp64 else numpy.complex64)
+    return dtype
 
 
 def zeros(shape: ShapeLike, dtype: Any = None, **kwargs: Any):
@@ -329,7 +348,7 @@ def asarray(obj: Any, dtype: Any = None, *, order: Optional[str] = None, device:
         if dtype == numpy.float64 and not queue.sycl_device.has_aspect_fp64:
             dtype = numpy.float32
         elif dtype not in DPNP_TYPES:
-            _refuse_dtype(dtype, f"dpnp arrays cannot hold data type {dtype}")
+            _refuse_dtype(dtype, f"dpnp arrays cannot hold data type {dtype}", asked_for=False)
     elif host_data.dtype.kind not in "biufc":
         raise TypeError(f"cannot copy data of type {host_data.dtype} into a dpnp array")
     out = _empty_in_layout(order, host_data, dtype, usm_type=usm_type, sycl_queue=queue)

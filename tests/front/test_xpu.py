@@ -720,13 +720,13 @@ def test_asarray_converts_values_as_dpnp_asarray_does(xpu, dpnp, obj, dtype):
 
 
 @pytest.mark.parametrize("dtype", [np.dtype(t).newbyteorder("S").str for t in ("i4", "f8", "u2", "c8")]
-                         + ["U4", "f16"])
+                         + ["U4", "f16", "i4,i4", np.dtype([("a", "i4")])])
 def test_a_data_type_dpnp_cannot_hold_is_dpnps_error(xpu, dpnp, dtype):
     """One of dpnp's types in the other byte order is a ValueError in dpnp
-    ("can only have native byteorder"), where unimem raised a TypeError; a
-    type dpnp has no kind of stays a TypeError. The same for empty, for
-    asarray with the dtype, and for a NumPy array of that type. Nothing is
-    left allocated."""
+    ("can only have native byteorder"), and so is a structured type ("not
+    understood"), where unimem raised a TypeError; a type dpnp has no kind
+    of stays a TypeError. The same for empty, for asarray with the dtype,
+    and for a NumPy array of that type. Nothing is left allocated."""
     xpu.synchronize()
     before = xpu.memory_allocated()
     calls = [(lambda m: m.empty(3, dtype=dtype)), (lambda m: m.asarray([1], dtype=dtype))]
@@ -740,6 +740,25 @@ def test_a_data_type_dpnp_cannot_hold_is_dpnps_error(xpu, dpnp, dtype):
     gc.collect()
     xpu.synchronize()
     assert xpu.memory_allocated() == before
+
+
+@pytest.mark.parametrize("fill_value", [1, 1.0, True, 1j, np.int8(1), np.uint16(7), np.int64(-3), np.bool_(True),
+                                        np.float16(1.5), np.float32(2.5), np.complex64(1 + 2j), np.clongdouble(2j),
+                                        np.longdouble(0.5), 2**63])
+def test_full_without_a_dtype_takes_dpnps_type_for_the_value(xpu, dpnp, fill_value):
+    """dpnp.full takes the device's default type of the value's kind:
+    numpy.int8(1) gives int64 and numpy.complex64 complex128, where unimem
+    kept the NumPy scalar's own type (and refused clongdouble); a value no
+    int64 holds is dpnp's error."""
+    try:
+        expected = dpnp.full(3, fill_value).asnumpy()
+    except Exception as exc:                                    # noqa: BLE001 - dpnp's error is the answer
+        with pytest.raises(type(exc)):
+            xpu.full(3, fill_value)
+    else:
+        made = xpu.full(3, fill_value)
+        assert made.dtype == expected.dtype
+        np.testing.assert_array_equal(made.asnumpy(), expected)
 
 
 def test_asarray_of_a_sequence_of_dpnp_arrays_is_built_as_dpnp_builds_it(xpu, dpnp):
