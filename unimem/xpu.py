@@ -184,7 +184,23 @@ def full(shape: ShapeLike, fill_value: Any, dtype: Any = None, **kwargs: Any):
         raise TypeError(f"fill_value must be a scalar, not {type(fill_value).__name__}")
     if dtype is None:
         dtype = _fill_dtype(fill_value, kwargs)
+    _check_integer_fill(fill_value, dtype)
     return _filled(empty(shape, dtype, **kwargs), lambda out: out.fill(fill_value))
+
+
+def _check_integer_fill(fill_value: Any, dtype: Any) -> None:
+    """Raise, before a block is taken, the OverflowError that fill raises for
+    a Python int outside an integer type's range (NumPy's conversion, as in
+    dpnp.full(3, 300, dtype="u1")): a call that fails leaves the pool's
+    counters as they were."""
+    if type(fill_value) is not int or dtype is None:
+        return
+    try:
+        dt = numpy.dtype(dtype)
+    except (TypeError, ValueError):
+        return                    # empty refuses it
+    if dt.kind in "iu":
+        numpy.asarray(fill_value, dtype=dt)
 
 
 def _fill_dtype(fill_value: Any, kwargs: Dict[str, Any]) -> Any:
@@ -192,7 +208,7 @@ def _fill_dtype(fill_value: Any, kwargs: Dict[str, Any]) -> Any:
     device's default of the value's kind, whatever the width of a NumPy
     scalar (``dpnp.full(3, numpy.int8(1))`` is int64, ``numpy.complex64``
     complex128). Any other kind is passed on, for empty to refuse."""
-    dtype = numpy.asarray(fill_value).dtype
+    dtype = numpy.dtype(numpy.int64) if type(fill_value) is int else numpy.asarray(fill_value).dtype
     if dtype.kind in "iu":
         return numpy.dtype(numpy.int64)
     if dtype.kind == "f":

@@ -744,7 +744,7 @@ def test_a_data_type_dpnp_cannot_hold_is_dpnps_error(xpu, dpnp, dtype):
 
 @pytest.mark.parametrize("fill_value", [1, 1.0, True, 1j, np.int8(1), np.uint16(7), np.int64(-3), np.bool_(True),
                                         np.float16(1.5), np.float32(2.5), np.complex64(1 + 2j), np.clongdouble(2j),
-                                        np.longdouble(0.5), 2**63])
+                                        np.longdouble(0.5), 2**63, -2**63 - 1])
 def test_full_without_a_dtype_takes_dpnps_type_for_the_value(xpu, dpnp, fill_value):
     """dpnp.full takes the device's default type of the value's kind:
     numpy.int8(1) gives int64 and numpy.complex64 complex128, where unimem
