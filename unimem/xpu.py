@@ -290,6 +290,7 @@ def full_like(x: Any, fill_value: Any, dtype: Any = None, **kwargs: Any):
     """A new pool-backed array shaped like ``x``, filled with ``fill_value``."""
     if not isinstance(fill_value, (numbers.Number, numpy.generic)) or isinstance(fill_value, numpy.void):
         raise TypeError(f"fill_value must be a scalar, not {type(fill_value).__name__}")
+    _check_integer_fill(fill_value, getattr(x, "dtype", None) if dtype is None else dtype)
     return _filled(_like(x, dtype, kwargs), lambda out: out.fill(fill_value))
 
 

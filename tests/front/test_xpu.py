@@ -761,6 +761,24 @@ def test_full_without_a_dtype_takes_dpnps_type_for_the_value(xpu, dpnp, fill_val
         np.testing.assert_array_equal(made.asnumpy(), expected)
 
 
+@pytest.mark.parametrize("make", ["full", "full_like"])
+def test_an_int_fill_out_of_range_is_refused_before_a_block_is_taken(xpu, dpnp, make):
+    """dpnp.full(3, 300, dtype="u1") raises OverflowError; unimem raised it
+    from fill, after taking a block, so the pool's counters moved. Now the
+    value is converted first. full_like gives the same error (dpnp.full_like
+    wraps 300 to 44 instead, but refuses -1 with an OverflowError)."""
+    like = xpu.empty(3, dtype="u1")
+    calls = {"full": lambda: xpu.full(3, 300, dtype="u1"), "full_like": lambda: xpu.full_like(like, 300)}
+    with pytest.raises(OverflowError):
+        dpnp.full(3, 300, dtype="u1")
+    xpu.synchronize()
+    before = xpu.memory_stats()
+    with pytest.raises(OverflowError):
+        calls[make]()
+    xpu.synchronize()
+    assert xpu.memory_stats() == before
+
+
 def test_asarray_of_a_sequence_of_dpnp_arrays_is_built_as_dpnp_builds_it(xpu, dpnp):
     """dpnp arrays refuse to become NumPy arrays: unimem handed a list of
     them to NumPy and raised its TypeError ("Implicit conversion ... not
