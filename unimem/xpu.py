@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import math
 import numbers
 import operator
 import sys
@@ -184,31 +185,56 @@ def full(shape: ShapeLike, fill_value: Any, dtype: Any = None, **kwargs: Any):
         raise TypeError(f"fill_value must be a scalar, not {type(fill_value).__name__}")
     if dtype is None:
         dtype = _fill_dtype(fill_value, kwargs)
-    _check_integer_fill(fill_value, dtype)
+    _check_fill(fill_value, dtype)
     return _filled(empty(shape, dtype, **kwargs), lambda out: out.fill(fill_value))
 
 
-def _check_integer_fill(fill_value: Any, dtype: Any) -> None:
-    """Raise, before a block is taken, the OverflowError that fill raises for
-    a Python int outside an integer type's range (NumPy's conversion, as in
-    dpnp.full(3, 300, dtype="u1")): a call that fails leaves the pool's
-    counters as they were."""
-    if type(fill_value) is not int or dtype is None:
+def _check_fill(fill_value: Any, dtype: Any) -> None:
+    """Raise, before a block is taken, what fill would raise after it for a
+    value ``dtype`` cannot hold, so that a call that fails leaves the
+    pool's counters as they were: an integer outside an integer type's
+    range (OverflowError, NumPy's message: dpnp.full(3, 300, dtype="u1")),
+    a float NaN (ValueError) or one that no integer of the type holds
+    (OverflowError: infinity, 1e300), an int too large for a float
+    (OverflowError). A data type dpnp cannot hold is left to empty's error;
+    so is a value of another kind (complex, Fraction, Decimal)."""
+    if isinstance(fill_value, (bool, numpy.bool_)) or dtype is None:
         return
     try:
-        dt = numpy.dtype(dtype)
+        dt = numpy_dtype(dtype)
     except (TypeError, ValueError):
-        return                    # empty refuses it
-    if dt.kind in "iu":
-        numpy.asarray(fill_value, dtype=dt)
+        return
+    if dt not in DPNP_TYPES:
+        return
+    if dt.kind in "fc" and type(fill_value) is int:
+        float(fill_value)                                   # OverflowError past a double
+    if dt.kind not in "iu":
+        return
+    if isinstance(fill_value, (float, numpy.floating)):
+        if math.isnan(fill_value):
+            raise ValueError("cannot convert float NaN to integer")
+        if math.isinf(fill_value):
+            raise OverflowError("cannot convert float infinity to integer")
+        value = int(fill_value)
+        what = f"{fill_value!r}"
+    elif isinstance(fill_value, numbers.Integral):      # int, its subclasses, NumPy integers
+        value = operator.index(fill_value)
+        what = f"Python integer {value}"
+    else:
+        return
+    bounds = numpy.iinfo(dt)
+    if not bounds.min <= value <= bounds.max:
+        raise OverflowError(f"{what} out of bounds for {dt}")
 
 
 def _fill_dtype(fill_value: Any, kwargs: Dict[str, Any]) -> Any:
     """dpnp.full's data type for ``fill_value`` when none is given: the
     device's default of the value's kind, whatever the width of a NumPy
     scalar (``dpnp.full(3, numpy.int8(1))`` is int64, ``numpy.complex64``
-    complex128). Any other kind is passed on, for empty to refuse."""
-    dtype = numpy.dtype(numpy.int64) if type(fill_value) is int else numpy.asarray(fill_value).dtype
+    complex128); a bool's is bool. Any other is passed on, for empty to refuse."""
+    if type(fill_value) is int:    # of any size: dpnp.full(3, 2**63) is an OverflowError, not uint64
+        return numpy.dtype(numpy.int64)
+    dtype = numpy.asarray(fill_value).dtype
     if dtype.kind in "iu":
         return numpy.dtype(numpy.int64)
     if dtype.kind == "f":
@@ -290,7 +316,8 @@ def full_like(x: Any, fill_value: Any, dtype: Any = None, **kwargs: Any):
     """A new pool-backed array shaped like ``x``, filled with ``fill_value``."""
     if not isinstance(fill_value, (numbers.Number, numpy.generic)) or isinstance(fill_value, numpy.void):
         raise TypeError(f"fill_value must be a scalar, not {type(fill_value).__name__}")
-    _check_integer_fill(fill_value, getattr(x, "dtype", None) if dtype is None else dtype)
+    if hasattr(x, "sycl_queue"):             # else _like refuses x
+        _check_fill(fill_value, x.dtype if dtype is None else dtype)
     return _filled(_like(x, dtype, kwargs), lambda out: out.fill(fill_value))
 
 

@@ -198,6 +198,9 @@ def undo_success(name, result):
 @example(name="xpu.asarray", args=[-1, b"\x02", None])     # -1 as uint8 (b"\x02" is its code)
 @example(name="xpu.full", args=[3, 1 << 63, None])          # int64: refused before a block is taken
 @example(name="xpu.full", args=[3, 300, "u1"])
+@example(name="xpu.full", args=[3, float("nan"), b"\x02"])   # NaN as uint8: refused before a block is taken
+@example(name="xpu.full", args=[3, 1e300, b"i"])
+@example(name="xpu.full", args=[3, 5, b","])                  # NumPy's SyntaxError for b",": a TypeError
 def test_every_public_function_either_works_or_raises_a_documented_error(name, args):
     check_call(name, args)
 

@@ -4,6 +4,7 @@ These tests must run, not skip: without a SYCL device the setup is broken
 (``pip install -e ".[xpu,test]"`` brings dpctl, dpnp and the CPU runtime).
 """
 import ctypes
+import enum
 import gc
 import random
 import time
@@ -761,22 +762,42 @@ def test_full_without_a_dtype_takes_dpnps_type_for_the_value(xpu, dpnp, fill_val
         np.testing.assert_array_equal(made.asnumpy(), expected)
 
 
+class _Colour(enum.IntEnum):
+    BIG = 300
+
+
 @pytest.mark.parametrize("make", ["full", "full_like"])
-def test_an_int_fill_out_of_range_is_refused_before_a_block_is_taken(xpu, dpnp, make):
+@pytest.mark.parametrize("value, dtype, error", [
+    (300, "u1", OverflowError), (-1, "u1", OverflowError), (np.int64(300), "u1", OverflowError),
+    (np.uint64(2**64 - 1), "i8", OverflowError), (_Colour.BIG, "u1", OverflowError),
+    (float("nan"), "u1", ValueError), (float("inf"), "i4", OverflowError), (1e300, "i8", OverflowError),
+    (np.float32(3e9), "i4", OverflowError),
+    pytest.param(2**1100, "f4", OverflowError, id="2**1100-f4-OverflowError")])
+def test_a_fill_value_the_type_cannot_hold_is_refused_before_a_block_is_taken(xpu, dpnp, make, value, dtype,
+                                                                               error):
     """dpnp.full(3, 300, dtype="u1") raises OverflowError; unimem raised it
-    from fill, after taking a block, so the pool's counters moved. Now the
-    value is converted first. full_like gives the same error (dpnp.full_like
+    from fill, after taking a block, so the pool's counters moved (and for
+    a NumPy integer, an int subclass or a float out of range fill raised a
+    RuntimeError, as dpnp's does). Now the value is checked first: NumPy's
+    OverflowError for an integer out of range, float's ValueError for NaN
+    and OverflowError for infinity or a float past the type, and nothing
+    taken from the pool. full_like gives the same errors (dpnp.full_like
     wraps 300 to 44 instead, but refuses -1 with an OverflowError)."""
-    like = xpu.empty(3, dtype="u1")
-    calls = {"full": lambda: xpu.full(3, 300, dtype="u1"), "full_like": lambda: xpu.full_like(like, 300)}
-    with pytest.raises(OverflowError):
-        dpnp.full(3, 300, dtype="u1")
+    like = xpu.empty(3, dtype=dtype)
+    calls = {"full": lambda: xpu.full(3, value, dtype=dtype), "full_like": lambda: xpu.full_like(like, value)}
     xpu.synchronize()
     before = xpu.memory_stats()
-    with pytest.raises(OverflowError):
+    with pytest.raises(error):
         calls[make]()
     xpu.synchronize()
     assert xpu.memory_stats() == before
+
+
+def test_full_refuses_an_int_out_of_range_as_dpnp_full_does(xpu, dpnp):
+    with pytest.raises(OverflowError):
+        dpnp.full(3, 300, dtype="u1")
+    with pytest.raises(OverflowError):
+        xpu.full(3, 300, dtype="u1")
 
 
 def test_asarray_of_a_sequence_of_dpnp_arrays_is_built_as_dpnp_builds_it(xpu, dpnp):
