@@ -121,6 +121,12 @@ cdef class CachingAllocator:
     cdef vector[Block*] sleep_held          # their blocks that were free, off the free index
     cdef vector[Block*] sleep_freed         # their blocks freed since, back at wake_up
     cdef dict sleep_states                  # tag -> the sleep's state
+
+    # expandable segments' stream-ordered release (_core_holes.pxi); last, so
+    # that the hot fields above keep their offsets (the typed core pair
+    # measured 6% slower with these two among them)
+    cdef object _vm_unmap_idle              # unmap_idle_pages, or None
+    cdef size_t releasing_bytes             # mapped bytes of holes waiting to be unmapped
     cdef object __weakref__
 
     cdef inline void _lock(self) noexcept

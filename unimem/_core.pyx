@@ -398,6 +398,7 @@ cdef class CachingAllocator:
             remaining.allocated = False
             remaining.unmapped = False
             remaining.lost = False
+            remaining.releasing = False
             remaining.prev = block
             remaining.next = block.next
             if block.next != NULL:

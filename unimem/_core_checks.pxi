@@ -48,6 +48,8 @@ def _check_invariants(CachingAllocator self):
         # asleep (_core_sleep.pxi): memory given back is not reserved, and
         # the held blocks that were free are free all the same
         given_back, held_free = _sleep_accounting(self)
+        waiting = {entry[1] for entry in self.pending_events + self.syncing_events}
+        releasing = 0
         seg = self.segments
         reserved = 0
         while seg != NULL:
@@ -98,7 +100,8 @@ def _check_invariants(CachingAllocator self):
                     if b.allocated:
                         expect["allocation"][pool] += 1
                         expect["allocated_bytes"][pool] += b.size
-                    if b.allocated or (b.event_count > 0 and <uintptr_t>b not in held_free):
+                    if b.allocated or (b.event_count > 0 and not b.releasing
+                                       and <uintptr_t>b not in held_free):
                         expect["active"][pool] += 1
                         expect["active_bytes"][pool] += b.size
                         expect["requested_bytes"][pool] += b.requested_size
@@ -109,6 +112,10 @@ def _check_invariants(CachingAllocator self):
                     for k in range(b.stream_uses.size()):
                         use = b.stream_uses[0][k]
                         stream_use_count[use] = stream_use_count.get(use, 0) + 1
+                if b.releasing:
+                    assert seg.expandable and not b.allocated and b.event_count == 1, "held pages wait for one event"
+                    assert <uintptr_t>b in waiting, "held pages wait for an event"
+                    releasing += b.size
                 if b.allocated:
                     assert um_find(&self.active, b.ptr) == <void*>b, "allocated block is indexed"
                 elif b.event_count == 0:
@@ -128,6 +135,7 @@ def _check_invariants(CachingAllocator self):
                     expect["reserved_bytes"][pool] -= asleep_bytes
             seg = seg.next_seg
         assert reserved == self.total_allocated_memory
+        assert releasing == self.releasing_bytes, "the allocator counts the pages held to unmap"
         indexed = 0
         indexed_spans = 0
         it = self.streams.begin()

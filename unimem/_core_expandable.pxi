@@ -61,6 +61,10 @@ cdef int _setup_expandable(CachingAllocator self, object backend, int device, st
     self._vm_map = backend.map_pages
     self._vm_unmap = backend.unmap_pages
     self._vm_release = backend.release_address_range
+    # A backend whose unmap_pages waits for the device (CUDA) offers an unmap
+    # for pages no queued work uses: holes are then released stream-ordered.
+    if getattr(backend, "record_event", None) is not None:
+        self._vm_unmap_idle = getattr(backend, "unmap_idle_pages", None)
     self.vm_granularity = granularity
     self.expandable = True
     return 0
@@ -368,32 +372,20 @@ cdef inline size_t _whole_pages(Block* b, size_t page) noexcept nogil:
     return end - begin if end > begin else 0
 
 
-cdef int _unmap_block(CachingAllocator self, Block* b, size_t page) except -1:
-    """Unmap the whole ``page``-sized pages inside the free block ``b``
-    (PyTorch's unmap_block, by the segment's page; the hole reclaim unmaps
-    by the backend's granularity): what is left before and after them
-    stays a free block.
-    An unmap that raises may or may not have given the memory back: the
-    span is then lost (never mapped or reserved again), counted in
-    lost_segments, and the error raised once the state is consistent.
-
-    The backend's unmap may run Python with the lock held (this thread's
-    lock is recursive): a finalizer run by garbage collection may free a
-    neighbouring block, which merges with its free neighbours, or allocate.
-    So ``b`` is off the free index and marked as handed out meanwhile
-    (neither merged away nor handed out), and the pieces left before and
-    after it are merged with whatever is beside them only afterwards."""
+cdef Block* _split_pages(CachingAllocator self, Block* b, size_t page) except? NULL:
+    """Take the whole ``page``-sized pages inside the free block ``b`` off
+    the free index, held (``releasing``, event_count 1) so that no path
+    hands them out, merges them or unmaps them meanwhile: ``b`` itself,
+    shrunk to them. What is left before and after them stays a free block
+    (merged with whatever is beside it). NULL when ``b`` holds no whole page."""
     cdef Segment* seg = b.segment
     cdef FreeIndex* fi = b.index
     cdef uintptr_t begin = seg.base + _round_up(b.ptr - seg.base, page)
     cdef uintptr_t end = seg.base + (b.ptr + b.size - seg.base) // page * page
     cdef Block* before = NULL
     cdef Block* after = NULL
-    cdef size_t n
-    cdef int64_t t0
     if begin >= end:
-        return 0
-    n = end - begin
+        return NULL
     if um_reserve(&fi.by_size, fi.by_size.count + 2) != 0:
         raise MemoryError("host memory for the allocator's bookkeeping ran out")
     if begin > b.ptr:
@@ -407,18 +399,10 @@ cdef int _unmap_block(CachingAllocator self, Block* b, size_t page) except -1:
             block_delete(&self.slab, after)
         raise MemoryError("host memory for the allocator's bookkeeping ran out")
     fi_remove(fi, b)
-    b.allocated = True                 # while the backend runs: see above
-    error = None
-    t0 = um_now_ns()
-    try:
-        self._vm_unmap(begin, n, self.device)
-    except BaseException as exc:
-        error = exc
-    b.allocated = False
-    duration_add(&self.stats.device_free_time, (um_now_ns() - t0) // 1000)
+    b.releasing = True
+    b.event_count = 1
     # The pieces go back to the free index (room for their size classes was
-    # reserved above; should a re-entered call have used it, fi_insert makes
-    # more, which only a machine out of host memory could refuse).
+    # reserved above).
     if before != NULL:
         before.prev = b.prev
         before.next = b
@@ -434,14 +418,43 @@ cdef int _unmap_block(CachingAllocator self, Block* b, size_t page) except -1:
         self._try_merge(after, after.next, fi)
         fi_insert(fi, after)
     b.ptr = begin
-    b.size = n
+    b.size = end - begin
+    self.releasing_bytes += b.size
+    return b
+
+
+cdef int _unmap_held(CachingAllocator self, Block* b, object unmap) except -1:
+    """Unmap the pages _split_pages held in ``b`` with ``unmap`` (the
+    backend's unmap_pages, or unmap_idle_pages once the work queued before
+    the split has completed); ``b`` becomes an unmapped span.
+    An unmap that raises may or may not have given the memory back: the
+    span is then lost (never mapped or reserved again), counted in
+    lost_segments, and the error raised once the state is consistent.
+
+    The backend's unmap may run Python with the lock held (this thread's
+    lock is recursive): a finalizer run by garbage collection may free a
+    neighbouring block, which merges with its free neighbours, or allocate.
+    ``b`` stays held meanwhile (neither merged away nor handed out)."""
+    cdef Segment* seg = b.segment
+    cdef size_t n = b.size
+    cdef int64_t t0
+    error = None
+    t0 = um_now_ns()
+    try:
+        unmap(b.ptr, n, self.device)
+    except BaseException as exc:
+        error = exc
+    duration_add(&self.stats.device_free_time, (um_now_ns() - t0) // 1000)
+    self.releasing_bytes -= n
+    b.releasing = False
+    b.event_count = 0
     b.unmapped = True
     seg.mapped -= n
     self.total_allocated_memory -= n
     pool_decrease(&self.stats, S_RESERVED_BYTES, seg.is_small, n)
     self.stats.num_device_free += 1
     if self.recording:
-        self._trace(T_SEGMENT_UNMAP, begin, n, b.stream)
+        self._trace(T_SEGMENT_UNMAP, b.ptr, n, b.stream)
     if error is not None:
         b.lost = True
         self.lost_segment_count += 1
@@ -450,6 +463,18 @@ cdef int _unmap_block(CachingAllocator self, Block* b, size_t page) except -1:
     _merge_unmapped(self, b, b.prev)
     _merge_unmapped(self, b, b.next)
     _index_span(b)
+    return 0
+
+
+cdef int _unmap_block(CachingAllocator self, Block* b, size_t page) except -1:
+    """Unmap the whole ``page``-sized pages inside the free block ``b``
+    (PyTorch's unmap_block, by the segment's page; the hole reclaim unmaps
+    by the backend's granularity) with the backend's unmap_pages, which
+    waits for the device where it must: what is left before and after them
+    stays a free block."""
+    cdef Block* held = _split_pages(self, b, page)
+    if held != NULL:
+        _unmap_held(self, held, self._vm_unmap)
     return 0
 
 

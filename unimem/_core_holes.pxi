@@ -30,6 +30,20 @@
 # unmaps more: 36 -> 45 calls, and maps 75 -> 70).
 #
 # All of this runs on the miss path, with the lock held.
+#
+# A backend whose unmap_pages waits for the device (CUDA: cuMemUnmap does not
+# wait for kernels still using the pages, so it synchronizes first) would
+# make such a miss wait for every kernel queued. It offers unmap_idle_pages
+# instead, and the hole is released stream-ordered: its whole pages are split
+# off and held (Block.releasing), an event is recorded on its stream (a free
+# block was last used there: other streams' uses were waited for before it
+# became free), and the pages are unmapped with unmap_idle_pages once the
+# event has completed (at once when the stream is idle; else at a later
+# allocation, with the stream events of record_stream frees). Held pages
+# count as gone for the bound and as reserved in the statistics until then,
+# so reserved_bytes may pass the bound by what the device is still using.
+# empty_cache, an out-of-memory retry and sleep wait for them (PyTorch
+# waits there too); the allocator's teardown unmaps them with unmap_pages.
 
 cdef extern from *:
     """
@@ -197,12 +211,95 @@ cdef bint _unmap_to_ratio(CachingAllocator self, size_t size, size_t new_bytes,
         self.in_use_high_water = <size_t>in_use
     limit = self.max_reserved_ratio * <double>self.in_use_high_water
     while True:
-        excess = <double>(self.total_allocated_memory + new_bytes) - limit
+        excess = <double>(self.total_allocated_memory - self.releasing_bytes + new_bytes) - limit
         if excess <= 0.0:
             break
         b = _hole_to_unmap(self, <size_t>excess, lo, hi)
         if b == NULL:
             break
-        _unmap_block(self, b, self.vm_granularity)
+        if self._vm_unmap_idle is None:
+            _unmap_block(self, b, self.vm_granularity)
+        else:
+            _release_hole(self, b)
         unmapped = True
     return unmapped
+
+
+cdef int _release_hole(CachingAllocator self, Block* b) except -1:
+    """Unmap the free whole pages of the hole ``b`` stream-ordered: at
+    once when the work queued on its stream has completed, else once it has
+    (see above). Recording or asking about the event runs Python; should it
+    raise, the pages go back to the free index and the error is raised."""
+    cdef Block* held = _split_pages(self, b, self.vm_granularity)
+    if held == NULL:
+        return 0
+    try:
+        event = self.backend.record_event(held.stream, self.device)
+        done = _event_done(self, event)
+    except BaseException:
+        _unsplit(self, held)
+        raise
+    if done:
+        return _unmap_held(self, held, self._vm_unmap_idle)
+    self.pending_events.append((event, <uintptr_t>held))
+    self.n_pending_events = len(self.pending_events)
+    self._update_unusual()
+    return 0
+
+
+cdef bint _event_done(CachingAllocator self, object event) except -1:
+    query = getattr(self.backend, "event_done", None)
+    return True if query is None else bool(query(event))
+
+
+cdef int _unsplit(CachingAllocator self, Block* b) except -1:
+    """Give the pages _split_pages held back to the free index, unmapped
+    never: as a free block merged with its free neighbours."""
+    self.releasing_bytes -= b.size
+    b.releasing = False
+    b.event_count = 0
+    self._try_merge(b, b.prev, b.index)
+    self._try_merge(b, b.next, b.index)
+    fi_insert(b.index, b)
+    return 0
+
+
+cdef int _unmap_released(CachingAllocator self, list held) except -1:
+    """Unmap the held pages (block addresses) whose event has completed,
+    with unmap_idle_pages. Every one is unmapped (or lost) before the first
+    error is raised."""
+    error = None
+    for address in held:
+        try:
+            _unmap_held(self, <Block*><uintptr_t>address, self._vm_unmap_idle)
+        except BaseException as exc:
+            if error is None:
+                error = exc
+    if error is not None:
+        raise error
+    return 0
+
+
+cdef int _unmap_held_now(CachingAllocator self) except -1:
+    """Unmap every held hole whose event is still pending with unmap_pages,
+    which waits for the device where it must (before sleep() gives memory
+    back: pages it would find mapped must be the allocator's own)."""
+    cdef Block* b
+    held = [entry for entry in self.pending_events if (<Block*><uintptr_t>entry[1]).releasing]
+    if not held:
+        return 0
+    self.pending_events = [entry for entry in self.pending_events
+                           if not (<Block*><uintptr_t>entry[1]).releasing]
+    self.n_pending_events = len(self.pending_events)
+    self._update_unusual()
+    _release_events(self, [event for event, _ in held])
+    error = None
+    for _, address in held:
+        try:
+            _unmap_held(self, <Block*><uintptr_t>address, self._vm_unmap)
+        except BaseException as exc:
+            if error is None:
+                error = exc
+    if error is not None:
+        raise error
+    return 0

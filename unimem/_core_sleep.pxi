@@ -496,6 +496,8 @@ cdef int _sleep(CachingAllocator self, bint offload, object select, object tag,
         self.sleep_busy = True
         try:
             _synchronize_and_free_events(self)
+            if self.releasing_bytes:
+                _unmap_held_now(self)      # held while another thread waited above
             self.sleep_states[tag] = state
             if state.whole_device:
                 self.sleeping = True

@@ -110,6 +110,8 @@ _BLOCK_STATES = ("inactive", "active_allocated", "active_pending_free")
 cdef inline int _block_state(Block* b) noexcept nogil:
     if b.allocated:
         return 1
+    if b.releasing:                    # free pages waiting to be unmapped
+        return 0
     if b.event_count > 0 or b.stream_uses != NULL:
         return 2
     return 0

@@ -158,11 +158,15 @@ cdef int _process_events(CachingAllocator self) except -1:
     except BaseException as exc:
         error = exc                     # the events not asked about stay pending
     still_pending = []
+    released = []
     for i in range(len(pending)):
         if i >= len(done) or not done[i]:
             still_pending.append(pending[i])
             continue
         b = <Block*><uintptr_t>pending[i][1]
+        if b.releasing:
+            released.append(pending[i][1])      # unmapped below (_core_holes.pxi)
+            continue
         if b.event_count == 1 and self._reserve_class(b) != 0:
             still_pending.append(pending[i])
             continue
@@ -172,8 +176,12 @@ cdef int _process_events(CachingAllocator self) except -1:
     self.pending_events = still_pending
     self.n_pending_events = len(still_pending)
     self._update_unusual()
-    if error is not None:
-        raise error
+    try:
+        if released:
+            _unmap_released(self, released)
+    finally:
+        if error is not None:
+            raise error
     return 0
 
 
@@ -198,6 +206,7 @@ cdef int _synchronize_and_free_events(CachingAllocator self) except -1:
     self.syncing_events = self.syncing_events + taken
     self._unlock()
     synced = 0
+    released = []
     try:
         sync = self.backend.event_synchronize
         for ev, _ in taken:
@@ -211,6 +220,9 @@ cdef int _synchronize_and_free_events(CachingAllocator self) except -1:
                     self.pending_events.append(taken[i])      # wait again next time
                     continue
                 b = <Block*><uintptr_t>taken[i][1]
+                if b.releasing:
+                    released.append(taken[i][1])          # unmapped below (_core_holes.pxi)
+                    continue
                 if b.event_count == 1 and self._reserve_class(b) != 0:
                     self.pending_events.append(taken[i])
                     continue
@@ -222,6 +234,8 @@ cdef int _synchronize_and_free_events(CachingAllocator self) except -1:
             self.syncing_events = [e for e in self.syncing_events if id(e) not in taken_ids]
             self.n_pending_events = len(self.pending_events)
             self._update_unusual()
+            if released:
+                _unmap_released(self, released)
     return 0
 
 

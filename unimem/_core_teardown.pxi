@@ -17,6 +17,14 @@ cdef object _give_back_free_segments(CachingAllocator self):
         _merge_deferred(self)
     if self.poisoned or _interpreter_exiting() or self.sleep_states:
         return
+    if self.releasing_bytes:
+        # Pages of holes waiting for their stream's work go now, through
+        # unmap_pages (which waits for the device where it must): their
+        # events are not waited for after this.
+        try:
+            _unmap_held_now(self)
+        except BaseException as exc:
+            _report_unraisable(exc, "unimem allocator teardown")
     cdef Segment* seg = self.segments
     cdef Segment* nxt
     cdef Block* b

@@ -282,6 +282,27 @@ def test_a_gpu_without_vmm_or_a_missing_driver_library_is_said(runtime):
 # ---------------------------------------------------------------------------
 # the caching core over it
 # ---------------------------------------------------------------------------
+def test_a_hole_unmapped_on_the_allocation_path_waits_for_no_kernel(backend, runtime, driver, monkeypatch):
+    """With max_reserved_ratio a miss unmaps a hole; while a kernel still
+    uses it, the allocation neither calls cudaDeviceSynchronize nor unmaps
+    it: its pages go once the kernel has finished (at a later allocation)."""
+    waits = []
+    synchronize = runtime.deviceSynchronize
+    monkeypatch.setattr(runtime, "deviceSynchronize", lambda: (waits.append(1), synchronize())[1])
+    allocator = _core.CachingAllocator(backend, 0, expandable_segments=True, max_reserved_ratio=1.0)
+    allocator.set_capacity(64 * MiB)
+    first, hole, last = (allocator.malloc(size) for size in (2 * MiB, 8 * MiB, 2 * MiB))
+    runtime.launch(0)                                    # a kernel using the hole
+    allocator.free(hole)
+    allocator.malloc(10 * MiB)
+    assert waits == [] and driver.physical_bytes(0) == 22 * MiB     # the hole is still mapped
+    runtime.complete(0)
+    allocator.process_events()                           # as the next allocation does
+    assert waits == [] and driver.physical_bytes(0) == 14 * MiB     # now it is not
+    assert not any(hole <= at < hole + 8 * MiB for at in driver.mappings)
+    allocator._check_invariants()
+
+
 def test_the_core_grows_and_shrinks_an_expandable_segment_through_the_driver(backend, runtime, driver):
     allocator = _core.CachingAllocator(backend, 0, expandable_segments=True)
     allocator.set_capacity(64 * MiB)

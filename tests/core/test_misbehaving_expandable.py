@@ -35,6 +35,7 @@ left.
 Each example runs first in a forked copy (tests/helpers/crash_guard.py), so
 that a crash of the compiled core is a failure hypothesis shrinks and prints.
 """
+import hypothesis
 import pytest
 from hypothesis import HealthCheck, Phase, settings, strategies as st
 from hypothesis.stateful import invariant, rule
@@ -43,7 +44,7 @@ from tests.helpers.crash_guard import guarded, guarded_check
 from tests.helpers.misbehaving import EVENT_CHAOS, MiB, AllocatorMachine, MisbehavingBackend, sizes, streams
 from unimem._runtime.config import EXPANDABLE_RESERVED_RATIO
 from unimem.backends.faults import InjectedFault
-from unimem.backends.simulated import SimulatedBackend
+from unimem.backends.simulated import SimulatedBackend, SimulatedGPU
 
 CAPACITY = 256 * MiB              # small enough that requests often find the device full
 GRANULARITY = 64 << 10            # the small pool's page; the large pool maps 2 MiB pages
@@ -56,8 +57,8 @@ class ExpandableMisbehavingBackend(MisbehavingBackend):
 
     CALLBACKS = MisbehavingBackend.CALLBACKS + VM_CALLBACKS
 
-    def __init__(self, collect):
-        super().__init__(collect, SimulatedBackend(capacity=CAPACITY, granularity=GRANULARITY))
+    def __init__(self, collect, inner=None):
+        super().__init__(collect, inner or SimulatedBackend(capacity=CAPACITY, granularity=GRANULARITY))
         self.map_stranded = set()       # pages mapped by a map that then raised
         self.lost_pages = set()         # pages still mapped after an unmap that raised first
         self.lost_spans = []            # (address, size) of every unmap that raised: lost
@@ -125,7 +126,10 @@ class ExpandableMisbehavingBackend(MisbehavingBackend):
             self._after("map_pages", action, (address, size))
 
     def unmap_pages(self, address, size, device):
-        action = self._action("unmap_pages")
+        self._unmap("unmap_pages", address, size, device)
+
+    def _unmap(self, callback, address, size, device):
+        action = self._action(callback)
         with self._inside():
             self.unmap_calls += 1
             pages = self._pages(address, size)
@@ -134,13 +138,13 @@ class ExpandableMisbehavingBackend(MisbehavingBackend):
             if action[0] in ("interrupt", "raise"):         # nothing unmapped: the span stays mapped
                 self.lost_pages |= pages
                 self.lost_spans.append((address, size))
-            self._before("unmap_pages", action, (address, size))
-            self._on_device("unmap_pages", address, size, device)
+            self._before(callback, action, (address, size))
+            self._on_device(callback, address, size, device)
             if action[0] in ("interrupt_after", "raise_after"):
                 self.lost_spans.append((address, size))
             else:
                 self.unmaps_done += 1
-            self._after("unmap_pages", action, (address, size))
+            self._after(callback, action, (address, size))
 
     def release_address_range(self, address, size, device):
         action = self._action("release_address_range")
@@ -172,8 +176,10 @@ class ExpandableMachine(AllocatorMachine):
     collect_frees_raw = True
     options: dict = {}          # more of the allocator's options
 
+    backend_class = ExpandableMisbehavingBackend
+
     def __init__(self):
-        super().__init__(ExpandableMisbehavingBackend(self.collect), CAPACITY, expandable_segments=True,
+        super().__init__(self.backend_class(self.collect), CAPACITY, expandable_segments=True,
                          **self.options)
 
     @rule()
@@ -276,6 +282,72 @@ class ExpandableMachineWithReservedRatio(ExpandableMachine):
     options = {"max_reserved_ratio": EXPANDABLE_RESERVED_RATIO}
 
 
+class StreamOrderedMisbehavingBackend(ExpandableMisbehavingBackend):
+    """The same over a :class:`SimulatedGPU`, whose kernels use memory until
+    their stream completes, with ``unmap_idle_pages``: it misbehaves as
+    ``unmap_pages`` does, and the device refuses it (a violation) pages that
+    queued work still uses."""
+
+    CALLBACKS = ExpandableMisbehavingBackend.CALLBACKS + ("unmap_idle_pages",)
+
+    def __init__(self, collect):
+        super().__init__(collect, SimulatedGPU(capacity=CAPACITY, granularity=GRANULARITY))
+
+    def unmap_idle_pages(self, address, size, device):
+        hypothesis.event("a hole's pages unmapped without waiting" if self.depth == 0
+                         else "a hole's pages unmapped without waiting, re-entered")
+        self._unmap("unmap_idle_pages", address, size, device)
+
+
+class StreamOrderedReleaseMachine(ExpandableMachineWithReservedRatio):
+    """With the bound, over a device whose unmap_pages waits (as CUDA's): a
+    malloc releases holes stream-ordered (_core_holes.pxi). Kernels use live
+    blocks on their streams; the pages of a hole are held until an event
+    after them has completed, then unmapped with unmap_idle_pages, which
+    never gets pages a kernel still uses."""
+
+    backend_class = StreamOrderedMisbehavingBackend
+    options = {"max_reserved_ratio": 1.0}           # holes go at most misses
+
+    @rule(data=st.data())
+    @guarded
+    def a_kernel_uses_a_live_block(self, data):
+        live = sorted(self.live())
+        if live:
+            ptr = data.draw(st.sampled_from(live))
+            size, stream = self.requests[ptr]
+            stream = data.draw(st.sampled_from(sorted({stream} | self.uses.get(ptr, set()))))
+            self.device.launch(stream, ptr, size)
+
+    @rule(size=st.integers(MiB, 12 * MiB), stream=streams, busy=st.booleans(), handle=st.booleans())
+    @guarded
+    def a_hole_then_a_larger_miss(self, size, stream, busy, handle):
+        """Three blocks, the middle one freed (a kernel still using it, or
+        not), then a larger request: the shape that unmaps a hole."""
+        before = self.live()
+        for _ in range(3):
+            self.malloc(size, stream, False)
+        new = sorted(self.live() - before)
+        if len(new) == 3 and new[1] in self.raw:
+            if busy:
+                self.device.launch(stream, new[1], size)
+            self.pinned.add(new[1])
+            try:
+                _, error = self.attempt(lambda: self.core.free(new[1]))
+            finally:
+                self.pinned.discard(new[1])
+            if error is None or not self.core.owns(new[1]):
+                self.forget(new[1])
+        self.malloc(size + 2 * MiB, stream, handle)
+
+    @rule(action=st.sampled_from([("interrupt",), ("raise",), ("interrupt_after",), ("raise_after",)]),
+          count=st.integers(1, 3), offset=st.integers(0, 7), after=st.booleans(), collect=st.booleans())
+    def misbehaviour_in_the_idle_unmap(self, action, count, offset, after, collect):
+        if collect:
+            action = ("gc_after" if after else "gc", count, offset)
+        self.backend.plans["unmap_idle_pages"].append(action)
+
+
 # A failure is shrunk for up to five minutes (hypothesis's limit), one fork per
 # try; the explain phase, as long again, is left out.
 SETTINGS = settings(max_examples=200, stateful_step_count=50, deadline=None,
@@ -283,5 +355,7 @@ SETTINGS = settings(max_examples=200, stateful_step_count=50, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 ExpandableMachine.TestCase.settings = SETTINGS
 ExpandableMachineWithReservedRatio.TestCase.settings = SETTINGS
+StreamOrderedReleaseMachine.TestCase.settings = SETTINGS
 TestMisbehavingExpandable = pytest.mark.timeout(900)(ExpandableMachine.TestCase)
 TestMisbehavingExpandableWithReservedRatio = pytest.mark.timeout(900)(ExpandableMachineWithReservedRatio.TestCase)
+TestMisbehavingStreamOrderedRelease = pytest.mark.timeout(900)(StreamOrderedReleaseMachine.TestCase)

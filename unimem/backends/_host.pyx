@@ -311,6 +311,10 @@ cdef class PageAlignedBackend:
                 raise OSError(err, f"mmap could not map [{a:#x}, {a + n:#x}): {os.strerror(err)}")
             ranges.record_map(a, n)
 
+    #: Unmapping host pages waits for nothing: unmap_pages serves the core's
+    #: allocation path as it is (Backend.unmap_idle_pages).
+    unmap_idle_pages = None
+
     def unmap_pages(self, address, size, device=0):
         """Give the pages back: a fresh ``PROT_NONE``, ``MAP_NORESERVE``
         mapping is put over the span, which frees its pages (RSS falls at

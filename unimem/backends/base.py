@@ -162,8 +162,17 @@ class Backend(Protocol):
 
     def unmap_pages(self, address: int, size: int, device: int) -> None:
         """Give back the memory behind a mapped, granularity-aligned span;
-        the addresses stay reserved."""
+        the addresses stay reserved. Work still queued that uses the span
+        must not fault: wait for it where unmapping does not (CUDA)."""
         raise NotImplementedError
+
+    #: ``unmap_idle_pages(address, size, device)``: as :meth:`unmap_pages`,
+    #: for a span no queued work uses any more, without waiting for the
+    #: device. Called by the core (with ``max_reserved_ratio``) once an event
+    #: recorded on the span's stream after its last use has completed, so
+    #: that an allocation that unmaps a hole waits for no kernel. Absent or
+    #: None: :meth:`unmap_pages` is called at once, and may wait.
+    unmap_idle_pages: Optional[Callable[[int, int, int], None]] = None
 
     def release_address_range(self, address: int, size: int, device: int) -> None:
         """Give back a range from :meth:`reserve_address_range` that has no

@@ -218,6 +218,13 @@ class CUDABackend(Backend):
             self.runtime.deviceSynchronize()
             vmm.unmap(address, size, device)
 
+    def unmap_idle_pages(self, address: int, size: int, device: int) -> None:
+        """``cuMemUnmap`` without waiting: the core calls it once an event
+        recorded after the pages' last use has completed."""
+        vmm = self._mapper(device)
+        with OnDevice(self.runtime, device):
+            vmm.unmap(address, size, device)
+
     def release_address_range(self, address: int, size: int, device: int) -> None:
         vmm = self._mapper(device)
         with OnDevice(self.runtime, device):

@@ -215,3 +215,75 @@ class SimulatedBackend(Backend):
 
     def __repr__(self) -> str:
         return f"<SimulatedBackend {self.name} {self.devices}x{self.capacity} bytes>"
+
+
+class SimulatedGPU(SimulatedBackend):
+    """A :class:`SimulatedBackend` whose queued work uses memory, as kernels
+    on a GPU do, for the paths that must not wait for the device.
+
+    :meth:`launch` queues work on a stream that uses a span until the stream
+    completes (:meth:`complete`, an :meth:`event_synchronize` after it, or
+    :meth:`synchronize`). As on CUDA, where ``cuMemUnmap`` does not wait for
+    kernels still using the memory, :meth:`unmap_pages` waits for the whole
+    device first (counted in :attr:`device_waits`), and
+    :meth:`unmap_idle_pages` does not: it refuses (RuntimeError, a core bug)
+    a span that queued work still uses.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.device_waits = 0
+        # (device, stream) -> [(sequence, address, size)] of the work queued there
+        self._work: Dict[Tuple[int, int], List[Tuple[int, int, int]]] = {}
+
+    def launch(self, stream: int, address: int, size: int, device: int = 0) -> None:
+        """Queue work on ``stream`` that uses ``[address, address+size)``."""
+        self._check_device(device)
+        key = (device, stream)
+        with self._lock:
+            seq = self._recorded.get(key, 0) + 1
+            self._recorded[key] = seq
+            self._work.setdefault(key, []).append((seq, address, size))
+
+    def record_event(self, stream: int, device: int) -> SimulatedEvent:
+        """An event after the work queued on ``stream``: complete at once
+        when none is pending, as on a GPU."""
+        key = (device, stream)
+        with self._lock:
+            done = self._completed.get(key, 0)
+            if self._recorded.get(key, 0) == done:
+                return SimulatedEvent(stream, device, done)
+        return super().record_event(stream, device)
+
+    def busy(self, address: int, size: int, device: int = 0) -> bool:
+        """Whether work not yet completed uses some of ``[address, address+size)``."""
+        for (dev, stream), work in self._work.items():
+            done = self._completed.get((dev, stream), 0)
+            if dev == device and any(seq > done and at < address + size and address < at + n
+                                     for seq, at, n in work):
+                return True
+        return False
+
+    def synchronize(self, device: int) -> None:
+        """Wait for all work queued on ``device``: every stream completes."""
+        self._check_device(device)
+        with self._lock:
+            for dev, stream in list(self._recorded):
+                if dev == device:
+                    self._completed[(dev, stream)] = self._recorded[(dev, stream)]
+
+    def unmap_pages(self, address: int, size: int, device: int) -> None:
+        """Wait for the device, then unmap (CUDABackend.unmap_pages)."""
+        self.device_waits += 1
+        self.synchronize(device)
+        super().unmap_pages(address, size, device)
+
+    def unmap_idle_pages(self, address: int, size: int, device: int) -> None:  # type: ignore[override]
+        if self.busy(address, size, device):
+            raise RuntimeError(f"simulated device {device}: {address:#x}+{size} is unmapped while "
+                               f"queued work still uses it")
+        super().unmap_pages(address, size, device)
+
+    def __repr__(self) -> str:
+        return f"<SimulatedGPU {self.name} {self.devices}x{self.capacity} bytes>"
+

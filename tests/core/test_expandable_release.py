@@ -1,0 +1,174 @@
+"""Expandable segments: a hole unmapped on the allocation path waits for no
+kernel (_core_holes.pxi, stream-ordered release).
+
+With max_reserved_ratio, a miss unmaps free whole pages of holes before it
+maps more. On CUDA, cuMemUnmap does not wait for kernels still using the
+pages, so the backend's unmap_pages synchronizes the device first: called on
+the miss path, every allocation that unmapped a hole waited for every kernel
+queued. A backend with ``unmap_idle_pages`` has the hole released
+stream-ordered instead: its pages are held, an event is recorded on its
+stream, and they are unmapped without waiting once the event has completed.
+Only running out of memory (and empty_cache, sleep, teardown) waits.
+
+The device here is :class:`SimulatedGPU`: work launched on a stream uses
+memory until the stream completes; its ``unmap_pages`` waits for the device
+and counts it, its ``unmap_idle_pages`` refuses pages queued work still uses.
+"""
+import gc
+
+import pytest
+
+from tests.core.test_expandable_placement import mapped, unmapped
+from unimem import _core
+from unimem.backends.simulated import SimulatedGPU
+
+MiB = 1 << 20
+
+
+def allocator(capacity=256 * MiB, backend=None):
+    gpu = backend or SimulatedGPU(capacity=capacity)
+    a = _core.CachingAllocator(gpu, 0, expandable_segments=True, max_reserved_ratio=1.0)
+    a.set_capacity(capacity)
+    return a, gpu
+
+
+def a_hole_in_use(a, gpu, stream=0, busy=True):
+    """[0, 2) live, [2, 10) free with work queued on it, [10, 12) live (MiB):
+    12 MiB mapped, the most ever in use. The 10 MiB request after it maps
+    10 MiB at the range's end, 8 past ratio 1.0 x 14: the hole goes."""
+    first = a.malloc(2 * MiB, stream)
+    hole = a.malloc(8 * MiB, stream)
+    last = a.malloc(2 * MiB, stream)
+    if busy:
+        gpu.launch(stream, hole, 8 * MiB)
+    a.free(hole)
+    return first, hole, last
+
+
+def test_a_miss_that_unmaps_a_hole_in_use_waits_for_no_kernel():
+    a, gpu = allocator()
+    _, hole, _ = a_hole_in_use(a, gpu)
+    unmaps = gpu.n_unmap
+    a.malloc(10 * MiB)
+    assert gpu.device_waits == 0 and gpu.busy(hole, 8 * MiB)
+    assert mapped(gpu, hole, 8 * MiB) and gpu.n_unmap == unmaps    # held until the kernel ends
+    assert a.memory_reserved() == 22 * MiB                         # reserved, until then
+    a._check_invariants()
+    assert [b["state"] for s in a.snapshot() for b in s["blocks"] if b["address"] == hole] == ["inactive"]
+    a.malloc(1 * MiB)                        # the kernel runs on: still held, nothing waited
+    assert mapped(gpu, hole, 8 * MiB) and gpu.device_waits == 0
+    gpu.complete(0)
+    a.malloc(1 * MiB)                        # the next allocation unmaps it, without waiting
+    assert unmapped(gpu, hole, 8 * MiB) and gpu.n_unmap == unmaps + 1 and gpu.device_waits == 0
+    assert a.memory_reserved() == 16 * MiB
+    stats = a.memory_stats()
+    assert stats["num_device_free"] == 1 and stats["num_sync_all_streams"] == 0
+    a._check_invariants()
+
+
+def test_a_hole_whose_stream_is_idle_is_unmapped_at_once():
+    """Work queued on another stream does not hold it either."""
+    a, gpu = allocator()
+    other = a.malloc(2 * MiB, 1)
+    gpu.launch(1, other, 2 * MiB)
+    _, hole, _ = a_hole_in_use(a, gpu, busy=False)
+    a.malloc(10 * MiB)
+    assert unmapped(gpu, hole, 8 * MiB) and gpu.device_waits == 0
+    assert a.memory_reserved() == 16 * MiB           # 14 on stream 0, 2 on stream 1
+    a._check_invariants()
+
+
+def test_empty_cache_waits_for_the_held_pages():
+    a, gpu = allocator()
+    first, hole, last = a_hole_in_use(a, gpu)
+    a.malloc(10 * MiB)
+    a.empty_cache()
+    assert unmapped(gpu, hole, 8 * MiB) and not gpu.busy(hole, 8 * MiB)
+    assert a.memory_reserved() == 14 * MiB
+    a._check_invariants()
+
+
+def test_out_of_memory_waits_for_the_held_pages_and_succeeds():
+    """20 MiB device: the 10 MiB at the end fit only once the hole is gone.
+    The map is refused, the retry waits for the hole's kernel, unmaps it and
+    maps again."""
+    a, gpu = allocator(capacity=20 * MiB)
+    _, hole, _ = a_hole_in_use(a, gpu)
+    a.malloc(10 * MiB)
+    assert unmapped(gpu, hole, 8 * MiB) and a.memory_reserved() == 14 * MiB
+    assert a.memory_stats()["num_alloc_retries"] == 1
+    a._check_invariants()
+
+
+def test_sleep_and_wake_up_with_pages_held():
+    a, gpu = allocator()
+    first, hole, last = a_hole_in_use(a, gpu)
+    a.malloc(10 * MiB)
+    a.sleep(offload=False)
+    assert gpu.mapped_pages[0] == set() and a.memory_reserved() == 0
+    a.wake_up()
+    assert unmapped(gpu, hole, 8 * MiB) and mapped(gpu, first, 2 * MiB) and mapped(gpu, last, 2 * MiB)
+    assert a.memory_reserved() == 14 * MiB
+    a._check_invariants()
+
+
+class FailingEvents(SimulatedGPU):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.fail = None
+
+    def record_event(self, stream, device):
+        if self.fail == "record_event":
+            raise RuntimeError("record_event failed")
+        return super().record_event(stream, device)
+
+    def event_done(self, event):
+        if self.fail == "event_done":
+            raise RuntimeError("event_done failed")
+        return super().event_done(event)
+
+
+@pytest.mark.parametrize("failing", ["record_event", "event_done"])
+def test_an_event_that_cannot_be_had_leaves_the_hole_free_and_mapped(failing):
+    a, gpu = allocator(backend=FailingEvents(capacity=256 * MiB))
+    _, hole, _ = a_hole_in_use(a, gpu)
+    before = a.memory_stats()
+    gpu.fail = failing
+    with pytest.raises(RuntimeError, match=f"{failing} failed"):
+        a.malloc(10 * MiB)
+    assert a.memory_stats() == before
+    assert mapped(gpu, hole, 8 * MiB) and gpu.n_unmap == 0
+    a._check_invariants()
+    gpu.fail = None
+    assert a.malloc(8 * MiB) == hole                 # free, and whole
+    a._check_invariants()
+
+
+class FailingIdleUnmap(SimulatedGPU):
+    def unmap_idle_pages(self, address, size, device):
+        raise RuntimeError("cuMemUnmap failed")
+
+
+def test_an_unmap_that_fails_after_the_kernel_loses_the_span_once():
+    a, gpu = allocator(backend=FailingIdleUnmap(capacity=256 * MiB))
+    _, hole, _ = a_hole_in_use(a, gpu)
+    a.malloc(10 * MiB)
+    gpu.complete(0)
+    with pytest.raises(RuntimeError, match="cuMemUnmap failed"):
+        a.process_events()
+    assert a.lost_segments() == {"count": 1, "bytes": 8 * MiB}
+    a.process_events()                                # never tried again
+    a._check_invariants()
+
+
+def test_the_allocators_death_unmaps_held_pages_and_releases_the_range():
+    a, gpu = allocator()
+    first, hole, last = a_hole_in_use(a, gpu)
+    a.free(a.malloc(10 * MiB))
+    a.free(first)
+    a.free(last)
+    assert gpu.busy(hole, 8 * MiB)
+    del a
+    gc.collect()
+    assert gpu.mapped_pages[0] == set() and gpu.ranges[0] == {}
+    assert gpu.device_waits >= 1                     # unmap_pages waited for the kernel
