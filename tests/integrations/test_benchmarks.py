@@ -189,7 +189,7 @@ def test_the_runner_summarises_every_target():
         summary = json.load(f)
     assert set(summary["benchmarks"]) == {"memory", "facade"}
     targets = [t for b in summary["benchmarks"].values() for t in b["targets"]]
-    assert len(targets) == 8 and all(isinstance(t["met"], bool) for t in targets)
+    assert len(targets) == 9 and all(isinstance(t["met"], bool) for t in targets)
     assert summary["missed"] == sum(not t["met"] for t in targets)
 
 
@@ -292,3 +292,14 @@ def test_placement_floor_best_fit_reaches_the_allocators_peak_on_creeping_sizes(
     events = creeping_sizes(steps=600, live_bytes=24 * MiB)
     replayed = bench_memory.replay_peak(events, **parse_alloc_conf("expandable_segments:True").core_kwargs())
     assert peak_live_pages(events, "best fit, lowest address") == replayed["reserved_peak"]
+
+
+def test_a_miss_that_unmaps_holes_on_the_simulated_gpu_waits_for_no_kernel():
+    """The memory benchmark's 2 MiB device is a SimulatedGPU, whose
+    unmap_pages waits for the device as CUDA's must: the random mix unmaps
+    holes on its misses, and none of those allocations waited."""
+    from benchmarks.traces import random_mix
+    from unimem._runtime.config import parse_alloc_conf
+    replayed = bench_memory.replay_peak(random_mix(operations=6000), **parse_alloc_conf("expandable_segments:True").core_kwargs())
+    assert replayed["device_frees"] > 0 and replayed["device_waits"] == 0
+
