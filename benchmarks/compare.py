@@ -1,8 +1,9 @@
 """``python -m benchmarks compare REV``: is the working tree slower than REV?
 
 Builds REV in a git worktree of its own (cached, built in place with this
-interpreter), starts one measuring interpreter per tree (``compare_worker``,
-with that tree first on its path) and runs every case on both, interleaved:
+interpreter), starts one measuring interpreter per tree and round
+(``compare_worker``, with that tree first on its path; see HEAP_SHIFTS) and
+runs every case on both, interleaved:
 for each round and case, base then new, or new then base on odd rounds, so
 that drift of the machine (another process, the CPU's clock) falls on both
 sides alike. Each case's ratio is new / base per round; the table shows the
@@ -31,18 +32,30 @@ import statistics
 import subprocess
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Dict, IO, List, Optional, Sequence
+from typing import Any, Callable, Dict, IO, List, Optional, Sequence, Tuple
 
 from ._common import format_time, print_table, write_json
 from .compare_instructions import (INSTRUCTION_THRESHOLD, CountedCase, InstructionCountError, count_cases,
                                    table_rows)
-from .compare_worker import CASES, CPU_ENV
+from .compare_worker import CASES, CPU_ENV, HEAP_SHIFT_ENV
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "compare_worker.py")
 CACHE_ENV = "UNIMEM_COMPARE_CACHE"
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "unimem-compare")
 THRESHOLD = 1.10
+#: Bytes each round's interpreters allocate first (compare_worker.py), both
+#: sides alike: the four places a 16-byte-aligned structure can take in a
+#: 64-byte cache line. Without address-space randomization an interpreter's
+#: heap is laid out the same every time, and the typed core pair's time
+#: depends on where its structures fall: 25.2-25.9 ns at three of these
+#: shifts and 27.1-27.4 ns at the fourth for 4c04cc1, and the other way
+#: round (26.0, then 27.2-28.4 ns) for 9bb33ae, whose instructions are the
+#: same; its Python moved the heap. With one layout per side for the whole
+#: run, that read 1.07x in every round, a slowdown by the rule below; with
+#: a shift per round it is spread (1.00-1.11), and code that is slower in
+#: every layout still reads slower in every round.
+HEAP_SHIFTS = (0, 16, 32, 48)
 MIN_ROUNDS = 5
 BUILD_STAMP = ".unimem-compare-built"
 
@@ -129,12 +142,14 @@ def same_layout_command(command: List[str]) -> List[str]:
 class Side:
     """One tree's measuring interpreter."""
 
-    def __init__(self, label: str, tree: str, env: Dict[str, str], cpu: Optional[int] = None) -> None:
+    def __init__(self, label: str, tree: str, env: Dict[str, str], cpu: Optional[int] = None,
+                 heap_shift: int = 0) -> None:
         self.label = label
         self.tree = tree
         child_env = tree_env(tree, env)
         if cpu is not None:
             child_env[CPU_ENV] = str(cpu)          # the worker runs its host-code samples there
+        child_env[HEAP_SHIFT_ENV] = str(heap_shift)
         child_env["PYTHONHASHSEED"] = "0"          # both sides hash alike (same_layout_command)
         self.process = subprocess.Popen(same_layout_command([sys.executable, WORKER]), cwd=tree, env=child_env,
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -202,34 +217,62 @@ def _summary(samples: List[float], statistic: str) -> float:
     return min(samples) if statistic == "min" else statistics.median(samples)
 
 
-def run_rounds(base: Side, new: Side, cases: Sequence[str], rounds: int, quick: bool,
-               log: IO[str]) -> List[CaseResult]:
-    """Each round, each case: the two sides take turns sample by sample
-    (base first on even turns), so that a burst of load falls on both; a
-    side's time for the round is the fastest of its samples (the median for
-    cases whose samples vary by nature, such as an allocation behind a kernel)."""
+def run_rounds(start: Callable[[str, int], Side], cases: Sequence[str], rounds: int, quick: bool,
+               log: IO[str]) -> Tuple[List[CaseResult], str]:
+    """Each round, fresh interpreters of both sides (``start(label,
+    heap_shift)``), with the same heap shift, the next of HEAP_SHIFTS; each
+    case: the two sides take turns sample by sample (base first on even
+    turns), so that a burst of load falls on both; a side's time for the
+    round is the fastest of its samples (the median for cases whose samples
+    vary by nature, such as an allocation behind a kernel). Also the device
+    the sides measured."""
     results = {case: CaseResult(case) for case in cases}
+    device = ""
     for r in range(rounds):
         print(f"round {r + 1}/{rounds}", file=log, flush=True)
-        for case in cases:
-            result = results[case]
-            if result.skipped:
-                continue
-            spec = CASES[case]
-            samples: Dict[str, List[float]] = {"base": [], "new": []}
-            for turn in range(max(3, spec.samples // 2) if quick else spec.samples):
-                for side in ((base, new) if (r + turn) % 2 == 0 else (new, base)):
-                    answer = side.measure(case, quick)
-                    if "skipped" in answer:
-                        result.skipped = f"{side.label}: {answer['skipped']}"
-                        break
-                    samples[side.label].append(answer["seconds"])
-                if result.skipped:
+        shift = HEAP_SHIFTS[r % len(HEAP_SHIFTS)]
+        base = start("base", shift)
+        try:
+            new = start("new", shift)
+            try:
+                device = base.device
+                _run_round(base, new, r, results, quick)
+            finally:
+                new.close()
+        finally:
+            base.close()
+    return list(results.values()), device
+
+
+def _run_round(base: Side, new: Side, r: int, results: Dict[str, CaseResult], quick: bool) -> None:
+    """One round of every case on the two sides' interpreters, each case's
+    first sample on each side left out (a cold start: the first array, the
+    first kernel, the first miss)."""
+    for case in results:
+        result = results[case]
+        if result.skipped:
+            continue
+        spec = CASES[case]
+        samples: Dict[str, List[float]] = {"base": [], "new": []}
+        for side in (base, new):            # fresh interpreters: a first sample pays first-use costs
+            answer = side.measure(case, quick)
+            if "skipped" in answer:
+                result.skipped = f"{side.label}: {answer['skipped']}"
+                break
+        if result.skipped:
+            continue
+        for turn in range(max(3, spec.samples // 2) if quick else spec.samples):
+            for side in ((base, new) if (r + turn) % 2 == 0 else (new, base)):
+                answer = side.measure(case, quick)
+                if "skipped" in answer:
+                    result.skipped = f"{side.label}: {answer['skipped']}"
                     break
-            if not result.skipped:
-                result.base.append(_summary(samples["base"], spec.statistic))
-                result.new.append(_summary(samples["new"], spec.statistic))
-    return list(results.values())
+                samples[side.label].append(answer["seconds"])
+            if result.skipped:
+                break
+        if not result.skipped:
+            result.base.append(_summary(samples["base"], spec.statistic))
+            result.new.append(_summary(samples["new"], spec.statistic))
 
 
 def _ratio_cell(result: CaseResult) -> List[str]:
@@ -328,15 +371,9 @@ def main(argv: List[str]) -> int:
         if arguments.device:
             env["UNIMEM_DEVICE"] = arguments.device
         cpu = shared_cpu()
-        base = Side("base", base_tree, env, cpu)
-        try:
-            new = Side("new", new_tree, env, cpu)
-            try:
-                results = run_rounds(base, new, cases, arguments.rounds, arguments.quick, log)
-            finally:
-                new.close()
-        finally:
-            base.close()
+        sides = {"base": base_tree, "new": new_tree}
+        results, device = run_rounds(lambda label, shift: Side(label, sides[label], env, cpu, shift),
+                                     cases, arguments.rounds, arguments.quick, log)
     except CompareError as exc:
         print(f"python -m benchmarks compare: {exc}", file=sys.stderr)
         return 2
@@ -348,7 +385,7 @@ def main(argv: List[str]) -> int:
                     ["target", "measured", "result"],
                     [[t["target"], t["measured"], "met" if t["met"] else "NOT MET"] for t in hot], text_columns=3)
     write_json("compare", {"base": arguments.base or base_tree, "base_tree": base_tree, "new_tree": new_tree,
-                           "device": base.device, "rounds": arguments.rounds, "quick": arguments.quick,
+                           "device": device, "rounds": arguments.rounds, "quick": arguments.quick,
                            "threshold": arguments.threshold, "table": table, "targets": hot,
                            "cases": [r.as_dict(arguments.threshold) for r in results]})
     slower = [r.case for r in results if r.verdict(arguments.threshold) == "slower"]

@@ -25,6 +25,12 @@ import sys
 import time
 from typing import Any, Callable, Dict, NamedTuple, Optional
 
+#: Bytes this interpreter allocates before anything else (set by compare.py,
+#: per round, the same for both sides): where the allocator's structures land
+#: in a cache line moves with it (compare.HEAP_SHIFTS says why).
+HEAP_SHIFT_ENV = "UNIMEM_COMPARE_HEAP_SHIFT"
+_heap_shift = bytearray(1024 + int(os.environ.get(HEAP_SHIFT_ENV) or 0))    # > 512 bytes: from malloc
+
 SIZE = 4096               # the pair the issue measured: caching_allocator_alloc(4096) + delete
 ARRAY_ITEMS = 1024        # unimem.xpu.empty(1024, dtype="f4"), as the in-flight case's allocation
 MATMUL_N = 1536           # a float32 matmul of this order keeps a CPU device busy for tens of ms

@@ -167,3 +167,44 @@ def test_the_measuring_interpreters_lay_out_memory_alike():
     assert personality & 0x0040000           # ADDR_NO_RANDOMIZE
     source = open(os.path.join(ROOT, "benchmarks", "compare.py")).read()
     assert 'child_env["PYTHONHASHSEED"] = "0"' in source
+
+
+def test_each_round_starts_both_sides_afresh_with_the_same_heap_shift():
+    """The typed core pair's time depends on where the allocator's
+    structures fall in the heap (compare.HEAP_SHIFTS): each round runs on
+    new interpreters of both sides, shifted alike, the next shift each round."""
+    from benchmarks import compare
+
+    class FakeSide:
+        def __init__(self, label, shift):
+            self.label, self.shift, self.device, self.closed = label, shift, "cpu", False
+            self.samples = 0
+
+        def measure(self, case, quick):
+            assert not self.closed
+            self.samples += 1
+            return {"seconds": 1e-9 * (2 if self.label == "new" else 1)}
+
+        def close(self):
+            self.closed = True
+
+    started = []
+
+    def start(label, shift):
+        started.append(FakeSide(label, shift))
+        return started[-1]
+
+    results, device = compare.run_rounds(start, ["typed core pair"], 6, True, open(os.devnull, "w"))
+    assert device == "cpu" and [s.label for s in started] == ["base", "new"] * 6
+    shifts = [s.shift for s in started]
+    assert shifts[0::2] == shifts[1::2] == [compare.HEAP_SHIFTS[r % len(compare.HEAP_SHIFTS)] for r in range(6)]
+    assert all(s.closed and s.samples == 3 + 1 for s in started)         # --quick: 3 samples, and a warm-up
+    assert results[0].ratios == [2.0] * 6
+
+
+def test_the_worker_allocates_its_heap_shift_first():
+    probe = ("import sys; sys.argv = ['x']; import runpy; "
+             "m = runpy.run_path('benchmarks/compare_worker.py', run_name='probe'); print(len(m['_heap_shift']))")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, UNIMEM_COMPARE_HEAP_SHIFT="48"))
+    assert done.stdout.strip() == "1072", done.stderr
