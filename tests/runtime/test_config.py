@@ -65,9 +65,23 @@ def test_malformed_options_are_value_errors(text, message):
 
 def test_max_reserved_ratio():
     assert parse_alloc_conf("max_reserved_ratio:1.1").max_reserved_ratio == 1.1
-    assert parse_alloc_conf("").max_reserved_ratio == 0.0
-    with pytest.raises(ValueError, match="at least 1.0"):
+    assert parse_alloc_conf("").max_reserved_ratio is None
+    assert parse_alloc_conf("").core_kwargs()["max_reserved_ratio"] == 0.0
+    with pytest.raises(ValueError, match="at least 1.0, or 0 to turn it off"):
         parse_alloc_conf("max_reserved_ratio:0.5")
+
+
+@pytest.mark.parametrize("text, ratio", [
+    ("expandable_segments:True", 1.09),                          # the default bound
+    ("expandable_segments:True,max_reserved_ratio:1.5", 1.5),
+    ("expandable_segments:True,max_reserved_ratio:0", 0.0),      # off: PyTorch's expandable segments
+    ("max_reserved_ratio:0,expandable_segments:True", 0.0),
+    ("max_reserved_ratio:0", 0.0),
+])
+def test_max_reserved_ratio_0_turns_the_expandable_bound_off(text, ratio):
+    """The bound expandable segments bring by default is turned off with 0
+    (it could not be: 0 was refused, and inf too)."""
+    assert parse_alloc_conf(text).core_kwargs()["max_reserved_ratio"] == ratio
 
 
 # ---------------------------------------------------------------------------

@@ -17,7 +17,7 @@ Options (PyTorch's names and rules):
 - ``per_process_memory_fraction`` in [0, 1] (PyTorch's CUDA option too): the share of
   each device's memory this process may reserve, as
   ``set_per_process_memory_fraction`` sets it.
-- ``max_reserved_ratio`` >= 1 (unimem's addition, off by default): on a cache
+- ``max_reserved_ratio`` >= 1, or 0 for off (unimem's addition, off by default): on a cache
   miss, give back wholly free cached segments while reserved memory would
   exceed this ratio times the memory in use. PyTorch's policy keeps every
   segment until memory runs short; this bounds the cache's overhead (peak
@@ -32,7 +32,8 @@ Options (PyTorch's names and rules):
   made on one that does not raises NotImplementedError naming it. Before
   mapping more pages, free whole pages in holes of the range are unmapped
   while the mapped total would pass ``max_reserved_ratio`` (default 1.09
-  with expandable segments) times the memory in use.
+  with expandable segments; ``max_reserved_ratio:0`` turns it off, for
+  PyTorch's expandable segments) times the memory in use.
 - ``backend:native`` is accepted (it is what unimem does);
   ``backend:cudaMallocAsync`` is refused (not supported yet).
   ``large_segment_size_mb`` is accepted at its only value here, 20.
@@ -115,7 +116,7 @@ class AllocatorSettings:
     roundup_power2_divisions: List[int] = field(default_factory=lambda: [0] * ROUNDUP_INTERVALS)
     garbage_collection_threshold: float = 0.0
     per_process_memory_fraction: Optional[float] = None
-    max_reserved_ratio: float = 0.0
+    max_reserved_ratio: Optional[float] = None     # None: not given; 0.0: off
     expandable_segments: bool = False
     source: str = ""
     # the INERT_OPTIONS given, with their parsed values (they change nothing)
@@ -127,8 +128,8 @@ class AllocatorSettings:
             "max_non_split_rounding": self.max_non_split_rounding,
             "roundup_power2_divisions": list(self.roundup_power2_divisions),
             "garbage_collection_threshold": self.garbage_collection_threshold,
-            "max_reserved_ratio": self.max_reserved_ratio or (
-                EXPANDABLE_RESERVED_RATIO if self.expandable_segments else 0.0),
+            "max_reserved_ratio": (EXPANDABLE_RESERVED_RATIO if self.expandable_segments else 0.0)
+                                  if self.max_reserved_ratio is None else self.max_reserved_ratio,
             "expandable_segments": self.expandable_segments,
         }
 
@@ -297,8 +298,8 @@ def parse_alloc_conf(text: Optional[str]) -> AllocatorSettings:
             values[key] = value
         elif key == "max_reserved_ratio":
             value = p.number(key)
-            if not value >= 1.0:
-                raise p.fail("max_reserved_ratio must be at least 1.0")
+            if not (value >= 1.0 or value == 0.0):
+                raise p.fail("max_reserved_ratio must be at least 1.0, or 0 to turn it off")
             values[key] = value
         elif key == "expandable_segments":
             values[key] = p.boolean(key)
@@ -342,7 +343,7 @@ def parse_alloc_conf(text: Optional[str]) -> AllocatorSettings:
         roundup_power2_divisions=values.get("roundup_power2_divisions", [0] * ROUNDUP_INTERVALS),  # type: ignore[arg-type]
         garbage_collection_threshold=values.get("garbage_collection_threshold", 0.0),  # type: ignore[arg-type]
         per_process_memory_fraction=values.get("per_process_memory_fraction"),  # type: ignore[arg-type]
-        max_reserved_ratio=values.get("max_reserved_ratio", 0.0),  # type: ignore[arg-type]
+        max_reserved_ratio=values.get("max_reserved_ratio"),  # type: ignore[arg-type]
         expandable_segments=values.get("expandable_segments", False),  # type: ignore[arg-type]
         source=text,
         inert_options=inert,
