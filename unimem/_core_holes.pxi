@@ -228,14 +228,22 @@ cdef bint _unmap_to_ratio(CachingAllocator self, size_t size, size_t new_bytes,
 cdef int _release_hole(CachingAllocator self, Block* b) except -1:
     """Unmap the free whole pages of the hole ``b`` stream-ordered: at
     once when the work queued on its stream has completed, else once it has
-    (see above). Recording or asking about the event runs Python; should it
-    raise, the pages go back to the free index and the error is raised."""
+    (see above). Recording or asking about the event runs Python. Should it
+    fail, the pages are unmapped with unmap_pages, which waits for the
+    device, and the error is reported as unraisable: the allocation needs
+    no event, and one that can never be recorded must not refuse every
+    allocation that follows. A Ctrl-C gives the pages back to the free
+    index and reaches the caller."""
     cdef Block* held = _split_pages(self, b, self.vm_granularity)
     if held == NULL:
         return 0
     try:
         event = self.backend.record_event(held.stream, self.device)
         done = _event_done(self, event)
+    except Exception as exc:
+        _report_unraisable(exc, "unimem: recording a stream event to unmap a hole without waiting "
+                                "(unmapped after waiting for the device instead)")
+        return _unmap_held(self, held, self._vm_unmap)
     except BaseException:
         _unsplit(self, held)
         raise
