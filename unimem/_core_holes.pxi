@@ -42,8 +42,10 @@
 # allocation, with the stream events of record_stream frees). Held pages
 # count as gone for the bound and as reserved in the statistics until then,
 # so reserved_bytes may pass the bound by what the device is still using.
-# empty_cache, an out-of-memory retry and sleep wait for them (PyTorch
-# waits there too); the allocator's teardown unmaps them with unmap_pages.
+# A map refused for want of memory waits for them first, then for the rest
+# (_malloc_slow); empty_cache waits for them as for every event (PyTorch
+# waits there too); sleep() leaves them to their own unmap; the allocator's
+# teardown unmaps them with unmap_pages.
 
 cdef extern from *:
     """
@@ -237,15 +239,21 @@ cdef int _release_hole(CachingAllocator self, Block* b) except -1:
     cdef Block* held = _split_pages(self, b, self.vm_granularity)
     if held == NULL:
         return 0
+    event = None
     try:
         event = self.backend.record_event(held.stream, self.device)
         done = _event_done(self, event)
     except Exception as exc:
         _report_unraisable(exc, "unimem: recording a stream event to unmap a hole without waiting "
                                 "(unmapped after waiting for the device instead)")
-        return _unmap_held(self, held, self._vm_unmap)
+        _unmap_held(self, held, self._vm_unmap)
+        if event is not None:
+            _release_events(self, [event])
+        return 0
     except BaseException:
         _unsplit(self, held)
+        if event is not None:
+            _release_events(self, [event])
         raise
     if done:
         return _unmap_held(self, held, self._vm_unmap_idle)
@@ -290,8 +298,7 @@ cdef int _unmap_released(CachingAllocator self, list held) except -1:
 
 cdef int _unmap_held_now(CachingAllocator self) except -1:
     """Unmap every held hole whose event is still pending with unmap_pages,
-    which waits for the device where it must (before sleep() gives memory
-    back: pages it would find mapped must be the allocator's own)."""
+    which waits for the device where it must (the allocator's teardown)."""
     cdef Block* b
     held = [entry for entry in self.pending_events if (<Block*><uintptr_t>entry[1]).releasing]
     if not held:

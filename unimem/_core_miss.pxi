@@ -140,6 +140,12 @@ cdef Block* _malloc_slow(CachingAllocator self, size_t orig_size, uintptr_t stre
         # pages and, as its release_cached_blocks does, releasing ranges
         # left with no page) and grow again, counted as a retry.
         b = _expandable_alloc(self, size, stream, is_small, False)
+        if b == NULL and self.releasing_bytes:
+            # Pages of holes held until their stream's work is done still
+            # count against the device (or a limit): wait for those alone
+            # and map again, before giving back every cache.
+            _synchronize_and_free_events(self, True)
+            b = _expandable_alloc(self, size, stream, is_small, False)
         if b == NULL:
             _synchronize_and_free_events(self)
             _unmap_free_pages(self, False, 0)

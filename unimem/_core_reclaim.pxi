@@ -249,6 +249,8 @@ cdef object _empty_cache(CachingAllocator self, stream, wait):
             _process_events(self)
         if self.expandable:
             _unmap_free_pages(self, one_stream, handle)
+            if not wait and self.releasing_bytes and self.n_pending_events:
+                _process_events(self)      # those unmaps may have waited for the device: held pages go too
         _end_dead_pool_sleeps(self, NULL)   # pools that died asleep (a finalizer could not)
         _release_segments(self, False, one_stream, handle, 0)
         self._drop_unused_streams()

@@ -213,11 +213,14 @@ cdef int _mark(CachingAllocator self, object state, object select, str reason, d
             continue
         b = seg.head
         while b != NULL:                 # each run of mapped blocks
-            if b.unmapped:
+            # Pages held to unmap (_core_holes.pxi) are not in a run: their
+            # own path unmaps them once their stream's work is done (another
+            # thread may be waiting for it now), and must find them mapped.
+            if b.unmapped or b.releasing:
                 b = b.next
                 continue
             start = b
-            while b != NULL and not b.unmapped:
+            while b != NULL and not b.unmapped and not b.releasing:
                 b = b.next
             end = b.ptr if b != NULL else seg.base + seg.size
             state.spans.append(_span_of(self, state, start, b, start.ptr, end - start.ptr, seg.is_small, True))
@@ -496,8 +499,6 @@ cdef int _sleep(CachingAllocator self, bint offload, object select, object tag,
         self.sleep_busy = True
         try:
             _synchronize_and_free_events(self)
-            if self.releasing_bytes:
-                _unmap_held_now(self)      # held while another thread waited above
             self.sleep_states[tag] = state
             if state.whole_device:
                 self.sleeping = True

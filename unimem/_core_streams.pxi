@@ -185,9 +185,11 @@ cdef int _process_events(CachingAllocator self) except -1:
     return 0
 
 
-cdef int _synchronize_and_free_events(CachingAllocator self) except -1:
+cdef int _synchronize_and_free_events(CachingAllocator self, bint held_only=False) except -1:
     """Wait for every recorded stream event, then free their blocks
     (PyTorch's synchronize_and_free_events; counted in num_sync_all_streams).
+    ``held_only``: only the events of pages held to unmap (_core_holes.pxi),
+    not counted: a map refused while they still count against the device.
 
     Lock held on entry and exit, but not while waiting: a wait on a SYCL
     queue may need a host task that frees a pool block, and so this lock
@@ -196,13 +198,19 @@ cdef int _synchronize_and_free_events(CachingAllocator self) except -1:
     waited on sit in ``syncing_events`` meanwhile, so that a child forked
     during the wait finds them (see _after_fork_in_child)."""
     cdef Block* b
-    self.stats.num_sync_all_streams += 1
+    if not held_only:
+        self.stats.num_sync_all_streams += 1
     if not self.pending_events:
         return 0
     if self.lock_depth != 1:
         return _process_events(self)
-    taken = self.pending_events
-    self.pending_events = []
+    if held_only:
+        taken = [entry for entry in self.pending_events if (<Block*><uintptr_t>entry[1]).releasing]
+        self.pending_events = [entry for entry in self.pending_events
+                               if not (<Block*><uintptr_t>entry[1]).releasing]
+    else:
+        taken = self.pending_events
+        self.pending_events = []
     self.syncing_events = self.syncing_events + taken
     self._unlock()
     synced = 0

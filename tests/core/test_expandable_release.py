@@ -15,6 +15,7 @@ memory until the stream completes; its ``unmap_pages`` waits for the device
 and counts it, its ``unmap_idle_pages`` refuses pages queued work still uses.
 """
 import gc
+import threading
 
 import pytest
 
@@ -88,15 +89,20 @@ def test_empty_cache_waits_for_the_held_pages():
     a._check_invariants()
 
 
-def test_out_of_memory_waits_for_the_held_pages_and_succeeds():
-    """20 MiB device: the 10 MiB at the end fit only once the hole is gone.
-    The map is refused, the retry waits for the hole's kernel, unmaps it and
-    maps again."""
-    a, gpu = allocator(capacity=20 * MiB)
+def test_a_map_refused_for_held_pages_waits_for_those_alone():
+    """24 MiB device: the 10 MiB at the end fit only once the hole is gone.
+    The map is refused, the miss waits for the hole's kernel alone, unmaps it
+    and maps again: no retry, and stream 1's cache stays (the retry would
+    wait for every event and give back every free page)."""
+    a, gpu = allocator(capacity=24 * MiB)
+    cached = a.malloc(4 * MiB, 1)
+    a.free(cached)                                   # stream 1 keeps 4 MiB cached
     _, hole, _ = a_hole_in_use(a, gpu)
     a.malloc(10 * MiB)
-    assert unmapped(gpu, hole, 8 * MiB) and a.memory_reserved() == 14 * MiB
-    assert a.memory_stats()["num_alloc_retries"] == 1
+    assert unmapped(gpu, hole, 8 * MiB) and mapped(gpu, cached, 4 * MiB)
+    assert a.memory_reserved() == 18 * MiB
+    stats = a.memory_stats()
+    assert stats["num_alloc_retries"] == 0 and stats["num_sync_all_streams"] == 0 and gpu.device_waits == 0
     a._check_invariants()
 
 
@@ -109,6 +115,90 @@ def test_sleep_and_wake_up_with_pages_held():
     a.wake_up()
     assert unmapped(gpu, hole, 8 * MiB) and mapped(gpu, first, 2 * MiB) and mapped(gpu, last, 2 * MiB)
     assert a.memory_reserved() == 14 * MiB
+    a._check_invariants()
+
+
+class WaitsInAnotherThread(SimulatedGPU):
+    """event_synchronize blocks (when armed) until the test lets it go."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.gate = None
+        self.entered = threading.Event()
+
+    def event_synchronize(self, event):
+        gate = self.gate
+        if gate is not None:
+            self.gate = None
+            self.entered.set()
+            gate.wait(30)
+        super().event_synchronize(event)
+
+
+def test_sleep_leaves_pages_another_thread_waits_for_to_their_own_unmap():
+    """Thread A's empty_cache waits for a held hole's event (outside the
+    lock); thread B's sleep() meanwhile must not give those pages back:
+    A unmaps them once its wait ends. Each page is unmapped once."""
+    a, gpu = allocator(backend=WaitsInAnotherThread(capacity=256 * MiB))
+    first, hole, last = a_hole_in_use(a, gpu)
+    big = a.malloc(10 * MiB)
+    gate = threading.Event()
+    gpu.gate = gate
+    errors = []
+
+    def empty_cache():
+        try:
+            a.empty_cache()
+        except BaseException as exc:
+            errors.append(exc)
+    thread = threading.Thread(target=empty_cache)
+    thread.start()
+    assert gpu.entered.wait(30)
+    a.sleep(offload=False)
+    gate.set()
+    thread.join(30)
+    assert errors == [] and a.lost_segments() == {"count": 0, "bytes": 0}
+    assert a.memory_reserved() == 0 and gpu.mapped_pages[0] == set()
+    a.wake_up()
+    assert a.memory_reserved() == 14 * MiB == len(gpu.mapped_pages[0]) * 2 * MiB
+    a._check_invariants()
+    for p in (first, big, last):
+        a.free(p)
+    a.empty_cache()
+    a.empty_virt_addr_cache()
+    assert gpu.mapped_pages[0] == set() and gpu.ranges[0] == {}
+
+
+def test_a_hole_held_while_sleep_selects_its_segments_is_not_given_back_twice():
+    """sleep(segments=select) whose select allocates (a finalizer, a hook):
+    that miss holds a hole of a segment the sleep then gives back."""
+    a, gpu = allocator()
+    first, hole, last = a_hole_in_use(a, gpu)
+    got = []
+
+    def select(address, size, stream):
+        if not got:
+            gpu.launch(0, hole, 8 * MiB)
+            got.append(a.malloc(10 * MiB))
+        return True
+    a.sleep(offload=False, segments=select)
+    gpu.complete(0)
+    a.process_events()
+    assert a.lost_segments() == {"count": 0, "bytes": 0} and a.memory_reserved() >= 0
+    a.wake_up()
+    assert a.memory_reserved() == len(gpu.mapped_pages[0]) * 2 * MiB
+    assert unmapped(gpu, hole, 8 * MiB)
+    a._check_invariants()
+
+
+def test_empty_cache_without_waiting_takes_the_held_pages_its_unmaps_waited_for():
+    """empty_cache(wait=False) unmaps free pages with unmap_pages, which
+    waits for the device: the held pages' work is done then, and they go too."""
+    a, gpu = allocator()
+    _, hole, _ = a_hole_in_use(a, gpu)
+    a.free(a.malloc(10 * MiB))
+    a.empty_cache(wait=False)
+    assert unmapped(gpu, hole, 8 * MiB) and a.memory_reserved() == 4 * MiB
     a._check_invariants()
 
 
@@ -145,19 +235,34 @@ def test_an_event_that_cannot_be_had_unmaps_after_waiting_and_is_reported(failin
 
 
 class Interrupting(FailingEvents):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.released = []
+
     def record_event(self, stream, device):
         if self.fail == "interrupt":
             raise KeyboardInterrupt
         return super().record_event(stream, device)
 
+    def event_done(self, event):
+        if self.fail == "interrupt in event_done":
+            raise KeyboardInterrupt
+        return super().event_done(event)
 
-def test_a_ctrl_c_while_recording_the_event_leaves_the_hole_free_and_mapped():
+    def release_event(self, event):
+        self.released.append(event)
+
+
+@pytest.mark.parametrize("where", ["interrupt", "interrupt in event_done"])
+def test_a_ctrl_c_while_recording_the_event_leaves_the_hole_free_and_mapped(where):
+    """... and an event recorded before it is given back (release_event)."""
     a, gpu = allocator(backend=Interrupting(capacity=256 * MiB))
     _, hole, _ = a_hole_in_use(a, gpu)
     before = a.memory_stats()
-    gpu.fail = "interrupt"
+    gpu.fail = where
     with pytest.raises(KeyboardInterrupt):
         a.malloc(10 * MiB)
+    assert len(gpu.released) == (where == "interrupt in event_done")
     assert a.memory_stats() == before
     assert mapped(gpu, hole, 8 * MiB) and gpu.n_unmap == 0
     a._check_invariants()
