@@ -138,8 +138,11 @@ cdef Block* _malloc_slow(CachingAllocator self, size_t orig_size, uintptr_t stre
     if expandable:
         # PyTorch's order: grow; free everything cached (unmapping free
         # pages and, as its release_cached_blocks does, releasing ranges
-        # left with no page) and grow again, counted as a retry.
-        b = _expandable_alloc(self, size, stream, is_small, False)
+        # left with no page) and grow again, counted as a retry. Held hole
+        # pages of this pool that fit are taken back first (_core_holes.pxi).
+        b = _take_back_held(self, fi, size) if self.releasing_bytes else NULL
+        if b == NULL:
+            b = _expandable_alloc(self, size, stream, is_small, False)
         if b == NULL and self.releasing_bytes:
             # Pages of holes held until their stream's work is done still
             # count against the device (or a limit): wait for those alone

@@ -163,6 +163,8 @@ cdef int _process_events(CachingAllocator self) except -1:
         if i >= len(done) or not done[i]:
             still_pending.append(pending[i])
             continue
+        if pending[i][1] == 0:                  # held pages taken back (_take_back_held)
+            continue
         b = <Block*><uintptr_t>pending[i][1]
         if b.releasing:
             released.append(pending[i][1])      # unmapped below (_core_holes.pxi)
@@ -205,9 +207,8 @@ cdef int _synchronize_and_free_events(CachingAllocator self, bint held_only=Fals
     if self.lock_depth != 1:
         return _process_events(self)
     if held_only:
-        taken = [entry for entry in self.pending_events if (<Block*><uintptr_t>entry[1]).releasing]
-        self.pending_events = [entry for entry in self.pending_events
-                               if not (<Block*><uintptr_t>entry[1]).releasing]
+        taken = [entry for entry in self.pending_events if _is_held(entry[1])]
+        self.pending_events = [entry for entry in self.pending_events if not _is_held(entry[1])]
     else:
         taken = self.pending_events
         self.pending_events = []
@@ -226,6 +227,8 @@ cdef int _synchronize_and_free_events(CachingAllocator self, bint held_only=Fals
             for i in range(len(taken)):
                 if i >= synced:
                     self.pending_events.append(taken[i])      # wait again next time
+                    continue
+                if taken[i][1] == 0:                # held pages taken back (_take_back_held)
                     continue
                 b = <Block*><uintptr_t>taken[i][1]
                 if b.releasing:

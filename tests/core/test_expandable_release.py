@@ -56,14 +56,46 @@ def test_a_miss_that_unmaps_a_hole_in_use_waits_for_no_kernel():
     assert a.memory_reserved() == 22 * MiB                         # reserved, until then
     a._check_invariants()
     assert [b["state"] for s in a.snapshot() for b in s["blocks"] if b["address"] == hole] == ["inactive"]
-    a.malloc(1 * MiB)                        # the kernel runs on: still held, nothing waited
+    a.malloc(1 * MiB, 1)                     # the kernel runs on: still held, nothing waited
     assert mapped(gpu, hole, 8 * MiB) and gpu.device_waits == 0
     gpu.complete(0)
-    a.malloc(1 * MiB)                        # the next allocation unmaps it, without waiting
+    a.malloc(1 * MiB, 1)                     # the next allocation unmaps it, without waiting
     assert unmapped(gpu, hole, 8 * MiB) and gpu.n_unmap == unmaps + 1 and gpu.device_waits == 0
-    assert a.memory_reserved() == 16 * MiB
+    assert a.memory_reserved() == 16 * MiB   # 14 on stream 0, a page on stream 1
     stats = a.memory_stats()
     assert stats["num_device_free"] == 1 and stats["num_sync_all_streams"] == 0
+    a._check_invariants()
+
+
+def test_a_miss_on_the_holes_stream_takes_its_held_pages_back():
+    """Reuse on the same stream is ordered after the kernel: a later request
+    that fits the held pages gets them, mapping nothing; one on another
+    stream does not."""
+    a, gpu = allocator()
+    _, hole, _ = a_hole_in_use(a, gpu)
+    a.malloc(10 * MiB)                                  # holds the hole
+    maps = gpu.n_map
+    other = a.malloc(6 * MiB, 1)                        # another stream: maps its own
+    assert not hole <= other < hole + 8 * MiB and gpu.n_map == maps + 1
+    again = a.malloc(6 * MiB)                           # this stream: the held pages
+    assert hole <= again < hole + 8 * MiB and gpu.n_map == maps + 1
+    assert gpu.device_waits == 0
+    a._check_invariants()
+    gpu.complete(0)
+    a.process_events()                                  # its event is dropped with nothing to unmap
+    assert a.memory_stats()["num_device_free"] == 0
+    a._check_invariants()
+
+
+def test_held_pages_taken_back_merge_with_a_neighbour_freed_since():
+    """[2) live, [2, 10) held, [10, 12) freed after: a 10 MiB request fits
+    the two together once the held pages are back in the free index."""
+    a, gpu = allocator()
+    first, hole, last = a_hole_in_use(a, gpu)
+    big = a.malloc(12 * MiB)                            # holds the hole, maps 12 at the end
+    a.free(last)
+    maps = gpu.n_map
+    assert a.malloc(10 * MiB) == hole and gpu.n_map == maps
     a._check_invariants()
 
 
