@@ -303,3 +303,17 @@ def test_a_miss_that_unmaps_holes_on_the_simulated_gpu_waits_for_no_kernel():
     replayed = bench_memory.replay_peak(random_mix(operations=6000), **parse_alloc_conf("expandable_segments:True").core_kwargs())
     assert replayed["device_frees"] > 0 and replayed["device_waits"] == 0
 
+
+
+def test_the_replays_with_kernels_in_flight_wait_only_when_unmapping_at_once():
+    """With the work of every freed block still queued, the stream-ordered
+    release waits for nothing; the same GPU without unmap_idle_pages (holes
+    unmapped at once, as before 9bb33ae) waits at every unmap."""
+    from benchmarks.traces import random_mix
+    from unimem._runtime.config import parse_alloc_conf
+    events = random_mix(operations=6000)
+    options = parse_alloc_conf("expandable_segments:True").core_kwargs()
+    ordered = bench_memory.replay_peak(events, kernel_lag=50, **options)
+    waiting = bench_memory.replay_peak(events, "simulated-waiting", kernel_lag=50, **options)
+    assert ordered["device_waits"] == 0 and ordered["device_frees"] > 0
+    assert waiting["device_waits"] == waiting["device_frees"] > 0
