@@ -176,7 +176,11 @@ class Side:
     def close(self) -> None:
         if self.process.stdin is not None:
             self.process.stdin.close()
-        self.process.wait(timeout=60)
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:       # one interpreter per round: none may stay behind
+            self.process.kill()
+            self.process.wait()
 
 
 # ---------------------------------------------------------------------------

@@ -127,6 +127,7 @@ cdef class CachingAllocator:
     # measured 6% slower with these two among them)
     cdef object _vm_unmap_idle              # unmap_idle_pages, or None
     cdef size_t releasing_bytes             # mapped bytes of holes waiting to be unmapped
+    cdef bint processing_events             # _process_events is asking about events (_core_streams.pxi)
     cdef object __weakref__
 
     cdef inline void _lock(self) noexcept

@@ -38,6 +38,7 @@ cdef object _reset_after_fork(CachingAllocator self):
     # A sleep() or wake_up() another thread had under way stops where it
     # was: its state stays, and wake_up() in the child ends it.
     self.sleep_busy = False
+    self.processing_events = False          # another thread was asking about events
     _forget_other_threads_routes(self)
     self.trace_buffer.clear()
     if self.trace_delivery is not None:     # another thread may have held it

@@ -246,9 +246,11 @@ cdef int _release_hole(CachingAllocator self, Block* b) except -1:
     except Exception as exc:
         _report_unraisable(exc, "unimem: recording a stream event to unmap a hole without waiting "
                                 "(unmapped after waiting for the device instead)")
-        _unmap_held(self, held, self._vm_unmap)
-        if event is not None:
-            _release_events(self, [event])
+        try:
+            if event is not None:
+                _release_events(self, [event])
+        finally:
+            _unmap_held(self, held, self._vm_unmap)
         return 0
     except BaseException:
         _unsplit(self, held)

@@ -146,17 +146,27 @@ cdef int _process_events(CachingAllocator self) except -1:
 
     The backend is asked about every event first, and only then is any
     block touched: a query is Python code, during which another thread may
-    fork, and the child must not find an event handled but still pending."""
+    fork, and the child must not find an event handled but still pending.
+    Nor may a call re-entered from a query (a finalizer that allocates goes
+    through process_events) handle them: it would put a new list in place
+    of the one this call goes on with, and a block would be handled twice
+    (event_count -1, a block taken back and handed out freed again). It
+    returns at once; this call handles what the re-entered one appended."""
     cdef Block* b
+    if self.processing_events:
+        return 0
     query = self.backend.event_done
     pending = self.pending_events
     done = []
     error = None
+    self.processing_events = True
     try:
         for ev, _ in pending:
             done.append(bool(query(ev)))
     except BaseException as exc:
         error = exc                     # the events not asked about stay pending
+    finally:
+        self.processing_events = False
     still_pending = []
     released = []
     for i in range(len(pending)):

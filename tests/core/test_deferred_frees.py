@@ -94,3 +94,36 @@ def test_a_ctrl_c_in_the_history_hook_after_a_kept_free_keeps_nothing_freed():
     assert a.owns(q) and a.memory_allocated() == 4096
     a.free(q)
     a._check_invariants()
+
+
+def test_an_allocation_re_entered_from_an_event_query_frees_no_block_twice():
+    """A record_stream free waits for its event; a finalizer that allocates
+    inside the query (process_events) used to run a nested pass that freed
+    the block, then the outer pass freed it again (two free-index entries)."""
+    from unimem import _core
+    from unimem.backends.simulated import SimulatedGPU
+
+    class AllocatesInAQuery(SimulatedGPU):
+        hook = None
+
+        def event_done(self, event):
+            hook, self.hook = self.hook, None
+            if hook is not None:
+                hook()
+            return super().event_done(event)
+
+    MiB = 1 << 20
+    gpu = AllocatesInAQuery(capacity=256 * MiB)
+    a = _core.CachingAllocator(gpu, 0)
+    used, keep = a.malloc(4 * MiB), a.malloc(4 * MiB)
+    gpu.launch(1, used, 4 * MiB)                        # a kernel on stream 1 uses it
+    a.record_stream(used, 1)
+    a.free(used)                                        # its event waits for that kernel
+    gpu.complete(1)
+    gpu.hook = lambda: a.malloc(1 * MiB, 2)
+    a.process_events()
+    a._check_invariants()
+    assert a.malloc(4 * MiB) == used
+    assert a.malloc(4 * MiB) != used                    # not handed out twice
+    a._check_invariants()
+

@@ -331,3 +331,70 @@ def test_the_allocators_death_unmaps_held_pages_and_releases_the_range():
     gc.collect()
     assert gpu.mapped_pages[0] == set() and gpu.ranges[0] == {}
     assert gpu.device_waits >= 1                     # unmap_pages waited for the kernel
+
+
+class AllocatesInAQuery(SimulatedGPU):
+    """event_done runs ``hook`` once first: a finalizer that allocates,
+    run by a garbage collection inside the query."""
+    hook = None
+
+    def event_done(self, event):
+        hook, self.hook = self.hook, None
+        if hook is not None:
+            hook()
+        return super().event_done(event)
+
+
+def test_an_allocation_re_entered_from_an_event_query_handles_no_event():
+    """The finalizer's malloc goes through process_events: a nested pass
+    used to unmap the held pages and leave the outer one to count their
+    event down to -1 (an unmapped span "in use")."""
+    a, gpu = allocator(backend=AllocatesInAQuery(capacity=256 * MiB))
+    first, hole, last = a_hole_in_use(a, gpu)
+    a.malloc(10 * MiB)                                  # holds the hole
+    gpu.complete(0)
+    got = []
+    gpu.hook = lambda: got.append(a.malloc(1 * MiB, 1))
+    a.process_events()
+    assert got and unmapped(gpu, hole, 8 * MiB) and a.lost_segments() == {"count": 0, "bytes": 0}
+    a._check_invariants()
+
+
+def test_held_pages_taken_back_inside_an_event_query_are_not_handled_again():
+    """The finalizer's miss takes the held hole back (and hands it out)
+    while the outer pass asks about its event: the outer pass must not
+    count that block's event down once the event is done."""
+    a, gpu = allocator(backend=AllocatesInAQuery(capacity=256 * MiB))
+    first, hole, last = a_hole_in_use(a, gpu)
+    a.malloc(10 * MiB)
+    got = []
+
+    def finalizer():
+        got.append(a.malloc(6 * MiB))                   # the held hole, taken back
+        gpu.complete(0)
+    gpu.hook = finalizer
+    a.process_events()
+    assert hole <= got[0] < hole + 8 * MiB
+    a._check_invariants()
+    a.free(got[0])
+    a._check_invariants()
+    assert a.malloc(6 * MiB) == got[0]                  # handed out once, freed once
+    a._check_invariants()
+
+
+
+def test_the_event_goes_back_even_when_the_fallback_unmap_fails(monkeypatch):
+    """event_done fails, then unmap_pages does: the span is lost (counted),
+    and the event recorded for it is still given back."""
+    monkeypatch.setattr("sys.unraisablehook", lambda info: None)
+
+    class Broken(Interrupting):
+        def unmap_pages(self, address, size, device):
+            raise RuntimeError("unmap broken")
+    a, gpu = allocator(backend=Broken(capacity=256 * MiB))
+    _, hole, _ = a_hole_in_use(a, gpu)
+    gpu.fail = "event_done"
+    with pytest.raises(RuntimeError, match="unmap broken"):
+        a.malloc(10 * MiB)
+    assert len(gpu.released) == 1 and a.lost_segments() == {"count": 1, "bytes": 8 * MiB}
+    a._check_invariants()
