@@ -100,17 +100,8 @@ def test_an_allocation_re_entered_from_an_event_query_frees_no_block_twice():
     """A record_stream free waits for its event; a finalizer that allocates
     inside the query (process_events) used to run a nested pass that freed
     the block, then the outer pass freed it again (two free-index entries)."""
+    from tests.core.test_expandable_release import AllocatesInAQuery
     from unimem import _core
-    from unimem.backends.simulated import SimulatedGPU
-
-    class AllocatesInAQuery(SimulatedGPU):
-        hook = None
-
-        def event_done(self, event):
-            hook, self.hook = self.hook, None
-            if hook is not None:
-                hook()
-            return super().event_done(event)
 
     MiB = 1 << 20
     gpu = AllocatesInAQuery(capacity=256 * MiB)
