@@ -313,12 +313,17 @@ cdef int _unsplit(CachingAllocator self, Block* b) except -1:
 
 cdef int _unmap_released(CachingAllocator self, list held) except -1:
     """Unmap the held pages (block addresses) whose event has completed,
-    with unmap_idle_pages. Every one is unmapped (or lost) before the first
-    error is raised."""
+    with unmap_idle_pages."""
+    return _unmap_each(self, held, self._vm_unmap_idle)
+
+
+cdef int _unmap_each(CachingAllocator self, list held, object unmap) except -1:
+    """_unmap_held for each of ``held`` (block addresses): every one is
+    unmapped (or lost) before the first error is raised."""
     error = None
     for address in held:
         try:
-            _unmap_held(self, <Block*><uintptr_t>address, self._vm_unmap_idle)
+            _unmap_held(self, <Block*><uintptr_t>address, unmap)
         except BaseException as exc:
             if error is None:
                 error = exc
@@ -330,7 +335,6 @@ cdef int _unmap_released(CachingAllocator self, list held) except -1:
 cdef int _unmap_held_now(CachingAllocator self) except -1:
     """Unmap every held hole whose event is still pending with unmap_pages,
     which waits for the device where it must (the allocator's teardown)."""
-    cdef Block* b
     held = [entry for entry in self.pending_events if _is_held(entry[1])]
     if not held:
         return 0
@@ -338,16 +342,7 @@ cdef int _unmap_held_now(CachingAllocator self) except -1:
     self.n_pending_events = len(self.pending_events)
     self._update_unusual()
     _release_events(self, [event for event, _ in held])
-    error = None
-    for _, address in held:
-        try:
-            _unmap_held(self, <Block*><uintptr_t>address, self._vm_unmap)
-        except BaseException as exc:
-            if error is None:
-                error = exc
-    if error is not None:
-        raise error
-    return 0
+    return _unmap_each(self, [address for _, address in held], self._vm_unmap)
 
 
 cdef inline bint _is_held(uintptr_t address) noexcept:
