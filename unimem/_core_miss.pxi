@@ -138,8 +138,8 @@ cdef Block* _malloc_slow(CachingAllocator self, size_t orig_size, uintptr_t stre
     if expandable:
         # PyTorch's order: grow; free everything cached (unmapping free
         # pages and, as its release_cached_blocks does, releasing ranges
-        # left with no page) and grow again, counted as a retry. Held hole
-        # pages of this pool that fit are taken back first (_core_holes.pxi).
+        # left with no page) and grow again, counted as a retry. Every held
+        # hole of this pool is taken back first (_take_back_held).
         b = _take_back_held(self, fi, size) if self.releasing_bytes else NULL
         if b == NULL:
             b = _expandable_alloc(self, size, stream, is_small, False)
