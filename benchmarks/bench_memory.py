@@ -32,7 +32,9 @@ For the 2 MiB pages, a last table gives the mapped pages that hold a live
 byte at the moment reserved memory peaked: what no order of unmapping could
 have given back then (only where the blocks had been placed could); and
 beside unimem's ratio, what a simulation of other placement rules reaches
-when every whole free page is unmapped at once (:mod:`benchmarks.placement_floor`).
+when every whole free page is unmapped at once, and what placing blocks by
+when they will be freed would reach, which needs the future
+(:mod:`benchmarks.placement_floor`).
 
 Targets: on every trace, peak reserved <= 1.15 x peak requested with
 max_reserved_ratio:1.1; with expandable segments <= 1.10 x on the cpu pool,
@@ -54,7 +56,7 @@ from typing import Any, Dict, List, Optional
 
 from ._common import command_line, print_table, report
 from .placement_floor import RULES as PLACEMENT_RULES
-from .placement_floor import peak_live_pages
+from .placement_floor import GROUPED_BY_FREE_TIME, peak_live_pages, peak_live_pages_grouped_by_free_time
 from .torch_traces import saved_traces
 from .traces import TRACES, Event, replay
 
@@ -234,6 +236,7 @@ def measure(name: str, events: List[Event], torch_reserved_peak: Optional[int] =
     row["expandable"]["live_pages_at_peak"] = live_pages_at_peak(events, **expandable)
     # And what other placement rules could have reached (placement_floor.py).
     row["placement_floor"] = {rule: peak_live_pages(events, rule) / requested for rule in PLACEMENT_RULES}
+    row["placement_floor"][GROUPED_BY_FREE_TIME] = peak_live_pages_grouped_by_free_time(events) / requested
     if cpu:
         row["cpu_expandable"].update(time_ratio(events, "cpu", expandable, rounds))
     return row
@@ -347,9 +350,9 @@ def run(quick: bool = False) -> Dict[str, Any]:
                   f"{r['expandable']['live_pages_at_peak'] / r['requested_peak']:.3f}"] for r in rows])
     print_table("2 MiB pages, simulated without the allocator: peak reserved / peak requested when every "
                 "whole free page is unmapped at once, by placement rule (benchmarks/placement_floor.py)",
-                ["trace", "unimem, expandable", *PLACEMENT_RULES],
+                ["trace", "unimem, expandable", *PLACEMENT_RULES, GROUPED_BY_FREE_TIME],
                 [[r["trace"], f"{r['expandable']['ratio']:.3f}"]
-                 + [f"{r['placement_floor'][rule]:.3f}" for rule in PLACEMENT_RULES] for r in rows])
+                 + [f"{ratio:.3f}" for ratio in r["placement_floor"].values()] for r in rows])
     host = measure_host_rss(quick)
     print_table(f"cpu pool, expandable segments: resident memory (host pages of "
                 f"{host['granularity']} bytes, {host['allocations']} allocations)",

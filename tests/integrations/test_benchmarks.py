@@ -280,6 +280,20 @@ def test_placement_floor_counts_the_pages_each_rule_leaves_live():
     assert peak_live_pages(events, "best fit, lowest address") == 6 * MiB
 
 
+def test_placement_floor_grouped_by_free_time_keeps_blocks_that_die_together_on_their_own_pages():
+    """Four 1 MiB blocks on two pages, freed 1 and 3 first: in one range,
+    2 and 4 keep both pages live and a 2 MiB block maps a third; grouped by
+    free time (two frees to a range), 1 and 3 share a page that their frees
+    empty."""
+    from benchmarks.placement_floor import peak_live_pages, peak_live_pages_grouped_by_free_time
+    events = [("alloc", 1, MiB), ("alloc", 2, MiB), ("alloc", 3, MiB), ("alloc", 4, MiB),
+              ("free", 1), ("free", 3), ("alloc", 5, 2 * MiB), ("free", 2), ("free", 4), ("free", 5)]
+    assert peak_live_pages(events, "fewest new pages") == 6 * MiB
+    assert peak_live_pages_grouped_by_free_time(events, frees_per_group=2) == 4 * MiB
+    # A block never freed gets a range of its own kind too.
+    assert peak_live_pages_grouped_by_free_time(events[:7], frees_per_group=2) == 4 * MiB
+
+
 def test_placement_floor_best_fit_reaches_the_allocators_peak_on_creeping_sizes():
     """On the creeping trace every mapped page holds a live byte at the
     allocator's peak and the allocator places each block where best fit
