@@ -318,6 +318,8 @@ def targets(results: List[CaseResult]) -> List[Dict[str, Any]]:
     for name, numerator, denominator, limit in (
             ("Python-API pair <= 2.5x a pair of dict.get calls", "accelerator pair", "dict.get pair (floor)", 2.5),
             ("namespace pair within 25% of the accelerator pair", "namespace pair", "accelerator pair", 1.25),
+            ("behind 100 pending events of one stream, a pair within 25% of one behind 1",
+             "core pair, 100 events pending", "core pair, 1 event pending", 1.25),
             ("with a kernel in flight, unimem.xpu.empty <= 3x dpnp.empty",
              "in flight: unimem.xpu.empty", "in flight: dpnp.empty (peer)", 3.0),
             ("with a kernel in flight, dpnp.empty pooled <= 3x dpnp.empty",

@@ -111,6 +111,25 @@ class Worker:
                 raise Skip("this tree has no typed timing loop") from None
             return float(allocator._time_hot_path(SIZE, pairs)) * 1e-9
 
+    def _pair_behind_events(self, quick: bool, pending: int) -> float:
+        """The core's Python pair on a simulated device while ``pending``
+        blocks freed after use on another stream wait for its events (work
+        that never completes here): what every allocation pays while a
+        stream runs behind."""
+        from unimem import _core
+        from unimem.backends.simulated import SimulatedBackend
+        allocator = _core.CachingAllocator(SimulatedBackend(), 0)
+        for p in [allocator.malloc(SIZE) for _ in range(pending)]:
+            allocator.record_stream(p, 7)
+            allocator.free(p)
+        return _pair_time(allocator.malloc, allocator.free, _operations(quick))
+
+    def pair_behind_1_event(self, quick: bool) -> float:
+        return self._pair_behind_events(quick, 1)
+
+    def pair_behind_100_events(self, quick: bool) -> float:
+        return self._pair_behind_events(quick, 100)
+
     def memory_allocated(self, quick: bool) -> float:
         memory_allocated = self.accelerator.memory_allocated
         return _call_time(lambda: memory_allocated(0), _operations(quick))
@@ -194,6 +213,8 @@ CASES = {
     "typed core pair": Case("core_pair", "min", 7, counted=True),
     "memory_allocated(0)": Case("memory_allocated", "min", 7, counted=True),
     "dict.get pair (floor)": Case("dict_get_pair", "min", 7, counted=True),
+    "core pair, 1 event pending": Case("pair_behind_1_event", "min", 5, counted=True),
+    "core pair, 100 events pending": Case("pair_behind_100_events", "min", 5, counted=True),
     "unimem.xpu.empty": Case("xpu_empty", "min", 5),
     "in flight: unimem.xpu.empty": Case("in_flight_xpu_empty", "median", 5),
     "in flight: dpnp.empty pooled": Case("in_flight_dpnp_empty_pooled", "median", 5),

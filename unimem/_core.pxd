@@ -75,9 +75,9 @@ cdef class CachingAllocator:
     cdef int64_t lost_segment_count       # segments whose backend free failed (forgotten)
     cdef int64_t lost_segment_bytes
     cdef BlockSlab slab
-    cdef list pending_events              # [(event, block address)], stream-ordered frees
+    cdef dict pending_events              # stream -> its events waited for, in order (_core_event_queue.pxi)
     cdef list syncing_events              # taken from pending_events, waited on outside the lock
-    cdef size_t n_pending_events
+    cdef size_t n_pending_events          # in all the queues
     cdef vector[uintptr_t] deferred_frees   # freed on a runtime's thread, needing events (_core_streams.pxi)
 
     # private pools (MemPool) and the cache switch: _core_pools.pxi
@@ -128,6 +128,7 @@ cdef class CachingAllocator:
     cdef object _vm_unmap_idle              # unmap_idle_pages, or None
     cdef size_t releasing_bytes             # mapped bytes of holes waiting to be unmapped
     cdef bint processing_events             # _process_events is asking about events (_core_streams.pxi)
+    cdef list pending_queues                # pending_events' queues (_core_event_queue.pxi)
     cdef object __weakref__
 
     cdef inline void _lock(self) noexcept

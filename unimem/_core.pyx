@@ -93,6 +93,7 @@ include "_core_debug.pxi"
 include "_core_checks.pxi"
 include "_core_provider.pxi"
 include "_core_reclaim.pxi"
+include "_core_event_queue.pxi"
 include "_core_streams.pxi"
 include "_core_expandable.pxi"
 include "_core_holes.pxi"
@@ -196,7 +197,8 @@ cdef class CachingAllocator:
             self._raw_owner = getattr(backend, "_raw_owner", backend)
         self.fraction = 1.0
         self.exact_segments = exact_segments
-        self.pending_events = []
+        self.pending_events = {}
+        self.pending_queues = []
         self.syncing_events = []
         self.oom_observers = []
         self.debug_sites = {}
@@ -948,15 +950,7 @@ cdef class CachingAllocator:
         """Move blocks whose stream events completed back to the pool (and
         free the blocks a runtime's thread let go of that wait for other
         streams: _free_deferred)."""
-        if not self.deferred_frees.empty():
-            _free_deferred(self)
-        self._lock()
-        try:
-            if self.n_pending_events:
-                _process_events(self)
-        finally:
-            self._unlock()
-        self._flush_trace()
+        _process_events_and_deferred(self)
 
     def _free_as_runtime_thread(self, ptr):
         """Free ``ptr`` as a SYCL runtime's thread does: ``c_free_detached``

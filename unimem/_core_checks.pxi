@@ -48,7 +48,7 @@ def _check_invariants(CachingAllocator self):
         # asleep (_core_sleep.pxi): memory given back is not reserved, and
         # the held blocks that were free are free all the same
         given_back, held_free = _sleep_accounting(self)
-        waiting = {entry[1] for entry in self.pending_events + self.syncing_events}
+        waiting = {(<_PendingEvent>entry).address for entry in _pending_list(self) + self.syncing_events}
         releasing = 0
         seg = self.segments
         reserved = 0

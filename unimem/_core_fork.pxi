@@ -44,7 +44,5 @@ cdef object _reset_after_fork(CachingAllocator self):
     if self.trace_delivery is not None:     # another thread may have held it
         self.trace_delivery = threading.RLock()
     if self.syncing_events:
-        self.pending_events = self.syncing_events + self.pending_events
-        self.syncing_events = []
-        self.n_pending_events = len(self.pending_events)
-        self._update_unusual()
+        syncing, self.syncing_events = self.syncing_events, []
+        _put_back_pending(self, syncing)

@@ -259,9 +259,7 @@ cdef int _release_hole(CachingAllocator self, Block* b) except -1:
         raise
     if done:
         return _unmap_held(self, held, self._vm_unmap_idle)
-    self.pending_events.append((event, <uintptr_t>held))
-    self.n_pending_events = len(self.pending_events)
-    self._update_unusual()
+    _add_pending(self, event, <uintptr_t>held, held.stream)
     return 0
 
 
@@ -278,19 +276,18 @@ cdef Block* _take_back_held(CachingAllocator self, FreeIndex* fi, size_t size) e
     behind: growing_generation 2.126 against 1.210 unbounded, 1.155 with
     this). Their events stay pending with no block (address 0), waited for
     and dropped as the others. No Python runs. NULL when nothing fits."""
+    cdef _PendingEvent entry
     cdef Block* c
-    cdef Py_ssize_t i
-    cdef uintptr_t address
     cdef bint taken = False
-    for i in range(len(self.pending_events)):
-        address = self.pending_events[i][1]
-        if address == 0:
-            continue
-        c = <Block*>address
-        if c.releasing and c.index == fi:
-            self.pending_events[i] = (self.pending_events[i][0], 0)
-            _unsplit(self, c)
-            taken = True
+    for queue in self.pending_events.values():
+        for entry in queue:
+            if entry.address == 0:
+                continue
+            c = <Block*>entry.address
+            if c.releasing and c.index == fi:
+                entry.address = 0
+                _unsplit(self, c)
+                taken = True
     return self._get_free_block(fi, size) if taken else NULL
 
 
@@ -335,14 +332,16 @@ cdef int _unmap_each(CachingAllocator self, list held, object unmap) except -1:
 cdef int _unmap_held_now(CachingAllocator self) except -1:
     """Unmap every held hole whose event is still pending with unmap_pages,
     which waits for the device where it must (the allocator's teardown)."""
-    held = [entry for entry in self.pending_events if _is_held(entry[1])]
+    cdef _PendingEvent entry
+    held = _take_pending(self, True)
     if not held:
         return 0
-    self.pending_events = [entry for entry in self.pending_events if not _is_held(entry[1])]
-    self.n_pending_events = len(self.pending_events)
-    self._update_unusual()
-    _release_events(self, [event for event, _ in held])
-    return _unmap_each(self, [address for _, address in held], self._vm_unmap)
+    events = []
+    for entry in held:
+        if entry.event is not None:
+            events.append(entry.event)
+    _release_events(self, events)
+    return _unmap_each(self, [entry.address for entry in held], self._vm_unmap)
 
 
 cdef inline bint _is_held(uintptr_t address) noexcept:

@@ -192,7 +192,7 @@ cdef uintptr_t _before_unusual_malloc(CachingAllocator self, size_t size, uintpt
     if self.sleeping:
         _refuse_asleep(self)
     if self.n_pending_events or not self.deferred_frees.empty():
-        self.process_events()
+        _process_events_and_deferred(self)
     if self.cache_off or not self.routes.empty():
         return _malloc_routed(self, size, stream, by_handle)   # 0: not routed
     return 0

@@ -108,12 +108,10 @@ cdef int _free_with_events(CachingAllocator self, uintptr_t ptr) except -1:
         _release_events(self, events)
         raise
     self._account_free_request(b)
-    _forget_stream_uses(self, b)
     b.event_count = len(events)
-    for ev in events:
-        self.pending_events.append((ev, <uintptr_t>b))
-    self.n_pending_events = len(self.pending_events)
-    self._update_unusual()
+    for i in range(len(events)):
+        _add_pending(self, events[i], <uintptr_t>b, b.stream_uses[0][i])
+    _forget_stream_uses(self, b)
     if b.event_count == 0:
         self._free_block(b)
     return 0
@@ -141,53 +139,63 @@ cdef int _release_events(CachingAllocator self, list events) except -1:
     return 0
 
 
+cdef int _process_events_and_deferred(CachingAllocator self) except -1:
+    """CachingAllocator.process_events (called by c_malloc without the
+    method lookup while events are pending)."""
+    if not self.deferred_frees.empty():
+        _free_deferred(self)
+    self._lock()
+    try:
+        if self.n_pending_events:
+            _process_events(self)
+    finally:
+        self._unlock()
+    self._flush_trace()
+    return 0
+
+
 cdef int _process_events(CachingAllocator self) except -1:
     """Blocks whose recorded stream work has finished go back to the pool.
 
-    The backend is asked about every event first, and only then is any
-    block touched: a query is Python code, during which another thread may
-    fork, and the child must not find an event handled but still pending.
-    Nor may a call re-entered from a query (a finalizer that allocates goes
-    through process_events) handle them: it would put a new list in place
-    of the one this call goes on with, and a block would be handled twice
-    (event_count -1, a block taken back and handed out freed again). It
-    returns at once; this call handles what the re-entered one appended."""
+    Each stream's oldest events are asked about first (_query_pending,
+    _core_event_queue.pxi), and only then is any block touched. A call
+    re-entered from a query (a finalizer that allocates goes through
+    process_events) returns at once: handling the entries this call found
+    done would free a block twice (event_count -1, a block taken back and
+    handed out freed again). What it queued is handled next time."""
+    cdef _PendingEvent entry
     cdef Block* b
     if self.processing_events:
         return 0
-    query = self.backend.event_done
-    pending = self.pending_events
     done = []
     error = None
     self.processing_events = True
     try:
-        for ev, _ in pending:
-            done.append(bool(query(ev)))
+        _query_pending(self, done)
     except BaseException as exc:
         error = exc                     # the events not asked about stay pending
     finally:
         self.processing_events = False
-    still_pending = []
+    if not done:
+        if error is not None:
+            raise error
+        return 0
     released = []
-    for i in range(len(pending)):
-        if i >= len(done) or not done[i]:
-            still_pending.append(pending[i])
+    kept = set()
+    for entry in done:
+        if entry.address == 0:          # held pages taken back (_take_back_held)
             continue
-        if pending[i][1] == 0:                  # held pages taken back (_take_back_held)
-            continue
-        b = <Block*><uintptr_t>pending[i][1]
+        b = <Block*>entry.address
         if b.releasing:
-            released.append(pending[i][1])      # unmapped below (_core_holes.pxi)
+            released.append(entry.address)      # unmapped below (_core_holes.pxi)
             continue
         if b.event_count == 1 and self._reserve_class(b) != 0:
-            still_pending.append(pending[i])
+            kept.add(entry)             # no host memory for the index: next time (done, not asked again)
             continue
         b.event_count -= 1
         if b.event_count == 0:
             self._free_block(b)
-    self.pending_events = still_pending
-    self.n_pending_events = len(still_pending)
-    self._update_unusual()
+    _dequeue(self, [entry for entry in done if entry not in kept] if kept else done)
     try:
         if released:
             _unmap_released(self, released)
@@ -209,43 +217,43 @@ cdef int _synchronize_and_free_events(CachingAllocator self, bint held_only=Fals
     go, and only the events already complete are processed). The events
     waited on sit in ``syncing_events`` meanwhile, so that a child forked
     during the wait finds them (see _after_fork_in_child)."""
+    cdef _PendingEvent entry
     cdef Block* b
     if not held_only:
         self.stats.num_sync_all_streams += 1
-    if not self.pending_events:
+    if not self.n_pending_events:
         return 0
     if self.lock_depth != 1:
         return _process_events(self)
-    if held_only:
-        taken = [entry for entry in self.pending_events if _is_held(entry[1])]
-        self.pending_events = [entry for entry in self.pending_events if not _is_held(entry[1])]
-    else:
-        taken = self.pending_events
-        self.pending_events = []
+    taken = _take_pending(self, held_only)
     self.syncing_events = self.syncing_events + taken
     self._unlock()
     synced = 0
     released = []
     try:
         sync = self.backend.event_synchronize
-        for ev, _ in taken:
-            sync(ev)
+        for entry in taken:
+            if entry.event is not None:
+                sync(entry.event)
+                entry.event = None
             synced += 1
     finally:
         self._lock()
         try:
+            back = []
             for i in range(len(taken)):
+                entry = taken[i]
                 if i >= synced:
-                    self.pending_events.append(taken[i])      # wait again next time
+                    back.append(entry)          # wait again next time
                     continue
-                if taken[i][1] == 0:                # held pages taken back (_take_back_held)
+                if entry.address == 0:          # held pages taken back (_take_back_held)
                     continue
-                b = <Block*><uintptr_t>taken[i][1]
+                b = <Block*>entry.address
                 if b.releasing:
-                    released.append(taken[i][1])          # unmapped below (_core_holes.pxi)
+                    released.append(entry.address)    # unmapped below (_core_holes.pxi)
                     continue
                 if b.event_count == 1 and self._reserve_class(b) != 0:
-                    self.pending_events.append(taken[i])
+                    back.append(entry)
                     continue
                 b.event_count -= 1
                 if b.event_count == 0:
@@ -253,8 +261,7 @@ cdef int _synchronize_and_free_events(CachingAllocator self, bint held_only=Fals
         finally:
             taken_ids = {id(e) for e in taken}
             self.syncing_events = [e for e in self.syncing_events if id(e) not in taken_ids]
-            self.n_pending_events = len(self.pending_events)
-            self._update_unusual()
+            _put_back_pending(self, back)
             if released:
                 _unmap_released(self, released)
     return 0
