@@ -127,8 +127,9 @@ cdef class CachingAllocator:
     # measured 6% slower with these two among them)
     cdef object _vm_unmap_idle              # unmap_idle_pages, or None
     cdef size_t releasing_bytes             # mapped bytes of holes waiting to be unmapped
-    cdef bint processing_events             # _process_events is asking about events (_core_streams.pxi)
+    cdef bint processing_events             # the event queues are being asked about or rearranged
     cdef list pending_queues                # pending_events' queues (_core_event_queue.pxi)
+    cdef list pending_arrivals              # events recorded while the queues were busy
     cdef object __weakref__
 
     cdef inline void _lock(self) noexcept

@@ -199,6 +199,7 @@ cdef class CachingAllocator:
         self.exact_segments = exact_segments
         self.pending_events = {}
         self.pending_queues = []
+        self.pending_arrivals = []
         self.syncing_events = []
         self.oom_observers = []
         self.debug_sites = {}

@@ -10,6 +10,15 @@
 # before and 284 ns after, python -m benchmarks compare's "core pair, 100
 # events pending"). A backend whose events complete out of order on one
 # stream only has blocks come back later, never too early.
+#
+# The queues are Python lists, and making any Python object may run a
+# garbage collection whose finalizers re-enter the allocator (free a block
+# used on another stream, allocate, process events). So while the queues
+# are asked about or rearranged (``processing_events``), a call re-entered
+# changes none of them: its events wait in ``pending_arrivals`` and are
+# queued once the outer call is done (_queue_arrivals), and a nested
+# _process_events returns at once. Only _take_back_held may run nested: it
+# writes an entry's address to 0, which every reader checks.
 
 
 cdef class _PendingEvent:
@@ -28,14 +37,40 @@ cdef class _PendingEvent:
 
 
 cdef int _add_pending(CachingAllocator self, object event, uintptr_t address, uintptr_t stream) except -1:
-    """Queue ``event`` last on its stream."""
-    queue = self.pending_events.get(stream)
-    if queue is None:
-        self.pending_events[stream] = queue = []
-        _list_queues(self)
-    queue.append(_PendingEvent(event, address, stream))
+    """Queue ``event`` last on its stream (in ``pending_arrivals`` while the
+    queues are busy)."""
+    entry = _PendingEvent(event, address, stream)
+    self.pending_arrivals.append(entry)
     self.n_pending_events += 1
     self._update_unusual()
+    if not self.processing_events:
+        self.processing_events = True
+        try:
+            _queue_arrivals(self)
+        finally:
+            self.processing_events = False
+    return 0
+
+
+cdef int _queue_arrivals(CachingAllocator self) except -1:
+    """Move ``pending_arrivals`` to the end of their streams' queues
+    (``processing_events`` set: what arrives meanwhile waits there too, and
+    is moved by the next turn of the loop)."""
+    cdef _PendingEvent entry
+    cdef bint new_stream = False
+    while self.pending_arrivals:
+        fresh = []
+        arrivals, self.pending_arrivals = self.pending_arrivals, fresh
+        for entry in arrivals:
+            queue = self.pending_events.get(entry.stream)
+            if queue is None:
+                self.pending_events[entry.stream] = [entry]
+                new_stream = True
+            else:
+                queue.append(entry)
+        if new_stream:
+            _list_queues(self)
+            new_stream = False
     return 0
 
 
@@ -44,28 +79,33 @@ cdef list _pending_list(CachingAllocator self):
     every = []
     for queue in self.pending_events.values():
         every.extend(queue)
+    every.extend(self.pending_arrivals)
     return every
 
 
 cdef list _take_pending(CachingAllocator self, bint held_only):
     """Take every pending event out of the queues (``held_only``: those of
-    pages held to unmap) and return them, each stream's in order."""
+    pages held to unmap) and return them, each stream's in order. Not for a
+    call re-entered while the queues are busy (see the top of this file)."""
     cdef _PendingEvent entry
     taken = []
-    for stream in list(self.pending_events):
-        queue = self.pending_events[stream]
-        if held_only:
+    self.processing_events = True
+    try:
+        for stream, queue in list(self.pending_events.items()):
             kept = []
             for entry in queue:
-                (taken if _is_held(entry.address) else kept).append(entry)
-        else:
-            taken.extend(queue)
-            kept = []
-        if kept:
-            self.pending_events[stream] = kept
-        else:
-            del self.pending_events[stream]
-    _list_queues(self)
+                if held_only and not _is_held(entry.address):
+                    kept.append(entry)
+                else:
+                    taken.append(entry)
+            if kept:
+                self.pending_events[stream] = kept
+            else:
+                del self.pending_events[stream]
+        _list_queues(self)
+        _queue_arrivals(self)
+    finally:
+        self.processing_events = False
     _count_pending(self)
     return taken
 
@@ -74,12 +114,22 @@ cdef int _put_back_pending(CachingAllocator self, list entries) except -1:
     """Queue ``entries`` (taken, each stream's in order) before what their
     streams recorded since: they are older."""
     cdef _PendingEvent entry
-    by_stream = {}
-    for entry in entries:
-        by_stream.setdefault(entry.stream, []).append(entry)
-    for stream, older in by_stream.items():
-        self.pending_events[stream] = older + self.pending_events.get(stream, [])
-    _list_queues(self)
+    if not entries:
+        return 0
+    self.processing_events = True
+    try:
+        by_stream = {}
+        for entry in entries:
+            by_stream.setdefault(entry.stream, []).append(entry)
+        for stream, older in by_stream.items():
+            queue = self.pending_events.get(stream)
+            if queue is not None:
+                older.extend(queue)         # no new object between reading and replacing it
+            self.pending_events[stream] = older
+        _list_queues(self)
+        _queue_arrivals(self)
+    finally:
+        self.processing_events = False
     _count_pending(self)
     return 0
 
@@ -93,7 +143,7 @@ cdef int _list_queues(CachingAllocator self) except -1:
 
 
 cdef int _count_pending(CachingAllocator self) except -1:
-    cdef size_t n = 0
+    cdef size_t n = len(self.pending_arrivals)
     for queue in self.pending_events.values():
         n += len(queue)
     self.n_pending_events = n
@@ -107,9 +157,9 @@ cdef int _query_pending(CachingAllocator self, list done) except -1:
     set to None), still queued. Blocks are not touched: a query is Python
     code, during which another thread may fork (the child must find no
     event handled but still pending), and a call re-entered from it may
-    queue more events (asked about too once their stream's older ones are
-    done) or take held pages back (read once the queries are over). When a
-    query raises, ``done`` holds what was found done before it."""
+    queue more events (in ``pending_arrivals``, asked about next time) or
+    take held pages back (read once the queries are over). When a query
+    raises, ``done`` holds what was found done before it."""
     cdef _PendingEvent entry
     query = self.backend.event_done
     for queue in self.pending_queues:
@@ -122,22 +172,27 @@ cdef int _query_pending(CachingAllocator self, list done) except -1:
     return 0
 
 
-cdef int _dequeue(CachingAllocator self, list done) except -1:
+cdef int _dequeue(CachingAllocator self, list done, set kept) except -1:
     """Take ``done`` (entries _query_pending found done: each stream's
-    oldest, in order) out of their queues."""
+    oldest, in order), but for ``kept``, out of their queues (queues busy)."""
     cdef _PendingEvent entry
+    cdef Py_ssize_t i, n
     cdef bint dropped = False
     by_stream = {}
     for entry in done:
-        by_stream.setdefault(entry.stream, []).append(entry)
+        if entry not in kept:
+            by_stream.setdefault(entry.stream, []).append(entry)
     for stream, finished in by_stream.items():
         queue = self.pending_events.get(stream)
         if queue is None:
             continue
         n = len(finished)
-        if n <= len(queue) and all(queue[i] is finished[i] for i in range(n)):
+        i = 0
+        while i < n and i < len(queue) and queue[i] is finished[i]:
+            i += 1
+        if i == n:
             del queue[:n]
-        else:                   # not the oldest ones (cannot happen while they are asked in order)
+        else:                   # not the oldest ones (a kept entry before them)
             gone = set(finished)
             queue[:] = [entry for entry in queue if entry not in gone]
         if not queue:

@@ -46,3 +46,9 @@ cdef object _reset_after_fork(CachingAllocator self):
     if self.syncing_events:
         syncing, self.syncing_events = self.syncing_events, []
         _put_back_pending(self, syncing)
+    if self.pending_arrivals:               # recorded while the queues were busy
+        self.processing_events = True
+        try:
+            _queue_arrivals(self)
+        finally:
+            self.processing_events = False

@@ -158,44 +158,50 @@ cdef int _process_events(CachingAllocator self) except -1:
     """Blocks whose recorded stream work has finished go back to the pool.
 
     Each stream's oldest events are asked about first (_query_pending,
-    _core_event_queue.pxi), and only then is any block touched. A call
-    re-entered from a query (a finalizer that allocates goes through
-    process_events) returns at once: handling the entries this call found
-    done would free a block twice (event_count -1, a block taken back and
-    handed out freed again). What it queued is handled next time."""
+    _core_event_queue.pxi), and only then is any block touched, each entry
+    marked handled (address 0) as it is. The queues stay busy until the
+    entries handled have left them: a call re-entered meanwhile (a finalizer
+    run by an event query or by a garbage collection, which any new Python
+    object may start) returns at once, since handling them again would free
+    a block twice (event_count -1, a block taken back and handed out freed
+    again); the events it recorded are queued after this pass."""
     cdef _PendingEvent entry
     cdef Block* b
+    cdef uintptr_t address
     if self.processing_events:
         return 0
     done = []
     error = None
+    released = None
     self.processing_events = True
     try:
-        _query_pending(self, done)
-    except BaseException as exc:
-        error = exc                     # the events not asked about stay pending
+        try:
+            _query_pending(self, done)
+        except BaseException as exc:
+            error = exc                 # the events not asked about stay pending
+        if done:
+            released = []
+            kept = set()
+            for entry in done:          # no new Python object in this loop
+                address = entry.address
+                if address == 0:        # held pages taken back (_take_back_held)
+                    continue
+                b = <Block*>address
+                if b.releasing:
+                    entry.address = 0
+                    released.append(address)    # unmapped below (_core_holes.pxi)
+                    continue
+                if b.event_count == 1 and self._reserve_class(b) != 0:
+                    kept.add(entry)     # no host memory for the index: next time (done, not asked again)
+                    continue
+                entry.address = 0
+                b.event_count -= 1
+                if b.event_count == 0:
+                    self._free_block(b)
+            _dequeue(self, done, kept)
+        _queue_arrivals(self)
     finally:
         self.processing_events = False
-    if not done:
-        if error is not None:
-            raise error
-        return 0
-    released = []
-    kept = set()
-    for entry in done:
-        if entry.address == 0:          # held pages taken back (_take_back_held)
-            continue
-        b = <Block*>entry.address
-        if b.releasing:
-            released.append(entry.address)      # unmapped below (_core_holes.pxi)
-            continue
-        if b.event_count == 1 and self._reserve_class(b) != 0:
-            kept.add(entry)             # no host memory for the index: next time (done, not asked again)
-            continue
-        b.event_count -= 1
-        if b.event_count == 0:
-            self._free_block(b)
-    _dequeue(self, [entry for entry in done if entry not in kept] if kept else done)
     try:
         if released:
             _unmap_released(self, released)
