@@ -239,12 +239,12 @@ cdef int _map_block(CachingAllocator self, Block* b, size_t size) except -1:
     try:
         self._vm_map(b.ptr, n, self.device)
     except MemoryError:
-        b.allocated = False
+        _unmark_span(self, b)
         if rest != NULL:
             block_delete(&self.slab, rest)
         return 0
     except BaseException:
-        b.allocated = False
+        _unmark_span(self, b)
         if rest != NULL:
             block_delete(&self.slab, rest)
         raise
@@ -326,6 +326,20 @@ cdef Block* _expandable_alloc(CachingAllocator self, size_t size, uintptr_t stre
         c = nxt
     fi_remove(c.index, c)
     return c
+
+
+cdef void _unmark_span(CachingAllocator self, Block* b) noexcept nogil:
+    """The unmapped span ``b`` was not mapped after all: no longer handed
+    out, it joins the unmapped neighbours a call re-entered from the map
+    made meanwhile (a free block unmapped to stay under the ratio, which
+    could not merge with a span marked handed out)."""
+    b.allocated = False
+    if ((b.prev != NULL and b.prev.unmapped and not b.prev.lost and not b.prev.allocated)
+            or (b.next != NULL and b.next.unmapped and not b.next.lost and not b.next.allocated)):
+        _unindex_span(b)
+        _merge_unmapped(self, b, b.prev)
+        _merge_unmapped(self, b, b.next)
+        _index_span(b)
 
 
 cdef void _merge_unmapped(CachingAllocator self, Block* dst, Block* src) noexcept nogil:

@@ -99,3 +99,46 @@ CASES = {
 @pytest.mark.parametrize("case", CASES)
 def test_a_malloc_reentered_from_map_pages_that_runs_out_of_memory(case, base):
     run_python(SCENARIO.format(base=base, **CASES[case]))
+
+
+def test_a_span_whose_map_fails_joins_the_neighbour_a_re_entered_call_unmapped():
+    """Found by review: the outer request maps a free block's hole and the
+    unmapped span after it; the re-entered request unmaps the free block to
+    stay under the ratio (it cannot merge with the span being mapped), then
+    the outer map fails for want of memory. The two unmapped spans stayed
+    apart ("unmapped spans merge"), and the range was never released."""
+    from unimem import OutOfMemoryError
+    from unimem._core import CachingAllocator
+    from unimem.backends.simulated import SimulatedGPU
+    MiB = 1 << 20
+
+    class GPU(SimulatedGPU):
+        hook = None
+
+        def map_pages(self, address, size, device):
+            hook, self.hook = self.hook, None
+            if hook:
+                hook()
+            super().map_pages(address, size, device)
+
+    gpu = GPU(capacity=11 * MiB)
+    core = CachingAllocator(gpu, 0, expandable_segments=True, max_reserved_ratio=1.0)
+    core.set_capacity(11 * MiB)
+    first, hole, gap, last = (core.malloc(n * MiB) for n in (2, 2, 4, 2))
+    core.free(gap)
+    core.empty_cache()                          # [first][hole][4 MiB unmapped][last]
+    core.free(hole)
+    got = []
+    gpu.hook = lambda: got.append(core.malloc(6 * MiB))    # unmaps hole's pages, maps 6 MiB at the end
+    with pytest.raises(OutOfMemoryError):
+        core.malloc(4 * MiB)                    # hole + 2 MiB of the span after it
+    assert len(got) == 1
+    core._check_invariants()
+    for ptr in [first, last] + got:
+        core.free(ptr)
+    core.empty_cache()
+    core.empty_virt_addr_cache()
+    core._check_invariants()
+    assert core.memory_reserved() == 0 and not gpu.mapped_pages[0]
+    assert core.reserved_address_space()["ranges"] == 0
+
