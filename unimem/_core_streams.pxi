@@ -257,10 +257,15 @@ cdef int _synchronize_and_free_events(CachingAllocator self, bint held_only=Fals
                 b = <Block*>entry.address
                 if b.releasing:
                     released.append(entry.address)    # unmapped below (_core_holes.pxi)
+                    entry.address = 0
                     continue
                 if b.event_count == 1 and self._reserve_class(b) != 0:
                     back.append(entry)
                     continue
+                # Handled: these entries stay in syncing_events until the
+                # list below is made, and a child forked meanwhile (another
+                # thread, in a finalizer) puts them back in its queues.
+                entry.address = 0
                 b.event_count -= 1
                 if b.event_count == 0:
                     self._free_block(b)

@@ -13,6 +13,10 @@ past its end: a segfault), one inside _add_pending appended to a queue a
 nested pass had dropped (the block never came back), and one inside
 empty_cache's _take_pending raised KeyError and lost the entries taken."""
 import gc
+import os
+import threading
+import time
+import warnings
 
 import pytest
 
@@ -197,3 +201,61 @@ def test_a_free_on_another_stream_with_a_finalizer_re_entering_at_every_collecti
         return made
 
     assert sweep(scenario) > 1
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_child_forked_while_empty_cache_ends_its_wait_frees_no_block_twice():
+    """Found by review: after empty_cache's wait, the entries it handled
+    stayed in syncing_events until a new list was made; a collection there
+    let another thread fork, and the child, which puts syncing_events back
+    in its queues, freed those blocks a second time (the free index held a
+    block twice). The finalizer wakes a thread that forks, at every
+    collection of empty_cache in turn; the child completes every stream,
+    processes events and checks the allocator."""
+    def child_report(a, backend):
+        try:
+            backend.complete(7)
+            a.process_events()
+            a._check_invariants()
+            return "ok"
+        except BaseException as exc:
+            return f"{type(exc).__name__}: {exc}"
+
+    def scenario(k):
+        backend = SimulatedBackend()
+        a = _core.CachingAllocator(backend, 0)
+        for p in [a.malloc(4 * KiB) for _ in range(3)]:
+            a.record_stream(p, 7)
+            a.free(p)
+        go = threading.Event()
+        result = {}
+        read_end, write_end = os.pipe()
+
+        def fork_when_told():
+            go.wait()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)    # fork with threads: on purpose
+                pid = os.fork()
+            if pid == 0:
+                os.write(write_end, child_report(a, backend).encode())
+                os._exit(0)
+            os.close(write_end)
+            result["child"] = os.read(read_end, 4000).decode()
+            os.close(read_end)
+            os.waitpid(pid, 0)
+
+        forker = threading.Thread(target=fork_when_told)
+        forker.start()
+
+        def reenter():
+            go.set()
+            time.sleep(0.3)                     # the other thread forks meanwhile
+
+        made = run_with_reentry(a.empty_cache, reenter, k, backend)
+        go.set()
+        forker.join()
+        assert result["child"] == "ok", (k, result["child"])
+        a._check_invariants()
+        return made
+
+    assert sweep(scenario) > 3
