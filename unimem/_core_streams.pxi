@@ -166,8 +166,6 @@ cdef int _process_events(CachingAllocator self) except -1:
     a block twice (event_count -1, a block taken back and handed out freed
     again); the events it recorded are queued after this pass."""
     cdef _PendingEvent entry
-    cdef Block* b
-    cdef uintptr_t address
     if self.processing_events:
         return 0
     done = []
@@ -183,21 +181,8 @@ cdef int _process_events(CachingAllocator self) except -1:
             released = []
             kept = set()
             for entry in done:          # no new Python object in this loop
-                address = entry.address
-                if address == 0:        # held pages taken back (_take_back_held)
-                    continue
-                b = <Block*>address
-                if b.releasing:
-                    entry.address = 0
-                    released.append(address)    # unmapped below (_core_holes.pxi)
-                    continue
-                if b.event_count == 1 and self._reserve_class(b) != 0:
-                    kept.add(entry)     # no host memory for the index: next time (done, not asked again)
-                    continue
-                entry.address = 0
-                b.event_count -= 1
-                if b.event_count == 0:
-                    self._free_block(b)
+                if _handle_done(self, entry, released):
+                    kept.add(entry)     # asked about no more, handled next time
             _dequeue(self, done, kept)
         _queue_arrivals(self)
     finally:
@@ -208,6 +193,30 @@ cdef int _process_events(CachingAllocator self) except -1:
     finally:
         if error is not None:
             raise error
+    return 0
+
+
+cdef int _handle_done(CachingAllocator self, _PendingEvent entry, list released) except -1:
+    """The block of an entry whose event is done: one event less to wait
+    for, freed at the last; held pages go to ``released`` (unmapped by the
+    caller, _core_holes.pxi). The entry is marked handled (address 0). 1:
+    not handled, for want of host memory for the free index (next time).
+    Makes no Python object."""
+    cdef uintptr_t address = entry.address
+    cdef Block* b
+    if address == 0:                    # handled, or held pages taken back (_take_back_held)
+        return 0
+    b = <Block*>address
+    if b.releasing:
+        entry.address = 0
+        released.append(address)
+        return 0
+    if b.event_count == 1 and self._reserve_class(b) != 0:
+        return 1
+    entry.address = 0
+    b.event_count -= 1
+    if b.event_count == 0:
+        self._free_block(b)
     return 0
 
 
@@ -224,7 +233,6 @@ cdef int _synchronize_and_free_events(CachingAllocator self, bint held_only=Fals
     waited on sit in ``syncing_events`` meanwhile, so that a child forked
     during the wait finds them (see _after_fork_in_child)."""
     cdef _PendingEvent entry
-    cdef Block* b
     if not held_only:
         self.stats.num_sync_all_streams += 1
     if not self.n_pending_events:
@@ -252,23 +260,11 @@ cdef int _synchronize_and_free_events(CachingAllocator self, bint held_only=Fals
                 if i >= synced:
                     back.append(entry)          # wait again next time
                     continue
-                if entry.address == 0:          # held pages taken back (_take_back_held)
-                    continue
-                b = <Block*>entry.address
-                if b.releasing:
-                    released.append(entry.address)    # unmapped below (_core_holes.pxi)
-                    entry.address = 0
-                    continue
-                if b.event_count == 1 and self._reserve_class(b) != 0:
+                # Marked handled: these entries stay in syncing_events until
+                # the list below is made, and a child forked meanwhile
+                # (another thread, in a finalizer) puts them back in its queues.
+                if _handle_done(self, entry, released):
                     back.append(entry)
-                    continue
-                # Handled: these entries stay in syncing_events until the
-                # list below is made, and a child forked meanwhile (another
-                # thread, in a finalizer) puts them back in its queues.
-                entry.address = 0
-                b.event_count -= 1
-                if b.event_count == 0:
-                    self._free_block(b)
         finally:
             taken_ids = {id(e) for e in taken}
             self.syncing_events = [e for e in self.syncing_events if id(e) not in taken_ids]
