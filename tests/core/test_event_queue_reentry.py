@@ -22,6 +22,7 @@ import pytest
 
 from unimem import _core
 from unimem.backends.simulated import SimulatedBackend, SimulatedGPU
+from tests.core.test_event_queues import free_after_use
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -75,15 +76,26 @@ def sweep(scenario):
     pytest.fail(f"more than {MOST_COLLECTIONS} collections in one operation")
 
 
+def check_whole(a, backend, live, k):
+    """After run ``k``, every stream complete and its events processed: the
+    allocator holds ``live`` only, and once they are freed and the cache
+    emptied, nothing is reserved."""
+    a._check_invariants()
+    assert a.memory_stats()["active.all.current"] == len(live), k
+    for p in live:
+        a.free(p)
+    a.empty_cache()
+    assert a.memory_reserved() == 0 and backend.held() == 0, k
+    a._check_invariants()
+
+
 def test_process_events_with_a_finalizer_re_entering_at_every_collection():
     def scenario(k):
         backend = SimulatedBackend()
         a = _core.CachingAllocator(backend, 0)
         freed = [a.malloc(4 * KiB) for _ in range(3)]
         other = a.malloc(4 * KiB)
-        for p in freed:
-            a.record_stream(p, 7)
-            a.free(p)
+        free_after_use(a, freed, 7)
         backend.complete(7)
         live = []
 
@@ -93,19 +105,12 @@ def test_process_events_with_a_finalizer_re_entering_at_every_collection():
             a.free(other)
 
         made = run_with_reentry(a.process_events, reenter, k, backend)
-        backend.complete(9)
-        a.process_events()
-        a._check_invariants()
-        assert a.memory_stats()["active.all.current"] == len(live) + (0 if live else 1), k
-        for p in live:
-            a.free(p)
-        if not live:
+        if not live:                                # never re-entered: other is live still
             a.record_stream(other, 9)
             a.free(other)
-            backend.complete(9)
-        a.empty_cache()
-        assert a.memory_reserved() == 0 and backend.held() == 0, k
-        a._check_invariants()
+        backend.complete(9)
+        a.process_events()
+        check_whole(a, backend, live, k)
         return made
 
     assert sweep(scenario) > 3
@@ -149,23 +154,15 @@ def test_empty_cache_with_a_finalizer_re_entering_at_every_collection():
         a = _core.CachingAllocator(backend, 0)
         on_7 = [a.malloc(4 * KiB) for _ in range(3)]
         on_9 = a.malloc(4 * KiB)
-        for p in on_7:
-            a.record_stream(p, 7)
-            a.free(p)
-        a.record_stream(on_9, 9)
-        a.free(on_9)
+        free_after_use(a, on_7, 7)
+        free_after_use(a, [on_9], 9)
         backend.complete(9)                         # done, not yet processed
         live = []
 
         made = run_with_reentry(a.empty_cache, lambda: live.append(a.malloc(512)), k, backend)
         backend.complete(7)
         a.process_events()
-        a._check_invariants()
-        assert a.memory_stats()["active.all.current"] == len(live), k
-        for p in live:
-            a.free(p)
-        a.empty_cache()
-        assert a.memory_reserved() == 0 and backend.held() == 0, k
+        check_whole(a, backend, live, k)
         return made
 
     assert sweep(scenario) > 3
@@ -192,12 +189,7 @@ def test_a_free_on_another_stream_with_a_finalizer_re_entering_at_every_collecti
             a.free(y)
         backend.complete(7)
         a.process_events()
-        a._check_invariants()
-        assert a.memory_stats()["active.all.current"] == len(live), k
-        for p in live:
-            a.free(p)
-        a.empty_cache()
-        assert a.memory_reserved() == 0 and backend.held() == 0, k
+        check_whole(a, backend, live, k)
         return made
 
     assert sweep(scenario) > 1
@@ -224,9 +216,7 @@ def test_a_child_forked_while_empty_cache_ends_its_wait_frees_no_block_twice():
     def scenario(k):
         backend = SimulatedBackend()
         a = _core.CachingAllocator(backend, 0)
-        for p in [a.malloc(4 * KiB) for _ in range(3)]:
-            a.record_stream(p, 7)
-            a.free(p)
+        free_after_use(a, [a.malloc(4 * KiB) for _ in range(3)], 7)
         go = threading.Event()
         result = {}
         read_end, write_end = os.pipe()

@@ -30,12 +30,17 @@ class CountingBackend(SimulatedBackend):
         return done
 
 
-def free_on(a, stream, n, size=4 * KiB):
-    """``n`` blocks used on ``stream`` and freed: an event each, pending."""
-    blocks = [a.malloc(size) for _ in range(n)]
+def free_after_use(a, blocks, stream):
+    """Free ``blocks`` used on ``stream``: an event each, pending."""
     for p in blocks:
         a.record_stream(p, stream)
         a.free(p)
+
+
+def free_on(a, stream, n, size=4 * KiB):
+    """``n`` new blocks used on ``stream`` and freed."""
+    blocks = [a.malloc(size) for _ in range(n)]
+    free_after_use(a, blocks, stream)
     return blocks
 
 
@@ -73,13 +78,9 @@ def test_events_recorded_after_a_stream_completed_wait_behind_none_of_the_done_o
     a = _core.CachingAllocator(backend, 0)
     first = [a.malloc(4 * KiB) for _ in range(3)]
     second = [a.malloc(4 * KiB) for _ in range(2)]
-    for p in first:
-        a.record_stream(p, 7)
-        a.free(p)
+    free_after_use(a, first, 7)
     backend.complete(7)                         # the first three are done ...
-    for p in second:                            # ... these two are not
-        a.record_stream(p, 7)
-        a.free(p)
+    free_after_use(a, second, 7)                # ... these two are not
     backend.queries = 0
     a.process_events()
     assert backend.queries == 4                 # three done, then the first not done
