@@ -14,8 +14,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 CXX_FLAGS = ["-O3", "-std=c++17", "-fno-strict-aliasing"]
 # Benchmark-only loops (benchmarks/_timing.pyx) are built next to their
 # sources in a development build (pip install -e, build_ext --inplace) and
-# never go into a wheel: they are not part of the library.
+# never go into a wheel: they are not part of the library, and an sdist does
+# not carry them.
 BENCHMARK_PREFIX = "benchmarks."
+BENCHMARK_EXTENSIONS = [name for name in ["benchmarks._timing"]
+                        if os.path.exists(os.path.join(HERE, name.replace(".", "/") + ".pyx"))]
 
 # The SYCL interposer (unimem/_sycl_interposer.pyx) defines SYCL's USM
 # functions under their mangled names and is promoted to the global symbol
@@ -100,6 +103,8 @@ class BuildExt(build_ext):
 
     def finalize_options(self) -> None:
         super().finalize_options()
+        if self.parallel is None:       # the extensions compile side by side (pip passes no -j)
+            self.parallel = os.cpu_count() or 1
         if not self.inplace:
             self.extensions = [e for e in self.extensions if not e.name.startswith(BENCHMARK_PREFIX)]
 
@@ -121,8 +126,9 @@ setup(
          extension("unimem.backends._host"), extension("unimem.backends._dpctl_api"),
          extension("unimem._usm_memory"), extension("unimem._cupy_allocator"),
          *([extension(SYCL_INTERPOSER)] if sys.platform.startswith("linux") else []),
-         extension("benchmarks._timing")],
+         *[extension(name) for name in BENCHMARK_EXTENSIONS]],
         compiler_directives={"language_level": "3"},
+        nthreads=os.cpu_count() or 1,
         include_path=[HERE],
     ),
 )
