@@ -18,11 +18,11 @@ cdef Block* _alloc_block(CachingAllocator self, size_t alloc_size, size_t size, 
     # whose Python (or another thread) may have put the allocator or the
     # pool to sleep: no new segment then.
     _refuse_if_asleep(self, pool)
-    if self.set_fraction and self.total_allocated_memory + alloc_size > self.allowed_memory_maximum:
-        if not (self.limit_in_bytes and self.total_allocated_memory + size <= self.allowed_memory_maximum):
+    if self.set_fraction and _held_or_asked(self) + alloc_size > self.allowed_memory_maximum:
+        if not (self.limit_in_bytes and _held_or_asked(self) + size <= self.allowed_memory_maximum):
             return NULL
         alloc_size = size
-    if self.total_allocated_memory + alloc_size > MAX_RESERVED:
+    if _held_or_asked(self) + alloc_size > MAX_RESERVED:
         return NULL
     cdef Segment* seg = <Segment*>sys_malloc(sizeof(Segment))
     cdef Block* b = block_new(&self.slab)
@@ -33,9 +33,28 @@ cdef Block* _alloc_block(CachingAllocator self, size_t alloc_size, size_t size, 
         raise MemoryError("host memory for the allocator's bookkeeping ran out")
     cdef uintptr_t ptr = 0
     cdef int rc
+    cdef int64_t took_us = 0
+    # The backend is asked with the lock let go: other threads' cache hits
+    # and frees go on meanwhile, and a free its Python makes (a finalizer)
+    # is an ordinary one. Not for a private pool (its death during the call
+    # is put off while the lock is held: _core_pools.pxi) nor for a call
+    # made while this thread holds the lock more than once (a Python backend
+    # call under the lock allocating). Its bytes count against the limits
+    # meanwhile (in_flight_bytes), and the state is read again after.
+    cdef bint unlocked = pool == NULL and self.lock_depth == 1
     try:
-        rc = _backend_malloc(self, alloc_size, stream, &ptr, pool)
+        if unlocked:
+            self.in_flight_bytes += alloc_size
+            self._unlock()
+            try:
+                rc = _backend_malloc(self, alloc_size, stream, &ptr, pool, True, &took_us)
+            finally:
+                self._lock()
+                self.in_flight_bytes = self.in_flight_bytes - alloc_size if self.in_flight_bytes > alloc_size else 0
+        else:
+            rc = _backend_malloc(self, alloc_size, stream, &ptr, pool, False, &took_us)
         if rc == 0:
+            duration_add(&self.stats.device_alloc_time, took_us)
             _check_new_segment(self, ptr, alloc_size)
     except BaseException:
         sys_free(seg)
@@ -88,6 +107,12 @@ cdef Block* _alloc_block(CachingAllocator self, size_t alloc_size, size_t size, 
     if self.recording:
         self._trace(T_SEGMENT_ALLOC, ptr, alloc_size, stream)
     return b
+
+
+cdef inline size_t _held_or_asked(CachingAllocator self) noexcept nogil:
+    """The bytes held from the backend and being asked of it (with the lock
+    let go): what a limit is checked against."""
+    return self.total_allocated_memory + self.in_flight_bytes
 
 
 cdef inline size_t _segment_size(CachingAllocator self, size_t size) noexcept nogil:

@@ -3,19 +3,27 @@
 # Python methods; timed for backend_timing(). Cache misses and returns only.
 
 cdef int _backend_malloc(CachingAllocator self, size_t size, uintptr_t stream, uintptr_t* out,
-                         PrivatePool* pool=NULL) except -1:
+                         PrivatePool* pool, bint unlocked, int64_t* took_us) except -1:
     """Ask the backend (or the allocator of private pool ``pool``, when it
-    has one) for ``size`` bytes. 0: got it; 1: out of memory."""
+    has one) for ``size`` bytes. 0: got it; 1: out of memory. ``unlocked``:
+    the allocator's lock is not held, so a C provider is called without the
+    GIL. It writes nothing of the allocator: the time it took goes to
+    ``took_us``, for the caller to count under the lock."""
     cdef int rc
     cdef int64_t t0 = um_now_ns()
     py_malloc = self._py_malloc
     out[0] = 0
+    took_us[0] = 0
     if pool != NULL and pool.has_backend:
         py_malloc = self.pool_backends[pool.id].malloc
     elif self._has_raw:
-        rc = self._raw.malloc(self._raw.ctx, size, self.device, stream, out)
+        if unlocked:
+            with nogil:
+                rc = self._raw.malloc(self._raw.ctx, size, self.device, stream, out)
+        else:
+            rc = self._raw.malloc(self._raw.ctx, size, self.device, stream, out)
         if rc == RAW_OK and out[0] != 0:
-            duration_add(&self.stats.device_alloc_time, (um_now_ns() - t0) // 1000)
+            took_us[0] = (um_now_ns() - t0) // 1000
             return 0
         if rc == RAW_OUT_OF_MEMORY:
             return 1
@@ -31,7 +39,7 @@ cdef int _backend_malloc(CachingAllocator self, size_t size, uintptr_t stream, u
     except (TypeError, OverflowError):
         # The memory (if any) cannot be described, so it cannot be given back.
         raise TypeError(f"backend malloc must return an address as a positive int, got {ptr!r}") from None
-    duration_add(&self.stats.device_alloc_time, (um_now_ns() - t0) // 1000)
+    took_us[0] = (um_now_ns() - t0) // 1000
     return 0
 
 

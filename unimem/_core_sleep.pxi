@@ -329,7 +329,7 @@ cdef int _restore_span(CachingAllocator self, object span, bint within_limit=Tru
     allocations meanwhile (not ``within_limit``: a whole-device sleep, and
     blocks of a dead pool still in use, which nobody could wake later)."""
     cdef int64_t t0
-    if within_limit and self.set_fraction and self.total_allocated_memory + <size_t>span.size > self.allowed_memory_maximum:
+    if within_limit and self.set_fraction and _held_or_asked(self) + <size_t>span.size > self.allowed_memory_maximum:
         raise OutOfMemoryError(
             f"wake_up: backing [{span.address:#x}, {span.address + span.size:#x}) with memory again "
             f"would pass the memory limit ({self.total_allocated_memory + <size_t>span.size} bytes "
@@ -532,7 +532,7 @@ cdef size_t _wake_excess(CachingAllocator self, object state) except? 0:
     for span in state.spans:
         if span.released:
             needed += <size_t>span.size
-    return needed if self.total_allocated_memory + needed > self.allowed_memory_maximum else 0
+    return needed if _held_or_asked(self) + needed > self.allowed_memory_maximum else 0
 
 
 cdef object _wake_refused(CachingAllocator self, size_t needed, size_t reserved, size_t allowed):

@@ -58,7 +58,10 @@ class Backend(Protocol):
     # -- raw memory (required) -------------------------------------------
     def malloc(self, size: int, device: int, stream: int) -> int:
         """Return the address of at least ``size`` bytes on ``device``, or 0
-        when the device is full. Called by the core on a cache miss."""
+        when the device is full. Called by the core on a cache miss, without
+        its lock (for the device's own pools): other threads' calls, this
+        method's among them, go on meanwhile, so it must be thread-safe, as
+        :meth:`free` must."""
         raise NotImplementedError
 
     def free(self, ptr: int, size: int, device: int, stream: int) -> None:
