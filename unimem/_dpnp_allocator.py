@@ -35,9 +35,10 @@ from ._core import CachingAllocator, OutOfMemoryError
 from ._runtime.devices import get_type
 from .backends import xpu as _xpu_backend
 
-#: ``pool_for(usm_type, device_index, queue)``: the pool serving that memory,
-#: or None when none does (``unimem.xpu`` provides it).
-PoolFor = Callable[[str, int, Any], Optional[CachingAllocator]]
+#: ``pool_for(usm_type, device_index, queue)``: the pool serving that memory
+#: and the stream its requests on that queue are cached under, or None when
+#: no pool serves it (``unimem.xpu`` provides it).
+PoolFor = Callable[[str, int, Any], Optional[Tuple[CachingAllocator, int]]]
 #: ``guard_for(device_index)``: what to run before each allocation on the
 #: device, or None (``unimem.xpu`` provides it: see its _keep_alive_guard).
 GuardFor = Callable[[int], Optional[Callable[[Any], None]]]
@@ -140,12 +141,12 @@ class _Routes:
         is_default = queue is default or queue == default
         if not is_default and queue.sycl_context != default.sycl_context:
             return reasons.index("foreign_context")
-        pool = self.pool(usm_type, index, queue)
-        if pool is None:
+        found = self.pool(usm_type, index, queue)
+        if found is None:
             return reasons.index("no_pool")
+        pool, stream = found
         _usm_memory.pin_allocator(pool)
-        return (pool, 0 if is_default else self.runtime.stream_handle(queue), queue, is_default,
-                self.guard(index))
+        return (pool, stream, queue, is_default, self.guard(index))
 
 
 class USMOutOfMemoryError(OutOfMemoryError):

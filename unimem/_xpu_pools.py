@@ -70,7 +70,9 @@ def default_queue(device: Any = None):
 
 
 def stream_handle(queue) -> int:
-    """The integer handle unimem keys ``queue``'s pools by (0: a default queue).
+    """The integer handle unimem keys ``queue``'s device and shared USM pools
+    by (0: a default queue; the pinned host pool caches host USM of every
+    queue alike).
     It names the queue while someone holds the queue: once only unimem does,
     its cache goes back at another queue's first allocation and the handle
     may then name a new queue, so keep the queue while you use its handle."""
@@ -146,14 +148,38 @@ def allocator_for(usm_type: str = "device", device: Any = None) -> _core.Caching
     return _pool(usm_type, _device_to_index(device), default_queue(device) if usm_type == "host" else None)
 
 
-def _pool_for(usm_type: str, index: int, queue: Any) -> Optional[_core.CachingAllocator]:
-    """The dpnp allocator's pool lookup: :func:`_pool`, None where it has none
-    (host USM when the pinned pool is not SYCL host USM of that context).
-    What making a pool raises (a malformed UNIMEM_ALLOC_CONF) goes through."""
+def _pool_for(usm_type: str, index: int, queue: Any) -> Optional[Tuple[_core.CachingAllocator, int]]:
+    """The dpnp allocator's pool lookup: :func:`_pool` and :func:`_stream_for`,
+    None where there is no pool (host USM when the pinned pool is not SYCL
+    host USM of that context). What making a pool raises (a malformed
+    UNIMEM_ALLOC_CONF) goes through."""
     if usm_type == "host":
         pool = host.caching_allocator()
-        return None if _why_no_host_pool(pool, queue) else pool
-    return _pool(usm_type, index, queue)
+        if _why_no_host_pool(pool, queue):
+            return None
+    else:
+        pool = _pool(usm_type, index, queue)
+    return pool, _stream_for(usm_type, index, queue)
+
+
+def _stream_for(usm_type: str, index: int, queue: Any) -> int:
+    """The stream a request for ``usm_type`` memory on ``queue`` (of device
+    ``index``) is cached under in its pool.
+
+    Device and shared USM: the queue's handle (0 for the device's default
+    queue), as PyTorch's device pools cache by stream: a block freed on a
+    queue is reused on that queue with no event. Host USM: 0, whatever the
+    queue. Host memory belongs to the SYCL context, not to a queue, and the
+    pinned pool is one for every queue and device, as PyTorch's
+    CachingHostAllocator takes no stream: keyed by queue, each queue would
+    pin segments of its own (2 MiB for a one-byte array on a new queue, dpnp's
+    own short-lived queues included) that no other queue reuses. Reuse on
+    another queue is safe: a block goes back only once the kernels using it,
+    on any queue, are done (they hold copies of its smart pointer), and one
+    that record_stream names waits for that queue's work first."""
+    if usm_type == "host" or queue is _ctx().default_queues[index]:
+        return 0
+    return _runtime().stream_handle(queue)
 
 
 def _keep_alive_guard(index: int) -> Optional[Any]:

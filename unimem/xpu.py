@@ -35,7 +35,7 @@ from ._observe.summary import has_held_memory, memory_summary_table
 from . import _xpu_pools
 # _pool_for and _keep_alive_guard: the dpnp allocator's routes (the SYCL interposer's too)
 from ._xpu_pools import (_ctx, _device_to_index, _keep_alive_guard, _pool, _pool_for, _queue_and_index,
-                         _runtime, _shared_pools_made, allocator_for, default_queue, stream_handle)
+                         _runtime, _shared_pools_made, _stream_for, allocator_for, default_queue, stream_handle)
 
 _api = MemoryAPI("xpu")
 globals().update(_api.functions())
@@ -152,7 +152,7 @@ def empty(shape: ShapeLike, dtype: Any = None, *, order: Optional[str] = "C", de
     # the GIL and it returns to the pool from whichever thread lets go last
     memory = _usm_memory.pooled_memory(
         ctx.usm_kinds[usm_type], pool, nbytes,
-        0 if queue is ctx.default_queues[index] else ctx.runtime.stream_handle(queue), queue)
+        0 if queue is ctx.default_queues[index] else _stream_for(usm_type, index, queue), queue)
     try:
         return ctx.wrap(ctx.usm_ndarray(dims, dtype=dt, buffer=memory, order=order.upper()))
     except BaseException:

@@ -20,3 +20,13 @@ def xpu():
 def dpnp():
     import dpnp
     return dpnp
+
+
+@pytest.fixture
+def hooked(xpu):
+    """``unimem.xpu`` with the dpnp allocator installed for one test, and
+    uninstalled after it."""
+    xpu.set_allocator()
+    yield xpu
+    xpu.reset_allocator()
+    xpu.synchronize()

@@ -19,15 +19,6 @@ def dpm():
     return dpctl.memory
 
 
-@pytest.fixture
-def hooked(xpu):
-    """The allocator installed for one test, and uninstalled after it."""
-    xpu.set_allocator()
-    yield xpu
-    xpu.reset_allocator()
-    xpu.synchronize()
-
-
 def allocated(xpu):
     return xpu.memory_stats(0).get("allocated_bytes.all.current", 0)
 
