@@ -45,6 +45,8 @@ napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 
 nitpicky = True
+# A block without a language (what an example prints) is shown as plain text.
+highlight_language = "text"
 
 html_theme = "furo"
 html_title = f"unimem {release}"
