@@ -6,7 +6,7 @@
     unimem.prometheus.register()                 # into prometheus_client's default registry
     prometheus_client.start_http_server(8000)
 
-Each statistic of :func:`memory_stats` (and of the pinned pool's
+Each statistic of :func:`unimem.accelerator.memory_stats` (and of the pinned pool's
 :func:`unimem.host_memory_stats`) is a series named after its key, typed as
 Prometheus' naming rules ask, with labels ``device`` (``xpu:0``, ``cuda:1``,
 ``cpu:0``, ``host`` for the pinned pool, ``xpu-shared:0``) and ``pool``

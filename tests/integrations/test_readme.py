@@ -1,14 +1,19 @@
-"""The README as a test: every Python block and every shell command in it runs.
+"""The README and the guide as tests: every Python block and every shell
+command in them runs.
 
-The blocks are read by ``pytest-codeblocks`` (its parser and its markers:
-``<!--pytest.mark.skip(reason=...)-->`` before a block, and this suite's own
-``<!--pytest.mark.gpu-->`` for a block that needs an NVIDIA GPU). Each block
-runs in a fresh interpreter or shell, in a scratch folder that holds what the
-README's commands name (``train.py``, ``snapshot.pickle``), so that one block
-neither sees nor disturbs another's allocator state, and a Python block runs as
-a script (``__name__ == "__main__"``), as a reader would run it.
+The pages are the README, CONTRIBUTING.md and every Markdown page of the
+documentation (``docs/``). Their blocks are read by ``pytest-codeblocks`` (its
+parser and its markers: ``<!--pytest.mark.skip(reason=...)-->`` before a block,
+this suite's own ``<!--pytest.mark.gpu-->`` for a block that needs an NVIDIA GPU,
+and ``<!--pytest-codeblocks:expected-output-->`` after one, followed by a plain
+block of what it must print). Each block runs in a fresh interpreter or shell,
+in a scratch folder that holds what the pages' commands name (``train.py``,
+``snapshot.pickle``), so that one block neither sees nor disturbs another's
+allocator state, and a Python block runs as a script (``__name__ ==
+"__main__"``), as a reader would run it.
 """
 import functools
+import glob
 import os
 import subprocess
 import sys
@@ -21,12 +26,23 @@ from tests.helpers.gpu import cuda_gpu_available
 
 ROOT = str(REPO_ROOT)
 README = os.path.join(ROOT, "README.md")
+#: The guide's page of UNIMEM_ALLOC_CONF's options, whose claims are run below.
+OPTIONS_PAGE = os.path.join(ROOT, "docs", "guide", "options.md")
+
+
+def pages():
+    """The Markdown pages whose blocks run: README.md, CONTRIBUTING.md, docs/**/*.md."""
+    found = [README, os.path.join(ROOT, "CONTRIBUTING.md")]
+    found += sorted(glob.glob(os.path.join(ROOT, "docs", "**", "*.md"), recursive=True))
+    return [page for page in found if "_build" not in os.path.relpath(page, ROOT).split(os.sep)]
+
+
 BLOCK_TIMEOUT = 240
 
 
 
 
-# A small training script for the README's `python -m unimem run train.py` lines:
+# A small training script for the pages' `python -m unimem run train.py` lines:
 # dpnp's creation functions on a SYCL device (what `run` routes to the pool),
 # NumPy through unimem's cpu pool otherwise.
 TRAIN_PY = textwrap.dedent("""
@@ -56,17 +72,19 @@ SNAPSHOT_PY = textwrap.dedent("""
 """)
 
 
-def _blocks():
+def _blocks(paths=None):
     params = []
-    for block in pytest_codeblocks.extract_from_file(README):
-        if block.syntax not in ("python", "sh", "bash"):
-            continue
-        marks = []
-        for mark in block.marks:
-            if mark == "pytest.mark.gpu":
-                marks.append(pytest.mark.skipif(not cuda_gpu_available(), reason="needs an NVIDIA GPU"))
-            marks.append(eval(mark, {"pytest": pytest, "sys": sys}))
-        params.append(pytest.param(block, marks=marks, id=f"README.md line {block.lineno}"))
+    for path in pages() if paths is None else paths:
+        where = os.path.relpath(path, ROOT)
+        for block in pytest_codeblocks.extract_from_file(path):
+            if block.syntax not in ("python", "sh", "bash"):
+                continue
+            marks = []
+            for mark in block.marks:
+                if mark == "pytest.mark.gpu":
+                    marks.append(pytest.mark.skipif(not cuda_gpu_available(), reason="needs an NVIDIA GPU"))
+                marks.append(eval(mark, {"pytest": pytest, "sys": sys}))
+            params.append(pytest.param(block, where, marks=marks, id=f"{where} line {block.lineno}"))
     return params
 
 
@@ -78,12 +96,22 @@ def workdir(tmp_path):
 
 
 def test_the_readme_has_blocks_of_both_kinds():
-    kinds = {param.values[0].syntax for param in _blocks()}
+    kinds = {param.values[0].syntax for param in _blocks([README])}
     assert {"python", "sh"} <= kinds, kinds
 
 
-@pytest.mark.parametrize("block", _blocks())
-def test_readme_block(block, workdir):
+def test_the_guide_pages_are_all_read():
+    """Every page of the guide is among the pages whose blocks run, and most
+    pages have a block to run."""
+    read = {os.path.relpath(page, ROOT) for page in pages()}
+    guide = {os.path.relpath(page, ROOT) for page in glob.glob(os.path.join(ROOT, "docs", "guide", "*.md"))}
+    assert guide and guide <= read
+    with_blocks = {param.values[1] for param in _blocks()}
+    assert len(guide & with_blocks) >= len(guide) // 2, sorted(guide - with_blocks)
+
+
+@pytest.mark.parametrize("block, where", _blocks())
+def test_page_block(block, where, workdir):
     env = dict(os.environ,
                # `python` and `unimem` in a shell block: this interpreter's.
                PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
@@ -99,9 +127,15 @@ def test_readme_block(block, workdir):
         command = ["bash", "-e", "-o", "pipefail", "-c", block.code]
     done = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True,
                           timeout=BLOCK_TIMEOUT)
-    assert done.returncode == 0, (f"README.md line {block.lineno} failed ({done.returncode}):\n"
+    assert done.returncode == 0, (f"{where} line {block.lineno} failed ({done.returncode}):\n"
                                   f"{block.code}\n--- stdout\n{done.stdout[-3000:]}\n--- stderr\n"
                                   f"{done.stderr[-3000:]}")
+    if block.expected_output is not None:
+        if block.expected_output_ignore_whitespace:
+            assert done.stdout.split() == block.expected_output.split(), (where, block.lineno, done.stdout)
+        else:
+            assert done.stdout == block.expected_output, (
+                f"{where} line {block.lineno} printed\n{done.stdout}\ninstead of\n{block.expected_output}")
     if "stats --json" in block.code:
         import json
         for name in ("stats.json",):
@@ -110,19 +144,17 @@ def test_readme_block(block, workdir):
 
 
 # ---------------------------------------------------------------------------
-# The options section's claims, run (issue 26, item 10: it said
+# The options page's claims, run (issue 26, item 10: the README said
 # `expandable_segments:True` was refused long after the option worked)
 # ---------------------------------------------------------------------------
 def options_section():
-    """The text of the README's ``### Options`` section."""
-    with open(README, encoding="utf-8") as f:
-        text = f.read()
-    start = text.index("\n### Options\n")
-    return text[start:text.index("\n### ", start + 1)]
+    """The text of the guide's options page."""
+    with open(OPTIONS_PAGE, encoding="utf-8") as f:
+        return f.read()
 
 
 def options_table():
-    """``(option, example, what it does)`` for each row of the section's
+    """``(option, example, what it does)`` for each row of the page's
     table. (A pipe table without nested pipes: splitting its lines is all the
     parsing it needs, and the test extra has no Markdown parser.)"""
     rows = [[cell.strip() for cell in line.strip().strip("|").split("|")]
