@@ -4,7 +4,7 @@ instructions, counted by callgrind (valgrind), for both trees.
 Timings on a shared 2-core machine move by 10-30% from one minute to the next,
 so that the timed rounds of ``compare`` can only call a difference real past
 10%. An instruction count does not depend on the machine's load: the same
-tree counted twice differs by well under 1% (measured: see the README), so a
+tree counted twice differs by well under 1% (measured: see CONTRIBUTING.md), so a
 change of a few percent on the hot path is seen at once. It is not time (a
 cache miss costs more than an add), so it complements the timed rounds, for
 the cases that run host code only (the alloc/free pairs, ``memory_allocated``,

@@ -109,7 +109,7 @@ def test_beyond_the_largest_single_allocation_fails_at_once_keeping_the_cache():
 
 
 def test_a_request_larger_than_the_device_keeps_the_cache():
-    """A documented difference from PyTorch (README, "Differences from PyTorch
+    """A documented difference from PyTorch (docs/guide/differences.md, "Differences from PyTorch
     and CuPy"): a request no release can make fit fails at once, without
     releasing the cache or counting a retry; one that may fit once the cache
     is released does release it, and counts the retry, as PyTorch's."""

@@ -86,7 +86,7 @@ def test_gpu_a_private_pool_refuses_to_sleep_and_changes_nothing():
     segments (as PyTorch's private pools), and cudaMalloc'ed memory cannot
     be given back while its addresses stay reserved: ``pool.sleep()`` says
     so and leaves the pool as it was. (The first GPU run, which expected the
-    pool to sleep, found this; see the README's sleep section.)"""
+    pool to sleep, found this; see docs/guide/sleep.md.)"""
     run_script("""
         pool = ucuda.MemPool()
         with ucuda.use_mem_pool(pool):

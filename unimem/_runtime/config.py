@@ -60,7 +60,7 @@ MiB = 1 << 20
 ROUNDUP_INTERVALS = 16           # 1 MiB, 2 MiB, ... 32 GiB and above
 #: max_reserved_ratio with expandable_segments:True when none is given: free
 #: whole pages in the holes of a range are unmapped before more are mapped
-#: (issue 27; chosen from python -m benchmarks memory, see the README).
+#: (issue 27; chosen from python -m benchmarks memory, see docs/guide/expandable-segments.md).
 EXPANDABLE_RESERVED_RATIO = 1.09
 MIN_SPLIT_SIZE_MB = 20           # kLargeBuffer / 1 MiB
 
