@@ -33,9 +33,9 @@ def demo_output(tmp_path_factory):
 def test_demo_trains_reports_and_writes_files(demo_output):
     out, text = demo_output
     for needed in ("unimem demo: a 512-1024-256-10 MLP, 12 training steps", "the same training code twice",
-                   "memory summary", "served from the pool:", "cache hit rate:", "training:",
+                   "memory summary", "served from the pool:", "cache hit rate:", "training, 6 rounds",
                    "allocation alone", "out of memory", "where the training times differ", "page faults",
-                   "snapshot.pickle", "timeline.png", "memory.html", "12/12 steps"):
+                   "snapshot.pickle", "timeline.png", "memory.html", "round 6/6, steps 11-12"):
         assert needed in text, needed
     losses = re.search(r"\(losses (\S+) / (\S+)\)", text)
     assert losses and losses[1] == losses[2], "the same code and seed with either allocator: the same loss"
@@ -66,6 +66,51 @@ def test_demo_pooled_run_takes_every_array_from_the_pool(demo_output):
     assert len(allocs) == pooled
     step_lines = {frame["line"] for e in allocs for frame in e["frames"] if frame["name"] == "training_step"}
     assert len(step_lines) > 5, "the operations' results are recorded at the training step's lines"
+
+
+# "<pooled> is faster than X: 1.08x as fast (median of 6 rounds; range 1.02x to 1.15x)", or slower, or
+# no clear difference (the range straddles 1), or too few rounds: the verdict of paired rounds.
+VERDICT = (r"(?:(?P<faster>{pooled} is faster than {baseline}: )|(?P<slower>{pooled} is slower than {baseline}: )"
+           r"|(?P<unclear>no clear difference between {pooled} and {baseline}: {pooled} ))"
+           r"(?P<median>\d+\.\d\d)x as fast \(median of (?P<rounds>\d+) rounds; "
+           r"range (?P<low>\d+\.\d\d)x to (?P<high>\d+\.\d\d)x(?P<straddles>, which straddles 1)?\)")
+
+
+def check_verdict(match):
+    """The verdict's words agree with its range, and the median lies in it."""
+    low, median, high = float(match["low"]), float(match["median"]), float(match["high"])
+    assert low <= median <= high, match[0]
+    if match["faster"]:
+        assert low > 1.0 and not match["straddles"], match[0]
+    elif match["slower"]:
+        assert high < 1.0 and not match["straddles"], match[0]
+    else:
+        assert low <= 1.0 <= high and match["straddles"], match[0]
+    return int(match["rounds"])
+
+
+def test_demo_speed_lines_are_the_medians_of_paired_rounds(demo_output):
+    """The training and the replayed allocations are each compared in six
+    interleaved rounds: a line per training round (together covering every
+    step), and each speed line is the median of the rounds with their range,
+    'no clear difference' where the range straddles 1. One timing of each
+    read 1.8x faster, 1.0x, 1.52x slower and 1.0x in four runs."""
+    _, text = demo_output
+    rounds = re.findall(r"^  round (\d+)/(\d+), steps (\d+)-(\d+): \w+'s own \d+\.\d\d s, "
+                        r"unimem \d+\.\d\d s \(\d+\.\d\dx as fast\)$", text, re.MULTILINE)
+    assert [(int(i), int(n)) for i, n, _, _ in rounds] == [(i, 6) for i in range(1, 7)], text
+    covered = [step for _, _, first, last in rounds for step in range(int(first), int(last) + 1)]
+    assert covered == list(range(1, 13)), covered
+    training = re.search(r"^training, 6 rounds, interleaved: " +
+                         VERDICT.format(pooled="unimem", baseline=r"\w+'s own allocation") +
+                         r"; \d+\.\d\d s with unimem \(recording its memory history\) vs \d+\.\d\d s in all",
+                         text, re.MULTILINE)
+    assert training, text
+    assert check_verdict(training) == 6
+    replayed = re.search(r"^allocation alone \(\d+ requests of this run, replayed in 6 rounds, interleaved\): " +
+                         VERDICT.format(pooled="the pool", baseline=r"raw \w+ malloc/free"), text, re.MULTILINE)
+    assert replayed, text
+    assert check_verdict(replayed) == 6
 
 
 def test_demo_training_step_is_ordinary_array_code():
