@@ -518,7 +518,7 @@ def test_a_child_the_script_forks_writes_no_report_and_no_summary(tmp_path, chil
     assert done.returncode == 0, done.stderr
     assert marker.exists()
     assert done.stderr.count(f"wrote {report}") == 1, done.stderr
-    assert done.stdout.count("memory summary") == 1, done.stdout
+    assert done.stderr.count("memory summary") == 1, done.stderr
     assert "64.00 MiB" in page_text(report)
 
 

@@ -273,10 +273,10 @@ def test_run_sycl_interpose_prints_what_it_served(tmp_path, how):
     done = subprocess.run([sys.executable, "-m", "unimem", *args], capture_output=True, text=True, cwd=ROOT,
                           timeout=TIMEOUT, env=env)
     assert done.returncode == 0, done.stderr
-    assert "1683.0 900.0" in done.stdout                   # the script's own output
-    assert "dpnp arrays:" in done.stdout
-    line = next((text for text in done.stdout.splitlines() if text.startswith("dpnp C++ scratch:")), None)
-    assert line is not None, done.stdout
+    assert done.stdout == "1683.0 900.0\n"                 # the script's own output; the summary on stderr
+    assert "dpnp arrays:" in done.stderr
+    line = next((text for text in done.stderr.splitlines() if text.startswith("dpnp C++ scratch:")), None)
+    assert line is not None, done.stderr
     served = int(line.split()[3])
     assert served > 0, line
     assert "dpnp's C++ scratch buffers" in done.stderr
@@ -288,7 +288,7 @@ def test_without_the_flag_there_is_no_scratch_line(tmp_path):
     done = subprocess.run([sys.executable, "-m", "unimem", "run", str(script)], capture_output=True, text=True,
                           cwd=ROOT, timeout=TIMEOUT, env=dict(os.environ, UNIMEM_SYCL_INTERPOSE="0"))
     assert done.returncode == 0, done.stderr
-    assert "dpnp arrays:" in done.stdout and "dpnp C++ scratch" not in done.stdout
+    assert "dpnp arrays:" in done.stderr and "dpnp C++ scratch" not in done.stderr
 
 
 def test_stats_json_has_the_interposers_counters(tmp_path):

@@ -63,6 +63,30 @@ def test_malformed_options_are_value_errors(text, message):
     assert "UNIMEM_ALLOC_CONF" in str(info.value)
 
 
+@pytest.mark.parametrize("text, hint", [
+    ("max_split_size_mb=256", "'max_split_size_mb:256'"),
+    (" max_split_size_mb = 256 ", "'max_split_size_mb:256'"),             # spaces vanish, as PyTorch's
+    ("max_split_size_mb:100,garbage_collection_threshold=0.6", "'garbage_collection_threshold:0.6'"),
+    ("roundup_power2_divisions=[256:1,>:8],expandable_segments:True", "'roundup_power2_divisions:[256:1,>:8]'"),
+    ("roundup_power2_divisions=[256:1", "'roundup_power2_divisions:[256:1'"),
+    ("expandable_segments=True", "'expandable_segments:True'"),
+    ("pinned_use_cuda_host_register=True", "'pinned_use_cuda_host_register:True'"),   # an inert option too
+])
+def test_key_equals_value_is_a_value_error_with_the_key_colon_value_hint(text, hint):
+    """``key=value`` (not PyTorch's ``key:value``) names the spelling meant."""
+    with pytest.raises(ValueError, match="unrecognized option") as info:
+        parse_alloc_conf(text)
+    assert f"did you mean {hint}?" in str(info.value)
+    assert "UNIMEM_ALLOC_CONF" in str(info.value)
+
+
+@pytest.mark.parametrize("text", ["max_spilt_size_mb=256", "=256", "max_split_size_mb256"])
+def test_no_key_colon_value_hint_for_an_unknown_option(text):
+    with pytest.raises(ValueError, match="unrecognized option") as info:
+        parse_alloc_conf(text)
+    assert "did you mean" not in str(info.value)
+
+
 def test_max_reserved_ratio():
     assert parse_alloc_conf("max_reserved_ratio:1.1").max_reserved_ratio == 1.1
     assert parse_alloc_conf("").max_reserved_ratio is None

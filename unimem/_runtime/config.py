@@ -258,6 +258,19 @@ def _parse_divisions(p: _Parser) -> List[int]:
     return divisions
 
 
+def _key_value_hint(p: _Parser, key: str) -> str:
+    """``max_split_size_mb=256`` is one word to the tokenizer (``=`` is no
+    separator): where the part before ``=`` is an option, the hint of its
+    ``key:value`` spelling, else nothing."""
+    name, equals, value = key.partition("=")
+    if not equals or name not in SUPPORTED_KEYS:
+        return ""
+    if not value and p.peek() == "[":          # roundup_power2_divisions=[...]: the list's tokens
+        end = p.tokens.index("]", p.i) + 1 if "]" in p.tokens[p.i:] else len(p.tokens)
+        value = "".join(p.tokens[p.i:end])
+    return f": options are written key:value, did you mean '{name}:{value}'?"
+
+
 def parse_alloc_conf(text: Optional[str]) -> AllocatorSettings:
     """Parse an option string; ``None`` or empty gives the defaults."""
     if not text:
@@ -271,7 +284,8 @@ def parse_alloc_conf(text: Optional[str]) -> AllocatorSettings:
         if key in seen:
             raise p.fail(f"option '{key}' is given twice")
         if key not in SUPPORTED_KEYS:
-            raise p.fail(f"unrecognized option '{key}' (supported: {', '.join(SUPPORTED_KEYS)})")
+            raise p.fail(f"unrecognized option '{key}'{_key_value_hint(p, key)} "
+                         f"(supported: {', '.join(SUPPORTED_KEYS)})")
         seen.add(key)
         p.expect(":")
         if key == "max_split_size_mb":

@@ -3,17 +3,20 @@
 Trains a small multilayer perceptron on the default device of this machine
 (dpnp on a SYCL device, CuPy on a GPU, NumPy on host memory otherwise) with
 ordinary array code - ``h = xp.maximum(x @ w, 0)``, no ``out=`` - twice: with
-the array library's own allocation, then with unimem installed as its
-allocator (``unimem.xpu.using_allocator()``, ``cupy.cuda.using_allocator(
-unimem.cuda.allocator)``), the memory history recorded. Then it shows what
-the pool did:
+the array library's own allocation and with unimem installed as its allocator
+(``unimem.xpu.using_allocator()``, ``cupy.cuda.using_allocator(
+unimem.cuda.allocator)``), the memory history recorded. The two trainings run
+in paired rounds, interleaved: each round takes both the same steps further,
+the order alternating (:mod:`unimem.cli.paired`). Then it shows what the pool did:
 
 * the statistics table (``memory_summary``);
 * the share of the array allocations and bytes of the pooled run that the
   pool served, results of operations included (dpnp: the hook's counters);
 * the cache hit rate: requests served without asking the device for memory;
 * the time saved, measured in the same run: the two trainings, and the same
-  sequence of allocations replayed through the raw backend and the pool;
+  sequence of allocations replayed through the raw backend and the pool, each
+  as the median speed-up of the rounds and its range ("no clear difference"
+  where the range straddles 1);
 * the page faults and operating-system time of each training (memory the
   device maps afresh is faulted in on first touch; the pool's is already mapped);
 * the snapshot (``snapshot.pickle``, readable by pytorch.org/memory_viz), the
@@ -38,6 +41,7 @@ import numpy
 
 from .. import _core
 from .._runtime.devices import current_type
+from .paired import Comparison, count_rounds, interleaved
 
 Allocation = Callable[[], ContextManager[Any]]
 
@@ -143,32 +147,33 @@ class _NumpyArrays:
 LAYERS = (512, 1024, 256, 10)
 BATCHES = (256, 256, 224, 192, 160, 128)      # batch sizes vary, as the last batch of an epoch does
 LOSS_EVERY = 20
+#: The timed trainings run in this many paired rounds (fewer with fewer steps).
+ROUNDS = 6
 
 
 class Progress:
-    """A one-line progress bar (every tenth when not on a terminal)."""
+    """A one-line progress bar on a terminal, wiped when done (elsewhere,
+    nothing: the lines of the rounds tell how far the demo is)."""
 
     def __init__(self, total: int, label: str, out: TextIO) -> None:
         self.total, self.label, self.out = total, label, out
         self.tty = out.isatty()
         self.start = time.perf_counter()
-        self.last_tenth = -1
 
-    def update(self, done: int, loss: Optional[float]) -> None:
-        tenth = done * 10 // self.total
-        if not self.tty and tenth == self.last_tenth and done != self.total:
+    def update(self, done: int) -> None:
+        if not self.tty:
             return
-        self.last_tenth = tenth
         width = 30
         filled = done * width // self.total
         bar = "#" * filled + "." * (width - filled)
-        text = (f"{self.label:>12} [{bar}] {done:4d}/{self.total} steps"
-                f"{'' if loss is None else f'  loss {loss:.4f}'}  {time.perf_counter() - self.start:5.1f} s")
-        if self.tty:
-            self.out.write("\r" + text + ("\n" if done == self.total else ""))
-        else:
-            self.out.write(text + "\n")
+        self.out.write(f"\r{self.label} [{bar}] {done:4d}/{self.total} steps  "
+                       f"{time.perf_counter() - self.start:5.1f} s")
         self.out.flush()
+
+    def clear(self) -> None:
+        if self.tty:
+            self.out.write("\r\x1b[K")
+            self.out.flush()
 
 
 def training_step(xp: Any, weights: List[Any], x: Any, t: Any, lr: float) -> Any:
@@ -190,38 +195,124 @@ def training_step(xp: Any, weights: List[Any], x: Any, t: Any, lr: float) -> Any
     return error
 
 
+class Training:
+    """The MLP trained for ``steps`` steps with its arrays allocated as
+    ``allocation`` (``work.pooled`` or ``work.own``) has it, taken further a
+    few steps at a time (:meth:`advance`), so that two trainings can take
+    turns. The same seed gives the same batches and losses either way."""
+
+    def __init__(self, work: Workload, allocation: Allocation, steps: int, seed: int = 0) -> None:
+        self.work, self.allocation, self.steps = work, allocation, steps
+        self.rng = numpy.random.default_rng(seed)
+        d_in, d_out = LAYERS[0], LAYERS[-1]
+        self.inputs = self.rng.standard_normal((2048, d_in)).astype("f4")
+        teacher = self.rng.standard_normal((d_in, d_out)).astype("f4") / numpy.sqrt(d_in)
+        self.targets = numpy.tanh(self.inputs @ teacher).astype("f4")
+        initial = [(self.rng.standard_normal((a, b)) * numpy.sqrt(2.0 / a)).astype("f4")
+                   for a, b in zip(LAYERS, LAYERS[1:])]
+        self.done = 0
+        self.loss = float("nan")
+        with allocation():
+            self.weights = [work.asarray(w) for w in initial]
+            work.synchronize()
+
+    def advance(self, steps: int, progress: Optional[Progress] = None) -> float:
+        """Train ``steps`` steps more; their seconds, the device waited for."""
+        work, xp = self.work, self.work.xp
+        error: Any = None
+        with self.allocation():
+            start = time.perf_counter()
+            for done in range(1, steps + 1):
+                step = self.done
+                rows = self.rng.integers(0, len(self.inputs), BATCHES[step % len(BATCHES)])
+                error = training_step(xp, self.weights, work.asarray(self.inputs[rows]),
+                                      work.asarray(self.targets[rows]), 0.05)
+                if step % LOSS_EVERY == 0 or step == self.steps - 1:
+                    self.loss = float((error * error).mean())
+                self.done += 1
+                if progress is not None:
+                    progress.update(done)
+            del error
+            work.synchronize()
+            return time.perf_counter() - start
+
+    def finish(self) -> None:
+        """Drop the weights, inside the allocation and waited for, so that
+        their memory is back where it came from before the pool's figures are read."""
+        with self.allocation():
+            self.weights = []
+            self.work.synchronize()
+
+
 def train(work: Workload, allocation: Allocation, steps: int, progress: Optional[Progress] = None,
           seed: int = 0) -> Tuple[float, float]:
     """Train the MLP for ``steps`` steps with the arrays allocated as
     ``allocation`` (``work.pooled`` or ``work.own``) has it; returns
     (seconds, last loss). The same seed gives the same loss either way."""
-    rng = numpy.random.default_rng(seed)
-    d_in, d_out = LAYERS[0], LAYERS[-1]
-    inputs = rng.standard_normal((2048, d_in)).astype("f4")
-    teacher = rng.standard_normal((d_in, d_out)).astype("f4") / numpy.sqrt(d_in)
-    targets = numpy.tanh(inputs @ teacher).astype("f4")
-    initial = [(rng.standard_normal((a, b)) * numpy.sqrt(2.0 / a)).astype("f4") for a, b in zip(LAYERS, LAYERS[1:])]
-    xp = work.xp
-    loss = float("nan")
-    error: Any = None
-    with allocation():
-        weights = [work.asarray(w) for w in initial]
-        work.synchronize()
-        start = time.perf_counter()
-        for step in range(steps):
-            rows = rng.integers(0, len(inputs), BATCHES[step % len(BATCHES)])
-            error = training_step(xp, weights, work.asarray(inputs[rows]), work.asarray(targets[rows]), 0.05)
-            reported = step % LOSS_EVERY == 0 or step == steps - 1
-            if reported:
-                loss = float((error * error).mean())
-            if progress is not None:
-                progress.update(step + 1, loss if reported else None)
-        # Dropped and waited for inside the block, so that their memory is
-        # back where it came from before the caller reads the pool's figures.
-        del weights, error
-        work.synchronize()
-        seconds = time.perf_counter() - start
-    return seconds, loss
+    training = Training(work, allocation, steps, seed)
+    seconds = training.advance(steps, progress)
+    training.finish()
+    return seconds, training.loss
+
+
+def round_steps(steps: int, rounds: int = ROUNDS) -> List[int]:
+    """``steps`` cut into at most ``rounds`` nearly equal rounds (the longer first)."""
+    count = min(rounds, steps)
+    return [steps // count + (i < steps % count) for i in range(count)]
+
+
+@dataclass
+class _TimedTraining:
+    """One side of the comparison: its training, its progress label, and
+    what the operating system did for the process while it ran."""
+
+    training: Training
+    label: str
+    out: TextIO
+    faults: int = 0
+    system_seconds: float = 0.0
+    measured_costs: bool = True
+
+    def advance(self, steps: int, label: str) -> float:
+        progress = Progress(steps, f"{label} {self.label}", self.out)
+        before = _process_costs()
+        seconds = self.training.advance(steps, progress)
+        costs = _process_costs(since=before)
+        progress.clear()
+        if costs is None:
+            self.measured_costs = False
+        else:
+            self.faults += costs[0]
+            self.system_seconds += costs[1]
+        return seconds
+
+    def costs(self) -> Optional[Tuple[int, float]]:
+        return (self.faults, self.system_seconds) if self.measured_costs else None
+
+
+def train_in_rounds(work: Workload, steps: int, own_label: str,
+                    out: TextIO) -> Tuple[Comparison, _TimedTraining, _TimedTraining]:
+    """The two trainings, own and pooled, in paired, interleaved rounds: each
+    round takes both the same steps further, the order alternating; a line
+    per round. Returns the comparison and the two sides."""
+    sizes = round_steps(steps)
+    firsts = [sum(sizes[:i]) + 1 for i in range(len(sizes))]
+    own = _TimedTraining(Training(work, work.own, steps), own_label, out)
+    pooled = _TimedTraining(Training(work, work.pooled, steps), "unimem", out)
+
+    def label(i: int) -> str:
+        return f"  round {i + 1}/{len(sizes)}"
+
+    def report(i: int, own_seconds: float, pool_seconds: float) -> None:
+        last = firsts[i] + sizes[i] - 1
+        which = f"step {last}" if sizes[i] == 1 else f"steps {firsts[i]}-{last}"
+        print(f"{label(i)}, {which}: {own_label} {own_seconds:.2f} s, "
+              f"unimem {pool_seconds:.2f} s ({own_seconds / max(pool_seconds, 1e-12):.2f}x as fast)",
+              file=out, flush=True)
+
+    comparison = interleaved(lambda i: own.advance(sizes[i], label(i)),
+                             lambda i: pooled.advance(sizes[i], label(i)), len(sizes), report)
+    return comparison, own, pooled
 
 
 def replay(trace: List[Dict[str, Any]], malloc: Callable[[int], int],
@@ -253,27 +344,29 @@ def run(steps: int = 300, out_dir: str = "unimem-demo", out: Optional[TextIO] = 
     library = work.xp.__name__
     print(f"unimem demo: a {'-'.join(map(str, LAYERS))} MLP, {steps} training steps, "
           f"{work.description}", file=out, flush=True)
-    print(f"the same training code twice: with {work.own_how}, then with {work.pooled_how}",
+    rounds = count_rounds(len(round_steps(steps)))
+    print(f"the same training code twice, in {rounds}, interleaved (each takes both trainings the "
+          f"same steps further, the order alternating): with {work.own_how} and with {work.pooled_how}",
           file=out, flush=True)
 
     # Warm up (kernel compilation and library start-up costs nobody's allocator).
     train(work, work.own, 3)
     train(work, work.pooled, 3)
 
-    # 1. The array library's own allocation.
-    before = _process_costs()
-    own_seconds, own_loss = train(work, work.own, steps, Progress(steps, f"{library}'s own", out))
-    own_costs = _process_costs(since=before)
-    # 2. The same training with unimem as the allocator, history recorded.
+    # 1. The array library's own allocation and unimem's, in paired rounds;
+    # the pool's history recorded (the own rounds do not use the pool).
     allocator.empty_cache()
     allocator.reset_accumulated_stats()
     allocator.reset_peak_stats()
     work.memory_api._record_memory_history(max_entries=200_000, clear_history=True)
     counters = work.counters
     counted_before = counters() if counters else None
-    before = _process_costs()
-    pool_seconds, pool_loss = train(work, work.pooled, steps, Progress(steps, "unimem", out))
-    pool_costs = _process_costs(since=before)
+    training, own, pooled = train_in_rounds(work, steps, f"{library}'s own", out)
+    own.training.finish()
+    pooled.training.finish()
+    own_seconds, pool_seconds = training.total_seconds()
+    own_loss, pool_loss = own.training.loss, pooled.training.loss
+    own_costs, pool_costs = own.costs(), pooled.costs()
     counted = _since(counters(), counted_before) if counters and counted_before is not None else None
     stats = allocator.memory_stats()
     if show_oom:
@@ -284,12 +377,14 @@ def run(steps: int = 300, out_dir: str = "unimem-demo", out: Optional[TextIO] = 
     print("", file=out)
     print(work.memory_api.memory_summary(index), file=out)
 
-    # 3. The allocations alone, replayed through the raw backend and the pool.
+    # 2. The allocations alone, replayed through the raw backend and the
+    # pool, in paired rounds too.
     trace = snapshot["device_traces"][index]
     backend = dtype.backend
-    raw_alloc_seconds = replay(trace, lambda n: backend.malloc(n, index, 0),
-                               lambda p, n: backend.free(p, n, index, 0))
-    pool_alloc_seconds = replay(trace, allocator.malloc, lambda p, n: allocator.free(p))
+    replays = interleaved(lambda _: replay(trace, lambda n: backend.malloc(n, index, 0),
+                                           lambda p, n: backend.free(p, n, index, 0)),
+                          lambda _: replay(trace, allocator.malloc, lambda p, n: allocator.free(p)), ROUNDS)
+    raw_alloc_seconds, pool_alloc_seconds = replays.median_seconds()
     handed_out = stats["allocation.all.allocated"]
     misses = stats["num_device_alloc"]
     hit_rate = 1.0 - misses / handed_out if handed_out else 0.0
@@ -297,19 +392,19 @@ def run(steps: int = 300, out_dir: str = "unimem-demo", out: Optional[TextIO] = 
     print(_served_from_the_pool(work, counted, stats), file=out)
     print(f"cache hit rate: {hit_rate:.2%} ({handed_out - misses} of {handed_out} requests served "
           f"from the cache; {misses} device allocations)", file=out)
-    print(f"training: {pool_seconds:.2f} s with unimem (recording its memory history) vs "
-          f"{own_seconds:.2f} s with {library}'s own allocation: "
-          f"{_difference(own_seconds, pool_seconds)} (losses {pool_loss:.4f} / {own_loss:.4f})",
-          file=out)
-    print(f"allocation alone ({requests} requests of this run, replayed): "
-          f"{pool_alloc_seconds * 1e3:.1f} ms through the pool vs {raw_alloc_seconds * 1e3:.1f} ms "
-          f"of raw {dtype.pool.display_name} malloc/free: "
-          f"{_difference(raw_alloc_seconds, pool_alloc_seconds)}", file=out)
+    own_allocation = f"{library}'s own allocation"
+    print(f"training, {rounds}, interleaved: {training.verdict('unimem', own_allocation)}; "
+          f"{pool_seconds:.2f} s with unimem (recording its memory history) vs {own_seconds:.2f} s in all "
+          f"(losses {pool_loss:.4f} / {own_loss:.4f})", file=out)
+    print(f"allocation alone ({requests} requests of this run, replayed in {count_rounds(ROUNDS)}, interleaved): "
+          f"{replays.verdict('the pool', f'raw {dtype.pool.display_name} malloc/free')}; "
+          f"a round {_duration(pool_alloc_seconds)} through the pool vs {_duration(raw_alloc_seconds)} "
+          f"raw (medians)", file=out)
     # Where the training times differ beyond the allocator's own work: what
     # the operating system did for the process (a page fault is a first touch
-    # of newly mapped memory), measured in the two trainings above.
+    # of newly mapped memory), measured in the rounds above.
     if pool_costs is not None and own_costs is not None:
-        print(f"where the training times differ (unimem vs {library}'s own, measured in the runs above): "
+        print(f"where the training times differ (unimem vs {library}'s own, measured in the rounds above): "
               f"{pool_costs[0]:,} vs {own_costs[0]:,} page faults (first touches of newly mapped "
               f"memory) and {pool_costs[1]:.2f} s vs {own_costs[1]:.2f} s of operating-system time",
               file=out)
@@ -329,8 +424,9 @@ def run(steps: int = 300, out_dir: str = "unimem-demo", out: Optional[TextIO] = 
     print(f"wrote {snapshot_path} (open it at https://pytorch.org/memory_viz), {picture_path} and "
           f"{report_path} (an interactive report that opens offline)", file=out, flush=True)
     return {"device": f"{dtype.name}:{index}", "steps": steps, "hit_rate": hit_rate,
-            "pool_seconds": pool_seconds, "own_seconds": own_seconds,
+            "pool_seconds": pool_seconds, "own_seconds": own_seconds, "training_rounds": training.rounds,
             "pool_alloc_seconds": pool_alloc_seconds, "raw_alloc_seconds": raw_alloc_seconds,
+            "replay_rounds": replays.rounds,
             "snapshot": snapshot_path, "picture": picture_path, "report": report_path, "loss": pool_loss, "own_loss": own_loss,
             "allocator_counters": counted,
             "pool_faults_and_system_seconds": pool_costs, "own_faults_and_system_seconds": own_costs}
@@ -382,12 +478,9 @@ def _process_costs(since: Optional[Tuple[int, float]] = None) -> Optional[Tuple[
     return now[0] - since[0], now[1] - since[1]
 
 
-def _difference(baseline: float, pooled: float) -> str:
-    """'3.2x faster, 12.0 ms saved' or '1.10x slower, 0.4 ms lost'."""
-    if pooled <= baseline:
-        return (f"{baseline / max(pooled, 1e-9):.1f}x faster, "
-                f"{(baseline - pooled) * 1e3:.1f} ms saved")
-    return f"{pooled / max(baseline, 1e-9):.2f}x slower, {(pooled - baseline) * 1e3:.1f} ms lost"
+def _duration(seconds: float) -> str:
+    """'12.8 ms', or '35 us' below a millisecond."""
+    return f"{seconds * 1e3:.1f} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.0f} us"
 
 
 def _provoke_out_of_memory(allocator: _core.CachingAllocator, out: TextIO) -> None:

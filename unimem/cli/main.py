@@ -5,16 +5,26 @@ Subcommands:
   plot      draw the timeline and segment map of a snapshot into a PNG
   view      write a snapshot's memory report: one interactive HTML file that opens offline
   run       run a Python script with unimem as its array library's allocator, then print the summary
+            on stderr, apart from the script's own stdout (-o FILE: into FILE)
             (--report memory.html: and write the memory report of the run)
             (--sycl-interpose: dpnp's C++ scratch buffers from the pools too)
   summary   print the memory summary (after running a script, if one is given)
   stats     print the memory statistics (as JSON with --json), after an optional script
   cluster   print the unimem statistics of every worker of a Dask cluster
 
+``--version`` prints the installed version.
+
 A mistake of the user's (a missing file, a bad argument, a device this machine
-lacks) is one line on stderr and a non-zero exit status; an error of a script
-run under ``run``/``summary``/``stats`` is the script's own traceback, without
-unimem's frames, and exit status 1, as ``python script.py`` would give.
+lacks, a ``UNIMEM_ALLOC_CONF`` the pools or the device refuse) is one line on
+stderr, ``<prog> <command>: error: ...``, and a non-zero exit status, in every
+subcommand; an error of a script run under ``run``/``summary``/``stats`` is the
+script's own traceback, without unimem's frames, and exit status 1, as
+``python script.py`` would give.
+
+Standard output holds one thing: under ``run``, the script's own output (the
+summary goes to stderr, as ``time`` and profilers put theirs); under
+``summary`` and ``stats``, unimem's (the script's output goes to stderr, unless
+``stats -o FILE`` takes the statistics elsewhere).
 """
 from __future__ import annotations
 
@@ -26,7 +36,9 @@ import os
 import runpy
 import sys
 import traceback
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, TextIO, Tuple
+
+from .version import VersionAction
 
 # The exit status of a program ended by Ctrl-C (128 + SIGINT), as shells report it.
 EXIT_INTERRUPTED = 130
@@ -39,8 +51,16 @@ SYCL_INTERPOSE_ENV = "UNIMEM_SYCL_INTERPOSE"
 REPORT_MAX_ENTRIES = 200_000
 
 
-class UsageError(Exception):
+class CommandError(Exception):
+    """What the user asked for cannot be done: reported as one line, exit status :attr:`status`."""
+
+    status = 1
+
+
+class UsageError(CommandError):
     """A mistake in what the user asked for: reported as one line, exit status 2."""
+
+    status = EXIT_USAGE
 
 
 def _positive_int(text: str) -> int:
@@ -73,6 +93,27 @@ def _output_file(text: str) -> str:
     return text
 
 
+def _check_folder_of(path: str) -> None:
+    """The folder a file is to be written into exists (checked before any
+    script runs, not after)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise UsageError(f"cannot write {path}: no such folder {folder}")
+
+
+def _write_output(text: str, path: Optional[str], stream: TextIO) -> None:
+    """``text`` into the file ``path``, or onto ``stream`` without one."""
+    if path is None:
+        stream.write(text)
+        stream.flush()
+        return
+    try:
+        with open(path, "w") as f:
+            f.write(text)
+    except OSError as exc:
+        raise UsageError(f"cannot write {path}: {exc.strerror or exc}") from None
+
+
 def _output_folder(text: str) -> str:
     """A folder to write into: named, and not an existing file (checked before
     the demo trains, not after)."""
@@ -103,11 +144,28 @@ def _current_device_type() -> Any:
         raise UsageError(str(exc).removeprefix("unimem: ")) from None
 
 
+@contextlib.contextmanager
+def _pool_refusals() -> Iterator[None]:
+    """Inside, a ``UNIMEM_ALLOC_CONF`` that does not parse (ValueError) or a
+    setting the device refuses (NotImplementedError: expandable segments on
+    XPU), met as a pool is made, is the user's mistake, said in one line."""
+    try:
+        yield
+    except (ValueError, NotImplementedError) as exc:
+        raise UsageError(f"cannot serve arrays from unimem's pools: {exc}") from None
+
+
 # ---------------------------------------------------------------------------
 # demo, plot
 # ---------------------------------------------------------------------------
 def _demo(args: argparse.Namespace) -> int:
-    _current_device_type()
+    dtype = _current_device_type()
+    with _pool_refusals():
+        dtype.allocator(dtype.current_index())         # the pool the demo trains with
+    try:
+        os.makedirs(args.out, exist_ok=True)           # before training, not after
+    except OSError as exc:
+        raise UsageError(f"cannot write into {args.out}: {exc.strerror or exc}") from None
     from . import demo
     demo.run(steps=args.steps, out_dir=args.out, show_oom=not args.no_oom)
     return 0
@@ -156,7 +214,7 @@ def _check_script(argv: List[str]) -> None:
 def _stdout_to_stderr() -> Iterator[None]:
     """While the script runs, whatever it writes to stdout (from Python or
     from C, file descriptor 1) goes to stderr, so that stdout carries only
-    unimem's own output (the JSON of ``stats --json``)."""
+    unimem's own output (``summary``'s table, ``stats``' figures)."""
     sys.stdout.flush()
     saved = os.dup(1)
     try:
@@ -199,6 +257,9 @@ def _run_script(argv: List[str], install: bool, quiet_stdout: bool = False, sycl
     its exit status (1 after printing its traceback if it raised).
     ``sycl_interpose`` (or UNIMEM_SYCL_INTERPOSE=1): install the SYCL
     interposer before anything imports dpnp."""
+    from .._runtime.config import settings_from_env
+    with _pool_refusals():
+        settings_from_env()               # whether or not a script runs: its pools' settings
     if not argv:
         return 0
     _check_script(argv)
@@ -206,9 +267,8 @@ def _run_script(argv: List[str], install: bool, quiet_stdout: bool = False, sycl
     if install:
         from .._integrations.install import POOL_OF_LIBRARY, install_allocators
         try:
-            installed = install_allocators(sycl_interpose=sycl_interpose)
-        except (ValueError, NotImplementedError) as exc:    # UNIMEM_ALLOC_CONF, before the script runs
-            raise UsageError(f"cannot serve arrays from unimem's pools: {exc}") from None
+            with _pool_refusals():        # before the script runs
+                installed = install_allocators(sycl_interpose=sycl_interpose)
         except RuntimeError as exc:
             if not sycl_interpose:
                 raise
@@ -295,9 +355,13 @@ def _memory_api(type_name: str) -> Any:
     return importlib.import_module(f"unimem.{type_name}")
 
 
-def _print_summaries(device: Optional[int], abbreviated: bool) -> None:
-    for type_name, index in _pools_to_report(device):
-        print(_memory_api(type_name).memory_summary(index, abbreviated=abbreviated))
+def _summary_text(device: Optional[int], abbreviated: bool) -> str:
+    """The summary of every pool to report, and what the dpnp allocator and
+    the SYCL interposer served, where installed."""
+    lines = [_memory_api(type_name).memory_summary(index, abbreviated=abbreviated)
+             for type_name, index in _pools_to_report(device)]
+    lines.extend(line for line in (_dpnp_counters_line(), _sycl_counters_line()) if line is not None)
+    return "\n".join(lines) + "\n"
 
 
 def _dpnp_counters() -> Optional[Dict[str, int]]:
@@ -321,11 +385,10 @@ def _served_line(what: str, counters: Dict[str, int], unit: str, reasons: Tuple[
             f"around them{f' ({why})' if why else ''}")
 
 
-def _print_dpnp_counters() -> None:
+def _dpnp_counters_line() -> Optional[str]:
     from .._usm_memory import BYPASS_REASONS
     counters = _dpnp_counters()
-    if counters is not None:
-        print(_served_line("dpnp arrays", counters, "allocations", BYPASS_REASONS))
+    return None if counters is None else _served_line("dpnp arrays", counters, "allocations", BYPASS_REASONS)
 
 
 def _sycl_counters() -> Optional[Dict[str, int]]:
@@ -337,21 +400,20 @@ def _sycl_counters() -> Optional[Dict[str, int]]:
     return _sycl_interposer.counters()
 
 
-def _print_sycl_counters() -> None:
+def _sycl_counters_line() -> Optional[str]:
     from .._sycl_interposer import REASONS
     counters = _sycl_counters()
-    if counters is not None:
-        refused = f"; {counters['refused.calls']} refused (out of memory)" if counters["refused.calls"] else ""
-        print(_served_line("dpnp C++ scratch", counters, "calls", REASONS) + refused)
+    if counters is None:
+        return None
+    refused = f"; {counters['refused.calls']} refused (out of memory)" if counters["refused.calls"] else ""
+    return _served_line("dpnp C++ scratch", counters, "calls", REASONS) + refused
 
 
 def _record_for_report(path: str) -> None:
     """``run --report``: a folder to write into, and every available device
     type's memory history recorded from before the script starts."""
     from .._runtime import devices as _devices
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise UsageError(f"cannot write {path}: no such folder {folder}")
+    _check_folder_of(path)
     for name in _devices.KNOWN_TYPES:
         if _devices.is_available(name):
             _memory_api(name)._record_memory_history(max_entries=REPORT_MAX_ENTRIES)
@@ -381,30 +443,33 @@ def _write_run_report(path: str, script: str) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.output:
+        _check_folder_of(args.output)
     if args.report:
         _record_for_report(args.report)
     code = _run_script([args.script] + args.args, install=True, sycl_interpose=args.sycl_interpose)
-    _print_summaries(None, args.abbreviated)
-    _print_dpnp_counters()
-    _print_sycl_counters()
+    sys.stdout.flush()                   # the script's output first, where both reach a terminal
+    # Apart from the script's own standard output, as time and profilers keep theirs.
+    _write_output(_summary_text(None, args.abbreviated), args.output, sys.stderr)
     if args.report:
         _write_run_report(args.report, args.script)
     return code
 
 
 def _summary(args: argparse.Namespace) -> int:
-    code = _run_script(args.script, install=True)
-    _print_summaries(args.device, args.abbreviated)
-    _print_dpnp_counters()
-    _print_sycl_counters()
+    # The summary on stdout must be the only thing there.
+    code = _run_script(args.script, install=True, quiet_stdout=True)
+    _write_output(_summary_text(args.device, args.abbreviated), None, sys.stdout)
     return code
 
 
 def _stats(args: argparse.Namespace) -> int:
     from .. import host
     from .._runtime.devices import DEVICE_POOLS
-    # JSON on stdout must be the only thing there.
-    code = _run_script(args.script, install=True, quiet_stdout=args.json and args.output is None)
+    if args.output:
+        _check_folder_of(args.output)
+    # The statistics on stdout must be the only thing there.
+    code = _run_script(args.script, install=True, quiet_stdout=args.output is None)
     pools = _pools_to_report(args.device)
     by_device: Dict[str, Dict[str, Any]] = {
         DEVICE_POOLS[name].label(index): dict(_memory_api(name).memory_stats(index)) for name, index in pools}
@@ -426,14 +491,7 @@ def _stats(args: argparse.Namespace) -> int:
             lines.extend(f"{key} {value}" for key, value in stats.items())
         lines.extend(f"host.{key} {value}" for key, value in view["host_memory_stats"].items())
         text = "\n".join(lines) + "\n"
-    if args.output is None:
-        sys.stdout.write(text)
-    else:
-        try:
-            with open(args.output, "w") as f:
-                f.write(text)
-        except OSError as exc:
-            raise UsageError(f"cannot write {args.output}: {exc.strerror or exc}") from None
+    _write_output(text, args.output, sys.stdout)
     return code
 
 
@@ -445,9 +503,7 @@ def _cluster(args: argparse.Namespace) -> int:
     try:
         print(unimem_dask.cluster_summary(args.address, timeout=args.timeout))
     except (OSError, TimeoutError, ValueError) as exc:
-        print(f"unimem cluster: cannot read the Dask cluster at {args.address}: {type(exc).__name__}: {exc}",
-              file=sys.stderr)
-        return 1
+        raise CommandError(f"cannot read the Dask cluster at {args.address}: {type(exc).__name__}: {exc}") from None
     return 0
 
 
@@ -459,6 +515,8 @@ def build_parser(prog: str = "unimem") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog,
         description="unimem: caching allocation and memory statistics for CuPy, dpnp and host memory.")
+    parser.add_argument("--version", action=VersionAction,
+                        help="print the installed version of unimem (and where it is imported from) and exit")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands.required = True
 
@@ -494,10 +552,14 @@ def build_parser(prog: str = "unimem") -> argparse.ArgumentParser:
     view.set_defaults(handler=_view)
 
     run = commands.add_parser("run", help="run a script with unimem as the array library's allocator "
-                                          "and print the memory summary at exit")
-    run.add_argument("script")
+                                          "and print the memory summary at exit (on standard error)")
+    run.add_argument("script", help="the Python script to run as __main__ (a file, or a folder with a "
+                                    "__main__.py); run's options come before it")
     run.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
-    run.add_argument("--abbreviated", action="store_true", help=argparse.SUPPRESS)
+    run.add_argument("-o", "--output", metavar="FILE", default=None, type=_output_file,
+                     help="write the memory summary into FILE (default: standard error, apart from the "
+                          "script's own standard output)")
+    run.add_argument("--abbreviated", action="store_true", help="no per-pool rows in the summary")
     run.add_argument("--sycl-interpose", action="store_true",
                      help="also serve dpnp's C++ scratch buffers (its extensions' sycl::aligned_alloc and "
                           "sycl::free) from unimem's pools, by interposing SYCL's USM functions before dpnp "
@@ -512,18 +574,21 @@ def build_parser(prog: str = "unimem") -> argparse.ArgumentParser:
     summary.add_argument("--device", type=_device_index, default=None,
                          help="device index of the current accelerator (default: every pool in use)")
     summary.add_argument("--abbreviated", action="store_true", help="no per-pool rows")
-    summary.add_argument("script", nargs=argparse.REMAINDER, help="a script and its arguments")
+    summary.add_argument("script", nargs=argparse.REMAINDER,
+                         help="a script and its arguments (its standard output goes to standard error)")
     summary.set_defaults(handler=_summary)
 
     stats = commands.add_parser("stats", help="print the memory statistics of this process "
                                               "(after running SCRIPT, if given)")
     stats.add_argument("--json", action="store_true",
-                       help="as JSON (on stdout, the script's own output sent to stderr; or into -o FILE)")
+                       help="as JSON (on stdout, or into -o FILE)")
     stats.add_argument("-o", "--output", default=None, metavar="FILE", type=_output_file,
                        help="write the statistics to FILE instead of stdout")
     stats.add_argument("--device", type=_device_index, default=None,
                        help="device index of the current accelerator (default: every pool in use)")
-    stats.add_argument("script", nargs=argparse.REMAINDER, help="a script and its arguments")
+    stats.add_argument("script", nargs=argparse.REMAINDER,
+                       help="a script and its arguments (its standard output goes to standard error, "
+                            "unless -o FILE takes the statistics)")
     stats.set_defaults(handler=_stats)
 
     cluster = commands.add_parser("cluster", help="print every Dask worker's unimem statistics")
@@ -540,9 +605,9 @@ def main(argv: Optional[List[str]] = None, prog: str = "unimem") -> int:
     args = build_parser(prog).parse_args(argv)
     try:
         return args.handler(args)
-    except UsageError as exc:
+    except CommandError as exc:
         print(f"{prog} {args.command}: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return exc.status
     except KeyboardInterrupt:
         print(f"{prog} {args.command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
