@@ -41,6 +41,37 @@ def shorten(text: str, limit: int = MAX_NAME) -> str:
 # The band steps one timeline records at most (a band's bottom each time it
 # moves): what a screen shows, within a second or two and well under a GiB.
 STEP_BUDGET = 500_000
+# Out-of-memory errors marked one by one (the plot: a line and a note each;
+# the report: a line and a marker each). A trace may hold any number of
+# them: 50,000 references to one shared entry fit a 100 KB pickle, and each
+# mark cost the plot about 12 ms (10 minutes in all). Past this many, the
+# first ones are marked and the legend says how many there were.
+MAX_OOM_MARKS = 100
+# Blocks a segment map draws one by one, in all (the largest segment's
+# first): one segment of 12,000 blocks made a 61 MB report from a 0.38 MB
+# pickle. The rest of each segment is one bar that sums them up.
+MAX_SEGMENT_BLOCKS = 5000
+
+
+def oom_marks(ooms: List[Tuple[float, int]]) -> Tuple[List[Tuple[float, int]], str]:
+    """The out-of-memory errors ``(time, requested bytes)`` to mark one by
+    one (the first :data:`MAX_OOM_MARKS`), and the legend's name for them."""
+    if len(ooms) <= MAX_OOM_MARKS:
+        return ooms, "out of memory"
+    return ooms[:MAX_OOM_MARKS], f"out of memory ({len(ooms):,} errors, the first {MAX_OOM_MARKS} marked)"
+
+
+def segment_rows(segments: List[Dict[str, Any]], max_rows: int,
+                 max_blocks: int = MAX_SEGMENT_BLOCKS) -> List[Tuple[Dict[str, Any], int]]:
+    """The rows of a segment map: the ``max_rows`` largest segments, by
+    address, each with how many of its blocks (from its start) are drawn one
+    by one, ``max_blocks`` in all, the largest segments' first."""
+    largest = sorted(range(len(segments)), key=lambda k: segments[k]["total_size"], reverse=True)[:max_rows]
+    left, drawn = max_blocks, {}
+    for k in largest:
+        drawn[k] = min(len(segments[k]["blocks"]), left)
+        left -= drawn[k]
+    return [(segments[k], drawn[k]) for k in sorted(largest, key=lambda k: (segments[k]["address"], k))]
 
 
 def pick_device(snapshot: Dict[str, Any], device: Optional[int]) -> int:
@@ -141,9 +172,13 @@ class Timeline:
                                      "segment_unmap", "oom")]
         self.segments = [s for s in snapshot["segments"] if s.get("device", 0) == device]
         self.has_history = bool(events)
-        start_us = events[0].get("time_us", 0) if events else 0
-        self.times = [(e.get("time_us", i) - start_us) / 1e6 if "time_us" in e else float(i)
-                      for i, e in enumerate(events)]
+        # Seconds since the first entry where every entry has its time_us;
+        # else the entries' numbers in the trace (a mix of the two would
+        # put entries out of order).
+        self.timed = all("time_us" in e for e in events)
+        start_us = events[0]["time_us"] if events and self.timed else 0
+        self.times = ([(e["time_us"] - start_us) / 1e6 for e in events] if self.timed
+                      else [float(i) for i in range(len(events))])
         self.ooms: List[Tuple[float, int]] = []
         self.reserved: List[float] = []
         self.active: List[float] = []
@@ -190,12 +225,17 @@ class Timeline:
         self.active_at_start = float(base)
         self.reserved_at_start = float(reserved)
         self.peak = (self.active_at_start, 0) if events else (0.0, -1)   # (active bytes, event index)
+        site_of_list: Dict[int, str] = {}          # id of a list of frames (alive in events) -> its site
         for i, e in enumerate(events):
             t = self.times[i]
             action = e["action"]
             if action == "alloc":
                 frames = e.get("frames", [])
-                band = {"addr": e["addr"], "size": e["size"], "site": site(frames), "frames": frames,
+                # Once per list of frames: a snapshot may share one among all its entries.
+                place = site_of_list.get(id(frames))
+                if place is None:
+                    place = site_of_list[id(frames)] = site(frames)
+                band = {"addr": e["addr"], "size": e["size"], "site": place, "frames": frames,
                         "start": t, "end": None, "tracked": i in with_band, "steps": [],
                         "order": len(self.bands), "first": i, "last": None}
                 if band["tracked"]:
