@@ -230,3 +230,17 @@ def test_plot_draws_a_bounded_number_of_blocks_in_its_segment_map(tmp_path, draw
     background = 1                                  # the segment's row, in grey
     undrawn = 0 if history else 1                   # the bar that sums the blocks past the cap
     assert rectangles(bottom) == background + MAX_SEGMENT_BLOCKS + undrawn
+
+
+def test_plot_draws_the_bands_outlines_within_its_corners(tmp_path, drawn_figures):
+    """2,400 frees below 200 bands: each band's outline had a corner for
+    each of its 2,400 steps (about a million, 340 MiB for a 0.1 MB pickle).
+    Now BAND_CORNERS in all, shared among the bands."""
+    path, snapshot = written(tmp_path, frees_that_move_every_band())
+    plot_module.plot_snapshot(snapshot, str(tmp_path / "out.png"))
+    from matplotlib.collections import PolyCollection
+    bands = [c for c in drawn_figures[0].axes[0].collections if isinstance(c, PolyCollection)
+             and len(c.get_paths()) == 200]
+    assert len(bands) == 1
+    corners = sum(len(outline.vertices) for outline in bands[0].get_paths())
+    assert corners <= plot_module.BAND_CORNERS + 4 * 200      # and a few for each band's ends

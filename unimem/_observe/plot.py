@@ -25,14 +25,15 @@ import heapq
 from typing import Any, Dict, List, Optional, Tuple
 
 from .._core import format_size
-from .timeline import (MAX_SEGMENT_BLOCKS, MiB, Timeline, allocation_site, band_polygon, oom_marks, pick_device,
-                       segment_rows, shorten)
+from .timeline import (MAX_SEGMENT_BLOCKS, MiB, Timeline, allocation_site, band_polygon, drawn_steps, oom_marks,
+                       pick_device, segment_rows, shorten)
 # The loader lives in snapshot_file; these names stay importable from here for existing callers.
 from .snapshot_file import SnapshotError, load_snapshot
 
 __all__ = ["SnapshotError", "Timeline", "load_snapshot", "plot_snapshot"]
 
 MAX_DRAWN = 2_000         # allocations drawn individually (fewer on a long trace); the rest are grey
+BAND_CORNERS = 400_000    # corners of their outlines, all together (see drawn_steps)
 MAX_SEGMENT_ROWS = 40
 LEGEND_SITES = 8
 FREE_COLOUR = "#e3e3e3"
@@ -98,7 +99,8 @@ def plot_snapshot(snapshot: Dict[str, Any], output: str, device: Optional[int] =
                              color=BEFORE_COLOUR, linewidth=0)
             handles.append(Patch(color=BEFORE_COLOUR, label="allocated before the recording"))
         drawn = tl.tracked_bands
-        top.add_collection(PolyCollection([band_polygon(b, end) for b in drawn],
+        top.add_collection(PolyCollection([band_polygon(b, end, steps)
+                                           for b, steps in zip(drawn, drawn_steps(drawn, BAND_CORNERS))],
                                           facecolors=[colour_of[b["site"]] for b in drawn],
                                           edgecolors="none"))
         reserved_times, reserved = tl.reserved_steps()

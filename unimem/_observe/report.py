@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Mapping, Optional
 from .._core import format_size
 from . import report_data as data
 from .summary import memory_summary_table
-from .timeline import MiB, Timeline, oom_marks, pick_device, shorten
+from .timeline import MiB, Timeline, downsample, oom_marks, pick_device, shorten
 
 FREE_COLOUR = "#e3e3e3"
 OTHER_COLOUR = "#cfcfcf"
@@ -103,17 +103,17 @@ def _step_line(x: Any, y: Any, name: str, meta: str, what: str, **style: Any) ->
 def _add_active_memory(fig: Any, tl: Timeline) -> None:
     """All active memory in grey (on top), what was there before the recording
     darker beneath; below, reserved and active memory as lines."""
-    active_times, active = data.downsample(*tl.active_steps())
+    active_times, active = downsample(*tl.active_steps())
     fig.add_trace(_step_line(active_times, active, "active memory (grey: the allocations not drawn as bands)",
                              "active", "active", fill="tozeroy", fillcolor=OTHER_COLOUR,
                              line={"color": "#8c8c8c", "width": 0.8}), row=1, col=1)
-    before_times, before = data.downsample([t for t, _ in tl.base_steps] + [tl.end_time],
+    before_times, before = downsample([t for t, _ in tl.base_steps] + [tl.end_time],
                                            [y for _, y in tl.base_steps] + [tl.base_steps[-1][1]])
     if before.any():
         fig.add_trace(_step_line(before_times, before, "allocated before the recording", "before",
                                  "allocated before the recording", fill="tozeroy", fillcolor=BEFORE_COLOUR,
                                  line={"width": 0}), row=1, col=1)
-    reserved_times, reserved = data.downsample(*tl.reserved_steps())
+    reserved_times, reserved = downsample(*tl.reserved_steps())
     fig.add_trace(_step_line(reserved_times, reserved, "reserved", "reserved", "reserved",
                              line={"color": RESERVED_COLOUR, "width": 1.5}, legendrank=2000), row=2, col=1)
     fig.add_trace(_step_line(active_times, active, "active", "allocated", "active",

@@ -13,25 +13,17 @@ import heapq
 import html
 import pickle
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
-import numpy
 
 from .._core import format_size
 from .._runtime.pools import named_pools
 from .timeline import (GROWS, MAX_SEGMENT_BLOCKS, MiB, NO_FRAMES, SHRINKS, Frame, Timeline, allocation_site,
-                       band_polygon, segment_rows, shorten)
+                       band_polygon, drawn_steps, segment_rows, shorten)
 
-# A screen is a few thousand pixels wide: a line keeps at most four points
-# (first, lowest, highest, last) in each of this many slices of time, so that
-# every peak and trough stays where it was.
-TIME_SLICES = 1000
-BAND_TIME_SLICES = 300
 MAX_BANDS = 200           # the largest allocations drawn as their own bands; the rest are "other"
-# Corners of the bands' outlines, all bands together: a band moves at every
-# free below it, and one free entry, shared 2,400 times in a 12 KB pickle,
-# moved each of 200 bands 2,400 times (36 MB of outlines). A band whose
-# outline would pass its share is cut down to fewer slices of time.
+# Corners of the bands' outlines, all bands together (see drawn_steps): 2,400
+# frees below 200 bands in a 0.1 MB pickle made 10 MB of outlines.
 BAND_POINTS = 40_000
 MAX_SEGMENT_ROWS = 48
 LARGEST_LIVE = 20
@@ -47,28 +39,6 @@ STACK_TEXT_FLOOR = 256 << 10
 STACK_LEFT_OUT = "(stack left out, as the header says)"
 ALLOCATED, PENDING_FREE, FREE = "active_allocated", "active_pending_free", "inactive"
 UNDRAWN = "undrawn"       # the blocks of a segment past MAX_SEGMENT_BLOCKS, one bar
-
-
-def downsample(x: Sequence[float], y: Sequence[float],
-               slices: int = TIME_SLICES) -> Tuple[numpy.ndarray, numpy.ndarray]:
-    """The points of a step line ``(x, y)`` (``x`` sorted) worth drawing: in
-    each of ``slices`` equal slices of ``x``, the first, lowest, highest and
-    last point, in order. A line of at most ``4 * slices`` points comes back whole."""
-    xs, ys = numpy.asarray(x, dtype=float), numpy.asarray(y, dtype=float)
-    if len(xs) <= 4 * slices:
-        return xs, ys
-    span = xs[-1] - xs[0]
-    slice_of = numpy.minimum(((xs - xs[0]) / (span or 1.0) * slices).astype(numpy.int64), slices - 1)
-    starts = numpy.flatnonzero(numpy.r_[True, slice_of[1:] != slice_of[:-1]])
-    ends = numpy.r_[starts[1:], len(xs)] - 1
-    keep = [starts, ends]
-    for reduce in (numpy.minimum, numpy.maximum):
-        extreme = reduce.reduceat(ys, starts)
-        # the first point of each slice that reaches the slice's extreme
-        hits = numpy.flatnonzero(ys == numpy.repeat(extreme, ends - starts + 1))
-        keep.append(hits[numpy.r_[True, slice_of[hits][1:] != slice_of[hits][:-1]]])
-    kept = numpy.unique(numpy.concatenate(keep))
-    return xs[kept], ys[kept]
 
 
 def stack_text(frames: List[Frame], limit: int = STACK_FRAMES) -> str:
@@ -157,14 +127,9 @@ def largest_bands(timeline: Timeline, count: int = MAX_BANDS) -> List[Band]:
         -((timeline.bands[k]["end"] if timeline.bands[k]["end"] is not None else timeline.end_time)
           - timeline.bands[k]["start"]), k))
     chosen = sorted(order[:count])
-    kept = _steps_within(BAND_POINTS // 4, [len(timeline.bands[k]["steps"]) for k in chosen])
     bands = []
-    for k, keep in zip(chosen, kept):
+    for k, steps in zip(chosen, drawn_steps([timeline.bands[k] for k in chosen], BAND_POINTS)):
         band = timeline.bands[k]
-        steps = band["steps"]
-        if len(steps) > keep:
-            xs, ys = downsample([t for t, _ in steps], [y for _, y in steps], max(keep // 4, 1))
-            steps = list(zip(xs.tolist(), ys.tolist()))
         outline = band_polygon(band, timeline.end_time, steps)
         end = band["end"] if band["end"] is not None else timeline.end_time
         middle = (band["start"] + end) / 2
@@ -174,18 +139,6 @@ def largest_bands(timeline: Timeline, count: int = MAX_BANDS) -> List[Band]:
                           [round(x, 6) for x, _ in outline], [round(y, 6) for _, y in outline],
                           (middle, (bottom + band["size"] / 2) / MiB)))
     return bands
-
-
-def _steps_within(total: int, wanted: List[int]) -> List[int]:
-    """How many steps each band keeps: what it has, at most ``4 *
-    BAND_TIME_SLICES``, and ``total`` in all, shared evenly among those that
-    want more than their share (a polygon has about 4 corners per step)."""
-    kept = [0] * len(wanted)
-    left = total
-    for done, k in enumerate(sorted(range(len(wanted)), key=lambda k: wanted[k])):
-        kept[k] = min(wanted[k], 4 * BAND_TIME_SLICES, max(left // (len(wanted) - done), 4))
-        left -= kept[k]
-    return kept
 
 
 @dataclass

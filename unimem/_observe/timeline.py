@@ -15,7 +15,9 @@ import functools
 import os
 import site
 import sysconfig
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy
 
 from .history import is_unimem_code
 from .snapshot_file import read_source_line
@@ -41,6 +43,11 @@ def shorten(text: str, limit: int = MAX_NAME) -> str:
 # The band steps one timeline records at most (a band's bottom each time it
 # moves): what a screen shows, within a second or two and well under a GiB.
 STEP_BUDGET = 500_000
+# A screen is a few thousand pixels wide: a line keeps at most four points
+# (first, lowest, highest, last) in each of this many slices of time, so that
+# every peak and trough stays where it was; a band's bottom, in this many.
+TIME_SLICES = 1000
+BAND_TIME_SLICES = 300
 # Out-of-memory errors marked one by one (the plot: a line and a note each;
 # the report: a line and a marker each). A trace may hold any number of
 # them: 50,000 references to one shared entry fit a 100 KB pickle, and each
@@ -390,3 +397,47 @@ def band_polygon(band: Dict[str, Any], end_time: float,
     lower.append((end, steps[-1][1] / MiB))
     upper = [(t, y + band["size"] / MiB) for t, y in reversed(lower)]
     return lower + upper
+
+
+def downsample(x: Sequence[float], y: Sequence[float],
+               slices: int = TIME_SLICES) -> Tuple[numpy.ndarray, numpy.ndarray]:
+    """The points of a step line ``(x, y)`` (``x`` sorted) worth drawing: in
+    each of ``slices`` equal slices of ``x``, the first, lowest, highest and
+    last point, in order. A line of at most ``4 * slices`` points comes back whole."""
+    xs, ys = numpy.asarray(x, dtype=float), numpy.asarray(y, dtype=float)
+    if len(xs) <= 4 * slices:
+        return xs, ys
+    span = xs[-1] - xs[0]
+    slice_of = numpy.minimum(((xs - xs[0]) / (span or 1.0) * slices).astype(numpy.int64), slices - 1)
+    starts = numpy.flatnonzero(numpy.r_[True, slice_of[1:] != slice_of[:-1]])
+    ends = numpy.r_[starts[1:], len(xs)] - 1
+    keep = [starts, ends]
+    for reduce in (numpy.minimum, numpy.maximum):
+        extreme = reduce.reduceat(ys, starts)
+        # the first point of each slice that reaches the slice's extreme
+        hits = numpy.flatnonzero(ys == numpy.repeat(extreme, ends - starts + 1))
+        keep.append(hits[numpy.r_[True, slice_of[hits][1:] != slice_of[hits][:-1]]])
+    kept = numpy.unique(numpy.concatenate(keep))
+    return xs[kept], ys[kept]
+
+
+def drawn_steps(bands: List[Dict[str, Any]], corners: int) -> List[List[Tuple[float, float]]]:
+    """The steps of each band's bottom as drawn: about ``corners`` corners of
+    outline in all (4 a step), shared evenly among the bands that want more
+    than their share, and at most ``4 * BAND_TIME_SLICES`` steps a band. A
+    band moves at every free below it: a few thousand frees below a few
+    hundred bands would be millions of corners, all in a few pixels."""
+    wanted = [len(band["steps"]) for band in bands]
+    kept = [0] * len(bands)
+    left = corners // 4
+    for done, k in enumerate(sorted(range(len(bands)), key=wanted.__getitem__)):
+        kept[k] = min(wanted[k], 4 * BAND_TIME_SLICES, max(left // (len(bands) - done), 4))
+        left -= kept[k]
+    drawn = []
+    for band, keep in zip(bands, kept):
+        steps = band["steps"]
+        if len(steps) > keep:
+            xs, ys = downsample([t for t, _ in steps], [y for _, y in steps], max(keep // 4, 1))
+            steps = list(zip(xs.tolist(), ys.tolist()))
+        drawn.append(steps)
+    return drawn
