@@ -10,12 +10,14 @@ and compared with what the snapshot says, computed here independently.
 docs/memory-report.png.
 """
 import base64
+import html
 import json
 import os
 import pickle
 import shutil
 import subprocess
 import sys
+import re
 import textwrap
 
 import numpy
@@ -364,8 +366,108 @@ def test_the_summary_made_from_a_snapshot_agrees_with_the_pools_own(training):
                                               "inactive_split")]
     exact += [f"{key}.all.{metric}" for key in ("reserved_bytes", "allocation", "active", "segment")
               for metric in ("peak", "allocated", "freed")]
+    # The trace records the size each allocation asked for: requested memory over time.
+    exact += [f"requested_bytes.all.{metric}" for metric in ("peak", "allocated", "freed")]
     assert {name: made[name] for name in exact + ["num_ooms"]} == {name: real[name] for name in exact + ["num_ooms"]}
     assert real["num_ooms"] == 1
+    # ... and not the blocks' sizes: what it cannot tell is left out, not made up
+    untold = [f"{key}.all.{metric}" for key in ("allocated_bytes", "active_bytes", "inactive_split_bytes",
+                                               "inactive_split") for metric in ("peak", "allocated", "freed")]
+    assert not set(untold + ["num_alloc_retries"]) & set(made)
+
+
+# A snapshot with no trace: _dump_snapshot while nothing is recorded.
+NO_TRACE = textwrap.dedent("""
+    import sys
+    import unimem
+    api = unimem.cpu
+    kept = [api.caching_allocator_alloc(size) for size in (10 << 20, 3 << 20, 1000, 700 << 10)]
+    api.caching_allocator_delete(kept.pop())
+    api._dump_snapshot(sys.argv[1])
+""")
+
+
+def summary_of(page_path):
+    """The report's header, the note over its summary table, and the table's
+    rows: {label: [Cur Usage, Peak Usage, Tot Alloc, Tot Freed]} and the OOMs line."""
+    page = page_path.read_text()
+    facts = html.unescape(re.search(r'<div class="facts">(.*?)</div>', page).group(1))
+    note = html.unescape(re.search(r"<p>(.*?)</p>", page, re.S).group(1))
+    table = html.unescape(re.search(r'<pre id="unimem-summary">(.*?)</pre>', page, re.S).group(1))
+    ooms = next(line for line in table.splitlines() if "OOMs" in line)
+    return facts, note, table_rows(table), ooms
+
+
+def in_bytes(cell):
+    number, unit = cell.split()
+    return int(number) << (10 * ["B", "KiB", "MiB", "GiB", "TiB", "PiB"].index(unit))
+
+
+def test_the_summary_of_a_snapshot_without_a_trace_shows_only_current_usage(tmp_path):
+    """Without a trace a snapshot tells only what its segments hold now: the
+    table made from it printed each current value again as its peak and 0 as
+    its totals. Now only "Cur Usage" has numbers, the rest say n/a, and the
+    note and the header say why."""
+    path, _, snapshot = make_snapshot(tmp_path, "no_trace", NO_TRACE)
+    assert snapshot["device_traces"] == [[]]
+    report = tmp_path / "memory.html"
+    done = unimem_cli("view", str(path), "-o", str(report))
+    assert done.returncode == 0, done.stderr
+    facts, note, rows, ooms = summary_of(report)
+    assert "no trace" in facts and "out-of-memory" not in facts
+    assert "no trace" in note and 'only "Cur Usage"' in note
+    assert "n/a" in ooms
+    assert in_bytes(rows["Allocated memory"][0]) == (13 << 20) + 1024      # the three blocks still live
+    for label, cells in rows.items():
+        if not label.startswith("Oversize"):          # never oversize: max_split_size is unlimited
+            assert cells[0] != "n/a" and cells[1:] == ["n/a"] * 3, (label, cells)
+
+
+def table_rows(table):
+    """A summary table's rows: {label: [Cur Usage, Peak Usage, Tot Alloc, Tot Freed]}."""
+    rows = {}
+    for line in table.splitlines():
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        if len(cells) == 5 and cells[0] != "Metric":
+            rows[cells[0]] = cells[1:]
+    return rows
+
+
+def test_the_summary_of_a_snapshot_with_a_trace_does_not_contradict_itself(training):
+    """From a trace, "Requested memory" showed 0 B allocated beside 114,688
+    KiB of "Allocated memory", and a requested peak under the allocated one:
+    the trace's sizes (what was asked for) were counted as allocated memory,
+    and requested memory only as its current value. Now the trace's sizes are
+    requested memory, row for row the pool's own; allocated, active and
+    non-releasable memory over time, which the trace cannot tell, say n/a."""
+    from unimem._observe.summary import memory_summary_table
+    path, _, snapshot, report = training
+    with open(f"{path}.stats.json") as f:
+        real = table_rows(memory_summary_table(json.load(f), "CPU", 0, abbreviated=True))
+    facts, note, rows, ooms = summary_of(report)
+    for label in ("Requested memory", "CPU reserved memory", "Allocations", "Active allocs", "CPU reserved segments"):
+        assert rows[label] == real[label], label
+    for label in ("Allocated memory", "Active memory", "Non-releasable memory", "Non-releasable allocs"):
+        assert rows[label][0] == real[label][0] and rows[label][1:] == ["n/a"] * 3, (label, rows[label])
+    assert "malloc retries: n/a" in ooms and "OOMs: 1 " in ooms
+    assert re.search(rf"{len(snapshot['device_traces'][0]):,} trace entries over [0-9.]+ (µs|ms|s) ", facts), facts
+
+
+def test_the_header_gives_a_short_trace_its_span_in_microseconds(tmp_path):
+    """Entries 31 µs apart were "over 0.000 s"; entries without times, "over
+    2.000 s" (their numbers in the trace taken for seconds)."""
+    from unimem._observe.report import report_html
+    frames = [{"filename": "/home/user/train.py", "line": 3, "name": "step"}]
+    events = [{"action": "alloc", "addr": 4096 * k, "size": 512, "stream": 0, "time_us": t, "frames": frames}
+              for k, t in enumerate((1_000_010, 1_000_020, 1_000_041))]
+    snapshot = {"segments": [], "device_traces": [events]}
+    facts = lambda page: html.unescape(re.search(r'<div class="facts">(.*?)</div>', page).group(1))  # noqa: E731
+    assert "3 trace entries over 31 µs" in facts(report_html(snapshot))
+    for e in events:
+        del e["time_us"]
+    untimed = report_html(snapshot)
+    assert "3 trace entries (the trace records no times)" in facts(untimed)
+    assert "trace entry (the trace records no times)" in untimed.replace("\\u002f", "/")
 
 
 # ---------------------------------------------------------------------------

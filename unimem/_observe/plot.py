@@ -20,22 +20,27 @@ names ever runs).
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+import bisect
+import heapq
+from typing import Any, Dict, List, Optional, Tuple
 
 from .._core import format_size
-from .timeline import MiB, Timeline, allocation_site, band_polygon, pick_device, shorten
+from .timeline import (MAX_SEGMENT_BLOCKS, MiB, Timeline, allocation_site, band_polygon, drawn_steps, oom_marks,
+                       pick_device, segment_rows, shorten)
 # The loader lives in snapshot_file; these names stay importable from here for existing callers.
 from .snapshot_file import SnapshotError, load_snapshot
 
 __all__ = ["SnapshotError", "Timeline", "load_snapshot", "plot_snapshot"]
 
 MAX_DRAWN = 2_000         # allocations drawn individually (fewer on a long trace); the rest are grey
+BAND_CORNERS = 400_000    # corners of their outlines, all together (see drawn_steps)
 MAX_SEGMENT_ROWS = 40
 LEGEND_SITES = 8
 FREE_COLOUR = "#e3e3e3"
 BEFORE_COLOUR = "#a8a8a8"
 OTHER_COLOUR = "#cfcfcf"     # active memory with no band of its own (as the report)
 PENDING_COLOUR = "#ef8636"
+UNDRAWN_COLOUR = "#9db7d5"   # the blocks of a segment not drawn one by one
 
 
 def _site(frames: List[Dict[str, Any]], source_lines: bool = False) -> str:
@@ -94,7 +99,8 @@ def plot_snapshot(snapshot: Dict[str, Any], output: str, device: Optional[int] =
                              color=BEFORE_COLOUR, linewidth=0)
             handles.append(Patch(color=BEFORE_COLOUR, label="allocated before the recording"))
         drawn = tl.tracked_bands
-        top.add_collection(PolyCollection([band_polygon(b, end) for b in drawn],
+        top.add_collection(PolyCollection([band_polygon(b, end, steps)
+                                           for b, steps in zip(drawn, drawn_steps(drawn, BAND_CORNERS))],
                                           facecolors=[colour_of[b["site"]] for b in drawn],
                                           edgecolors="none"))
         reserved_times, reserved = tl.reserved_steps()
@@ -104,12 +110,13 @@ def plot_snapshot(snapshot: Dict[str, Any], output: str, device: Optional[int] =
         ymax = max(max(reserved, default=0), tl.peak[0]) / MiB * 1.15 or 1.0
         top.set_xlim(0, end)
         top.set_ylim(0, ymax)
-        for t, size in tl.ooms:
+        marked, oom_label = oom_marks(tl.ooms)
+        for t, size in marked:
             top.axvline(t, color="red", linestyle="--", linewidth=1.5)
             top.annotate(f"out of memory: {format_size(size)} requested", (t, ymax * 0.97),
                          color="red", ha="right", va="top", fontsize=9)
-        if tl.ooms:
-            handles.append(plt.Line2D([], [], color="red", linestyle="--", label="out of memory"))
+        if marked:
+            handles.append(plt.Line2D([], [], color="red", linestyle="--", label=oom_label))
         if tl.peak[1] >= 0:
             peak_t = tl.times[tl.peak[1]]
             top.axvline(peak_t, color="#444444", linestyle=":", linewidth=1)
@@ -125,33 +132,38 @@ def plot_snapshot(snapshot: Dict[str, Any], output: str, device: Optional[int] =
                  ha="center", va="center", transform=top.transAxes)
     top.set_title("Active memory over time: each allocation a band, coloured by where it was "
                   "allocated; reserved memory as a line", fontsize=10)
-    top.set_xlabel("time (s)")
+    top.set_xlabel("time (s)" if tl.timed else "trace entry (the trace records no times)")
     top.set_ylabel("MiB")
     top.grid(alpha=0.3)
 
     # --- segment map -----------------------------------------------------------
-    segments = sorted(tl.segments, key=lambda s: s["total_size"], reverse=True)[:MAX_SEGMENT_ROWS]
-    segments.sort(key=lambda s: s["address"])
+    rows = segment_rows(tl.segments, MAX_SEGMENT_ROWS)
+    segments = [seg for seg, _ in rows]
     if tl.has_history and tl.peak[1] >= 0:
         live = tl.live_at_peak
-        when = f"at peak active memory (t = {tl.times[tl.peak[1]]:.2f} s)"
+        peak_t = tl.times[tl.peak[1]]
+        when = f"at peak active memory ({f't = {peak_t:.2f} s' if tl.timed else f'trace entry {int(peak_t)}'})"
     else:
         live = None
         when = "at the snapshot"
-    for row, seg in enumerate(segments):
+    spans_of, live_in_rows = _live_spans(rows, live, colour_of) if live is not None else (None, 0)
+    undrawn = False
+    for row, (seg, drawn) in enumerate(rows):
         mib = seg["total_size"] / MiB
         bottom.broken_barh([(0, mib)], (row - 0.4, 0.8), facecolors=FREE_COLOUR)
-        if live is not None:
-            lo, hi = seg["address"], seg["address"] + seg["total_size"]
-            spans = [((b["addr"] - lo) / MiB, b["size"] / MiB, colour_of.get(b["site"], "#3b75af"))
-                     for b in live if lo <= b["addr"] < hi]
+        if spans_of is not None:
+            spans = spans_of[row]
         else:
             spans, offset = [], 0
-            for b in seg["blocks"]:
+            for b in seg["blocks"][:drawn]:
                 if b["state"] != "inactive":
                     colour = "#3b75af" if b["state"] == "active_allocated" else PENDING_COLOUR
                     spans.append((offset / MiB, b["size"] / MiB, colour))
                 offset += b["size"]
+            rest = sum(b["size"] for b in seg["blocks"][drawn:])
+            if rest:
+                spans.append((offset / MiB, rest / MiB, UNDRAWN_COLOUR))
+                undrawn = True
         if spans:
             bottom.broken_barh([(x, w) for x, w, _ in spans], (row - 0.4, 0.8),
                                facecolors=[c for _, _, c in spans], edgecolors="white", linewidth=0.4)
@@ -167,6 +179,11 @@ def plot_snapshot(snapshot: Dict[str, Any], output: str, device: Optional[int] =
     legend = [Patch(color=FREE_COLOUR, label="free")]
     if live is None:
         legend = [Patch(color="#3b75af", label="allocated"), Patch(color=PENDING_COLOUR, label="pending free")] + legend
+        if undrawn:
+            legend.append(Patch(color=UNDRAWN_COLOUR, label=f"blocks past the first {MAX_SEGMENT_BLOCKS:,} "
+                                                            "(not drawn one by one)"))
+    elif live_in_rows > MAX_SEGMENT_BLOCKS:
+        legend.append(Patch(color="white", label=f"the {MAX_SEGMENT_BLOCKS:,} largest live allocations drawn"))
     bottom.legend(handles=legend, loc="lower right", fontsize=8)
     if not segments:
         bottom.text(0.5, 0.5, "no segments", ha="center", va="center", transform=bottom.transAxes)
@@ -174,3 +191,23 @@ def plot_snapshot(snapshot: Dict[str, Any], output: str, device: Optional[int] =
     fig.savefig(output, dpi=100, format="png")     # a PNG whatever the name ends with (x.foo too)
     plt.close(fig)
     return output
+
+
+def _live_spans(rows: List[Tuple[Dict[str, Any], int]], live: List[Dict[str, Any]],
+                colour_of: Dict[str, Any]) -> Tuple[List[List[Tuple[float, float, Any]]], int]:
+    """Per row, the allocations live at the peak as ``(offset MiB, MiB,
+    colour)`` spans, the largest :data:`MAX_SEGMENT_BLOCKS` in all (a trace
+    may repeat one shared entry: 50,000 allocations at one address); and
+    how many there were."""
+    starts = sorted((seg["address"], seg["address"] + seg["total_size"], row) for row, (seg, _) in enumerate(rows))
+    lows = [lo for lo, _, _ in starts]
+    found = []
+    for band in live:
+        k = bisect.bisect_right(lows, band["addr"]) - 1
+        if k >= 0 and band["addr"] < starts[k][1]:
+            found.append((band["size"], starts[k][2], band))
+    spans: List[List[Tuple[float, float, Any]]] = [[] for _ in rows]
+    for size, row, band in heapq.nlargest(MAX_SEGMENT_BLOCKS, found, key=lambda f: f[0]):
+        lo = rows[row][0]["address"]
+        spans[row].append(((band["addr"] - lo) / MiB, size / MiB, colour_of.get(band["site"], "#3b75af")))
+    return spans, len(found)

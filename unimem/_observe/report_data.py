@@ -9,49 +9,36 @@ a file a snapshot names: a place is its recorded file, line and function.
 """
 from __future__ import annotations
 
+import heapq
 import html
+import pickle
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
-import numpy
 
 from .._core import format_size
 from .._runtime.pools import named_pools
-from .timeline import GROWS, MiB, NO_FRAMES, SHRINKS, Frame, Timeline, allocation_site, band_polygon, shorten
+from .timeline import (GROWS, MAX_SEGMENT_BLOCKS, MiB, NO_FRAMES, SHRINKS, Frame, Timeline, allocation_site,
+                       band_polygon, drawn_steps, segment_rows, shorten)
 
-# A screen is a few thousand pixels wide: a line keeps at most four points
-# (first, lowest, highest, last) in each of this many slices of time, so that
-# every peak and trough stays where it was.
-TIME_SLICES = 1000
-BAND_TIME_SLICES = 300
 MAX_BANDS = 200           # the largest allocations drawn as their own bands; the rest are "other"
+# Corners of the bands' outlines, all bands together (see drawn_steps): 2,400
+# frees below 200 bands in a 0.1 MB pickle made 10 MB of outlines.
+BAND_POINTS = 40_000
 MAX_SEGMENT_ROWS = 48
-MAX_SEGMENT_BLOCKS = 5000
 LARGEST_LIVE = 20
+# Rows of the per-stream and per-pool tables; the others are summed in one.
+MAX_TABLE_ROWS = 32
 STACK_FRAMES = 16         # frames shown in a hover; deeper stacks say how many more
+# Characters of stacks the hovers of one report carry: this many, and as
+# many again as its snapshot has bytes pickled. Each hover repeats its stack,
+# and a snapshot may share one list of frames (a pickle refers to it again
+# in two bytes) among all its blocks: 12,000 blocks of one 16-frame stack
+# made a 61 MB page of a 0.38 MB pickle. Past it, a hover says so.
+STACK_TEXT_FLOOR = 256 << 10
+STACK_LEFT_OUT = "(stack left out, as the header says)"
 ALLOCATED, PENDING_FREE, FREE = "active_allocated", "active_pending_free", "inactive"
-
-
-def downsample(x: Sequence[float], y: Sequence[float],
-               slices: int = TIME_SLICES) -> Tuple[numpy.ndarray, numpy.ndarray]:
-    """The points of a step line ``(x, y)`` (``x`` sorted) worth drawing: in
-    each of ``slices`` equal slices of ``x``, the first, lowest, highest and
-    last point, in order. A line of at most ``4 * slices`` points comes back whole."""
-    xs, ys = numpy.asarray(x, dtype=float), numpy.asarray(y, dtype=float)
-    if len(xs) <= 4 * slices:
-        return xs, ys
-    span = xs[-1] - xs[0]
-    slice_of = numpy.minimum(((xs - xs[0]) / (span or 1.0) * slices).astype(numpy.int64), slices - 1)
-    starts = numpy.flatnonzero(numpy.r_[True, slice_of[1:] != slice_of[:-1]])
-    ends = numpy.r_[starts[1:], len(xs)] - 1
-    keep = [starts, ends]
-    for reduce in (numpy.minimum, numpy.maximum):
-        extreme = reduce.reduceat(ys, starts)
-        # the first point of each slice that reaches the slice's extreme
-        hits = numpy.flatnonzero(ys == numpy.repeat(extreme, ends - starts + 1))
-        keep.append(hits[numpy.r_[True, slice_of[hits][1:] != slice_of[hits][:-1]]])
-    kept = numpy.unique(numpy.concatenate(keep))
-    return xs[kept], ys[kept]
+UNDRAWN = "undrawn"       # the blocks of a segment past MAX_SEGMENT_BLOCKS, one bar
 
 
 def stack_text(frames: List[Frame], limit: int = STACK_FRAMES) -> str:
@@ -64,6 +51,43 @@ def stack_text(frames: List[Frame], limit: int = STACK_FRAMES) -> str:
     if len(frames) > limit:
         lines.append(f"... {len(frames) - limit} more frames")
     return "<br>".join(lines)
+
+
+def pickled_size(snapshot: Any) -> int:
+    """The bytes of ``snapshot`` pickled, each object shared within it
+    counted once (as a file shares it): what the report's size is held to.
+    0 for a hand-made snapshot that does not pickle."""
+    try:
+        return len(pickle.dumps(snapshot, protocol=pickle.HIGHEST_PROTOCOL))
+    except (pickle.PicklingError, TypeError, AttributeError, RecursionError):
+        return 0
+
+
+class StackTexts:
+    """The stacks of a report's hovers (:func:`stack_text`), within
+    ``budget`` characters in all.
+
+    Each list of frames is written out once, however many blocks share it
+    (the work); every hover that shows it counts its length against the
+    budget (the page); past the budget a hover shows :data:`STACK_LEFT_OUT`.
+    Ask for the most telling stacks first."""
+
+    def __init__(self, budget: int) -> None:
+        self.left = budget
+        self.left_out = 0
+        self._made: Dict[int, Tuple[List[Frame], str]] = {}    # id -> (the list, kept alive; its text)
+
+    def __call__(self, frames: Optional[List[Frame]]) -> str:
+        frames = frames or []
+        made = self._made.get(id(frames))
+        if made is None or made[0] is not frames:
+            made = self._made[id(frames)] = (frames, stack_text(frames))
+        text = made[1]
+        if len(text) > max(self.left, len(NO_FRAMES)):
+            self.left_out += 1
+            return STACK_LEFT_OUT
+        self.left -= len(text)
+        return text
 
 
 # Before Python 3.12 a comprehension runs in a frame of its own, which would
@@ -104,18 +128,15 @@ def largest_bands(timeline: Timeline, count: int = MAX_BANDS) -> List[Band]:
           - timeline.bands[k]["start"]), k))
     chosen = sorted(order[:count])
     bands = []
-    for k in chosen:
+    for k, steps in zip(chosen, drawn_steps([timeline.bands[k] for k in chosen], BAND_POINTS)):
         band = timeline.bands[k]
-        steps = band["steps"]
-        if len(steps) > 4 * BAND_TIME_SLICES:
-            xs, ys = downsample([t for t, _ in steps], [y for _, y in steps], BAND_TIME_SLICES)
-            steps = list(zip(xs.tolist(), ys.tolist()))
         outline = band_polygon(band, timeline.end_time, steps)
         end = band["end"] if band["end"] is not None else timeline.end_time
         middle = (band["start"] + end) / 2
         bottom = next((y for t, y in reversed(steps) if t <= middle), steps[0][1] if steps else 0.0)
+        # to the microsecond and the byte: all a screen shows, in half the characters
         bands.append(Band(band["size"], band["site"], band["frames"], band["start"], band["end"],
-                          [x for x, _ in outline], [y for _, y in outline],
+                          [round(x, 6) for x, _ in outline], [round(y, 6) for _, y in outline],
                           (middle, (bottom + band["size"] / 2) / MiB)))
     return bands
 
@@ -124,54 +145,82 @@ def largest_bands(timeline: Timeline, count: int = MAX_BANDS) -> List[Band]:
 class SegmentMap:
     """The segments at the end of the trace: one row each, its blocks by state."""
     rows: List[str] = field(default_factory=list)            # top to bottom
-    # state -> parallel lists: row, offset (MiB), size (MiB), hover text, site
+    # state -> parallel lists: row (its number), offset (MiB), size (MiB), hover text, site
     blocks: Dict[str, Dict[str, list]] = field(default_factory=dict)
     hidden_segments: int = 0
+    undrawn_blocks: int = 0    # blocks summed in their segment's last bar (past MAX_SEGMENT_BLOCKS)
 
 
-def segment_map(segments: List[Dict[str, Any]]) -> SegmentMap:
-    """The largest segments (at most ``MAX_SEGMENT_ROWS``, and ``MAX_SEGMENT_BLOCKS``
-    blocks), by address, each block at its offset."""
-    shown = sorted(segments, key=lambda s: s["total_size"], reverse=True)[:MAX_SEGMENT_ROWS]
-    blocks_so_far = 0
-    for k, segment in enumerate(shown):
-        blocks_so_far += len(segment["blocks"])
-        if blocks_so_far > MAX_SEGMENT_BLOCKS and k:
-            shown = shown[:k]
-            break
-    shown.sort(key=lambda s: s["address"])
-    out = SegmentMap(hidden_segments=len(segments) - len(shown))
+def segment_map(segments: List[Dict[str, Any]], stacks: Optional[StackTexts] = None) -> SegmentMap:
+    """The largest segments (at most ``MAX_SEGMENT_ROWS``), by address, each
+    block at its offset: ``MAX_SEGMENT_BLOCKS`` blocks in all (the largest
+    segments' first), the rest of each segment one bar. ``stacks``: what
+    writes the hovers' stacks (the largest blocks' first)."""
+    stacks = stacks or StackTexts(STACK_TEXT_FLOOR)
+    rows = segment_rows(segments, MAX_SEGMENT_ROWS)
+    out = SegmentMap(hidden_segments=len(segments) - len(rows))
     out.blocks = {state: {"row": [], "offset": [], "size": [], "text": [], "site": []}
-                  for state in (ALLOCATED, PENDING_FREE, FREE)}
-    for number, segment in enumerate(shown):
+                  for state in (ALLOCATED, PENDING_FREE, FREE, UNDRAWN)}
+    placed: List[Tuple[int, int, Dict[str, Any]]] = []       # (row, offset, block) of those drawn one by one
+    for number, (segment, drawn) in enumerate(rows):
         # a row is an axis label, where Plotly renders tags (links too): escaped
         segment_type = html.escape(shorten(str(segment["segment_type"])), quote=False)
-        row = (f"{number + 1}. {segment_type} {format_size(segment['total_size'])} "
-               f"(stream {segment.get('stream', 0)})")
-        out.rows.append(row)
+        out.rows.append(f"{number + 1}. {segment_type} {format_size(segment['total_size'])} "
+                        f"(stream {segment.get('stream', 0)})")
         offset = 0
-        for block in segment["blocks"]:
-            state = block["state"] if block["state"] in out.blocks else ALLOCATED
-            frames = block.get("frames") or []
-            where = f"{format_size(block['size'])} {state.replace('_', ' ')} at offset {format_size(offset)}"
-            drawn = out.blocks[state]
-            drawn["row"].append(row)
-            drawn["offset"].append(offset / MiB)
-            drawn["size"].append(block["size"] / MiB)
-            drawn["text"].append(where if state == FREE else f"{where}<br>{stack_text(frames)}")
-            drawn["site"].append(site_of(frames) if state != FREE else "")
+        for block in segment["blocks"][:drawn]:
+            placed.append((number, offset, block))
             offset += block["size"]
+        rest = segment["blocks"][drawn:]
+        if rest:
+            _add_undrawn(out, number, offset, rest)
+    in_use = sorted((k for k, (_, _, block) in enumerate(placed) if block["state"] != FREE),
+                    key=lambda k: -placed[k][2]["size"])
+    stack_of = {k: stacks(placed[k][2].get("frames")) for k in in_use}        # the largest first
+    sites: Dict[int, str] = {}
+    for k, (number, offset, block) in enumerate(placed):
+        state = block["state"] if block["state"] in (ALLOCATED, PENDING_FREE, FREE) else ALLOCATED
+        frames = block.get("frames") or []
+        where = f"{format_size(block['size'])} {state.replace('_', ' ')} at offset {format_size(offset)}"
+        drawn_state = out.blocks[state]
+        drawn_state["row"].append(number)
+        drawn_state["offset"].append(offset / MiB)
+        drawn_state["size"].append(block["size"] / MiB)
+        drawn_state["text"].append(where if state == FREE else f"{where}<br>{stack_of[k]}")
+        if state != FREE and id(frames) not in sites:
+            sites[id(frames)] = site_of(frames)
+        drawn_state["site"].append(sites[id(frames)] if state != FREE else "")
     return out
+
+
+def _add_undrawn(out: SegmentMap, row: int, offset: int, rest: List[Dict[str, Any]]) -> None:
+    """The blocks of a segment past MAX_SEGMENT_BLOCKS, as one bar that sums them up."""
+    by_state: Dict[str, List[int]] = {}
+    for block in rest:
+        counted = by_state.setdefault(block["state"], [0, 0])
+        counted[0] += 1
+        counted[1] += block["size"]
+    size = sum(total for _, total in by_state.values())
+    parts = ", ".join(f"{format_size(total)} {html.escape(shorten(str(state)).replace('_', ' '))} in {count:,}"
+                      for state, (count, total) in sorted(by_state.items()))
+    drawn = out.blocks[UNDRAWN]
+    drawn["row"].append(row)
+    drawn["offset"].append(offset / MiB)
+    drawn["size"].append(size / MiB)
+    drawn["text"].append(f"{len(rest):,} more blocks from offset {format_size(offset)}, not drawn one by one "
+                         f"(the map draws {MAX_SEGMENT_BLOCKS:,}): {parts}")
+    drawn["site"].append("")
+    out.undrawn_blocks += len(rest)
 
 
 def largest_live(segments: List[Dict[str, Any]], count: int = LARGEST_LIVE) -> List[Dict[str, Any]]:
     """The ``count`` largest blocks still allocated at the end of the trace,
     largest first: ``size``, ``site``, ``frames``, ``stream``, ``address``."""
-    live = [dict(size=block["size"], site=site_of(block.get("frames") or []), frames=block.get("frames") or [],
+    live = ((block["size"], segment, block) for segment in segments for block in segment["blocks"]
+            if block["state"] == ALLOCATED)
+    return [dict(size=size, site=site_of(block.get("frames") or []), frames=block.get("frames") or [],
                  stream=segment.get("stream", 0), address=block.get("address"))
-            for segment in segments for block in segment["blocks"] if block["state"] == ALLOCATED]
-    live.sort(key=lambda b: b["size"], reverse=True)
-    return live[:count]
+            for size, segment, block in heapq.nlargest(count, live, key=lambda found: found[0])]
 
 
 def _pool_name(segment: Dict[str, Any]) -> str:
@@ -203,7 +252,7 @@ def totals_by_pool(segments: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     groups: Dict[str, List[Dict[str, Any]]] = {}
     for segment in segments:
         groups.setdefault(_pool_name(segment), []).append(segment)
-    return _sum_segments(dict(sorted(groups.items())))
+    return _at_most_rows(_sum_segments(dict(sorted(groups.items()))), "pools")
 
 
 def totals_by_stream(segments: List[Dict[str, Any]], events: Iterable[Dict[str, Any]]) -> List[Dict[str, Any]]:
@@ -223,7 +272,24 @@ def totals_by_stream(segments: List[Dict[str, Any]], events: Iterable[Dict[str, 
     rows = _sum_segments(dict(sorted(groups.items(), key=lambda kv: str(kv[0]))))
     for row in rows:
         row["allocations in the trace"], row["bytes allocated in the trace"] = made.get(row["key"], [0, 0])
-    return rows
+    return _at_most_rows(rows, "streams")
+
+
+def _at_most_rows(rows: List[Dict[str, Any]], what: str) -> List[Dict[str, Any]]:
+    """``rows``, or where there are more than MAX_TABLE_ROWS, those of the
+    most memory (reserved, then allocated in the trace) in their order and
+    one row that sums the others (each of a snapshot's entries may name a
+    stream of its own)."""
+    if len(rows) <= MAX_TABLE_ROWS:
+        return rows
+    weight = lambda k: (rows[k]["reserved"], rows[k].get("bytes allocated in the trace", 0))  # noqa: E731
+    kept = set(sorted(range(len(rows)), key=weight, reverse=True)[:MAX_TABLE_ROWS - 1])
+    others = [row for k, row in enumerate(rows) if k not in kept]
+    summed: Dict[str, Any] = {"key": f"{len(others):,} other {what}"}
+    for column in rows[0]:
+        if column != "key":
+            summed[column] = (max if column == "largest free block" else sum)(row[column] for row in others)
+    return [row for k, row in enumerate(rows) if k in kept] + [summed]
 
 
 def device_name(snapshot: Dict[str, Any]) -> str:
@@ -231,42 +297,63 @@ def device_name(snapshot: Dict[str, Any]) -> str:
     pool = snapshot.get("allocator_settings", {}).get("pool")
     if pool is None:                 # PyTorch's snapshots are of CUDA memory
         return "GPU"
-    return next((p.display_name for p in named_pools() if p.name == pool), str(pool))
+    return next((p.display_name for p in named_pools() if p.name == pool), shorten(str(pool)))
 
 
-# trace action -> (statistic, +1/-1 to its count and bytes)
-_CHANGES = {"alloc": (("allocation", "allocated_bytes", 1), ("active", "active_bytes", 1)),
-            "free_requested": (("allocation", "allocated_bytes", -1),),
-            "free_completed": (("active", "active_bytes", -1),)}
+# trace action -> (statistic, +1/-1 to its count and bytes). A trace entry
+# has the size the allocation asked for (PyTorch's orig_size and
+# requested_size), not its block's: it tells requested memory, not
+# allocated or active memory.
+_CHANGES = {"alloc": (("allocation", "requested_bytes", 1), ("active", None, 1)),
+            "free_requested": (("allocation", "requested_bytes", -1),),
+            "free_completed": (("active", None, -1),)}
+# The figures a trace tells the peaks and totals of.
+_TRACED = ("allocation", "active", "requested_bytes", "reserved_bytes", "segment")
 
 
 def snapshot_memory_stats(snapshot: Dict[str, Any], device: int) -> Dict[str, int]:
     """``memory_stats``-shaped figures of one device, from a snapshot alone
-    (which holds no statistics): "current" from its segments; "peak",
-    "allocated" and "freed" over the recorded trace (the peak at least the
-    current value; requested and non-releasable memory only current). The
-    trace gives each allocation the size it asked for, not its block's, so
-    the counts, reserved bytes and OOMs are exact and allocated and active
-    bytes over time are what was asked for."""
+    (which holds no statistics), with only the keys the snapshot tells:
+
+    * ``current`` of every figure, from its segments (requested memory where
+      every live block records its ``requested_size``);
+    * with a trace, ``peak``, ``allocated`` and ``freed`` over the trace of
+      the counts (allocations, active allocations, segments), of requested
+      memory and of reserved memory, and ``num_ooms``. A trace entry has the
+      size asked for, not the block's, so allocated, active and
+      non-releasable memory have only ``current``;
+    * the oversize figures, all 0, where the allocator splits blocks of any
+      size (``max_split_size`` -1 in ``allocator_settings``).
+
+    A trace that began after the pool's first allocation (or lost its first
+    entries to ``max_entries``) tells the peaks and totals of its own span."""
     segments = [s for s in snapshot["segments"] if s.get("device", 0) == device]
     blocks = [b for s in segments for b in s["blocks"]]
+    allocated = [b for b in blocks if b["state"] == ALLOCATED]
     split = [b for s in segments if len(s["blocks"]) > 1 and not s.get("is_expandable")
              for b in s["blocks"] if b["state"] == FREE]
-    current = {"allocated_bytes": sum(b["size"] for b in blocks if b["state"] == ALLOCATED),
-               "allocation": sum(1 for b in blocks if b["state"] == ALLOCATED),
+    current = {"allocated_bytes": sum(b["size"] for b in allocated),
+               "allocation": len(allocated),
                "active_bytes": sum(b["size"] for b in blocks if b["state"] != FREE),
                "active": sum(1 for b in blocks if b["state"] != FREE),
-               "requested_bytes": sum(b.get("requested_size", b["size"]) for b in blocks if b["state"] == ALLOCATED),
                "reserved_bytes": sum(s["total_size"] for s in segments),
                "segment": len(segments),
                "inactive_split_bytes": sum(b["size"] for b in split),
                "inactive_split": len(split)}
+    if all("requested_size" in b for b in allocated):
+        current["requested_bytes"] = sum(b["requested_size"] for b in allocated)
+    stats = {f"{key}.all.current": now for key, now in current.items()}
+    if snapshot.get("allocator_settings", {}).get("max_split_size") == -1:
+        stats.update({f"{key}.{figure}": 0 for key in ("oversize_allocations", "oversize_segments")
+                      for figure in ("current", "peak", "allocated", "freed")})
     traces = snapshot.get("device_traces") or []
     events = traces[device] if device < len(traces) else []
-    running = dict.fromkeys(current, 0)
-    highest = dict.fromkeys(current, 0)
-    made = dict.fromkeys(current, 0)
-    gone = dict.fromkeys(current, 0)
+    if not events:
+        return stats
+    running = dict.fromkeys(_TRACED, 0)
+    highest = dict.fromkeys(_TRACED, 0)
+    made = dict.fromkeys(_TRACED, 0)
+    gone = dict.fromkeys(_TRACED, 0)
     ooms = 0
 
     def change(key: str, amount: int) -> None:
@@ -281,7 +368,8 @@ def snapshot_memory_stats(snapshot: Dict[str, Any], device: int) -> Dict[str, in
         action = e["action"]
         for count_key, bytes_key, sign in _CHANGES.get(action, ()):
             change(count_key, sign)
-            change(bytes_key, sign * e["size"])
+            if bytes_key is not None:
+                change(bytes_key, sign * e["size"])
         if action in GROWS:
             change("reserved_bytes", e["size"])
             if action == "segment_alloc":
@@ -292,10 +380,12 @@ def snapshot_memory_stats(snapshot: Dict[str, Any], device: int) -> Dict[str, in
                 change("segment", -1)
         elif action == "oom":
             ooms += 1
-    stats = {"num_ooms": ooms}
-    for key, now in current.items():
+    stats["num_ooms"] = ooms
+    for key in _TRACED:
+        now = current.get(key)
+        if now is None:                    # no current value to count the trace from
+            continue
         at_start = now - running[key]
-        stats[f"{key}.all.current"] = now
         stats[f"{key}.all.peak"] = max(now, at_start + highest[key])
         stats[f"{key}.all.allocated"] = made[key]
         stats[f"{key}.all.freed"] = gone[key]

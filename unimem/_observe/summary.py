@@ -1,7 +1,7 @@
 """``memory_summary``: PyTorch's 75-column statistics table, for any device."""
 from __future__ import annotations
 
-from typing import Callable, Mapping, Tuple
+from typing import Callable, List, Mapping, Optional, Tuple
 
 WIDTH = 75
 
@@ -50,8 +50,15 @@ def _fits_the_label_column(device_name: str) -> bool:
     return len(f"Oversize {device_name} segments") <= LABEL_WIDTH
 
 
+def _unknown_cell(formatter: Callable[[int, float], str], mark: str) -> str:
+    """A cell that shows ``mark`` where ``formatter`` would put the number's last digit."""
+    sample = formatter(0, 0)
+    end = sample.index("0") + 1
+    return mark.rjust(end) + " " * (len(sample) - end)
+
+
 def memory_summary_table(stats: Mapping[str, int], device_name: str, device_index: int,
-                         abbreviated: bool = False) -> str:
+                         abbreviated: bool = False, unknown: Optional[str] = None) -> str:
     """The summary table of ``stats`` (a ``memory_stats`` dict), laid out as
     PyTorch's ``torch.cuda.memory_summary`` lays out its own.
 
@@ -60,6 +67,10 @@ def memory_summary_table(stats: Mapping[str, int], device_name: str, device_inde
     in the OOMs line and the row labels only where it fits PyTorch's columns
     (else those read "OOMs", "Reserved memory", "Reserved segments",
     "Oversize segments").
+
+    A figure missing from ``stats`` prints as 0; with ``unknown`` (the table
+    of a snapshot, which tells only some figures) it prints as that mark,
+    and a row with none of its figures is left out.
     """
     named = _fits_the_label_column(device_name)
     memory = f"{device_name} " if named else ""
@@ -74,34 +85,51 @@ def memory_summary_table(stats: Mapping[str, int], device_name: str, device_inde
         ("segment", f"{device_name} reserved segments" if named else "Reserved segments", format_count),
         ("inactive_split", "Non-releasable allocs", format_count),
     )
-    get = lambda key: int(stats.get(key, 0))  # noqa: E731 - empty stats print as zeros
+
+    def get(key: str) -> Optional[int]:
+        if key in stats:
+            return int(stats[key])
+        return None if unknown is not None else 0     # empty stats print as zeros
+
+    def counter(key: str, width: int) -> str:
+        value = get(key)
+        return f"{value:<{width}d}" if value is not None else f"{unknown:<{width}}"
+
     # The OOMs line's "|" where PyTorch's is: two halves of 35 characters.
-    ooms = f"{memory}OOMs: {get('num_ooms'):<12d}".rjust(35)
-    retries = f"{memory}malloc retries: {get('num_alloc_retries'):<8d}".rjust(35)
+    ooms = f"{memory}OOMs: {counter('num_ooms', 12)}".rjust(35)
+    retries = f"{memory}malloc retries: {counter('num_alloc_retries', 8)}".rjust(35)
     lines = ["=" * WIDTH,
              f"unimem {device_name} memory summary, device ID {device_index}".center(WIDTH),
              "-" * WIDTH,
              f"{ooms} | {retries}  ",
              "=" * WIDTH,
              "        Metric         | Cur Usage  | Peak Usage | Tot Alloc  | Tot Freed  "]
+
+    def cells(values: List[Optional[int]], reference: List[Optional[int]],
+              formatter: Callable[[int, float], str]) -> str:
+        return " | ".join(formatter(v, r if r is not None else v) if v is not None
+                          else _unknown_cell(formatter, str(unknown)) for v, r in zip(values, reference))
+
     for key, title, formatter in rows:
-        lines.append("-" * WIDTH)
         pools = [("all", title)]
         if not abbreviated:
             pools += [("large_pool", "      from large pool"), ("small_pool", "      from small pool")]
+        shown = []
         reference = None
         for pool, name in pools:
             values = [get(f"{key}.{pool}.{m}") for m in ("current", "peak", "allocated", "freed")]
             if reference is None:
                 reference = values
-            cells = " | ".join(formatter(v, r) for v, r in zip(values, reference))
-            lines.append(f" {name:<{LABEL_WIDTH}} | {cells} ")
+            if any(v is not None for v in values):
+                shown.append(f" {name:<{LABEL_WIDTH}} | {cells(values, reference, formatter)} ")
+        if shown:
+            lines += ["-" * WIDTH] + shown
     for key, title in (("oversize_allocations", "Oversize allocations"),
                        ("oversize_segments", f"Oversize {device_name} segments" if named else "Oversize segments")):
-        lines.append("-" * WIDTH)
         values = [get(f"{key}.{m}") for m in ("current", "peak", "allocated", "freed")]
-        cells = " | ".join(format_count(v, v) for v in values)
-        lines.append(f" {title:<{LABEL_WIDTH}} | {cells} ")
+        if any(v is not None for v in values):
+            lines.append("-" * WIDTH)
+            lines.append(f" {title:<{LABEL_WIDTH}} | {cells(values, values, format_count)} ")
     lines.append("=" * WIDTH)
     # Padded, never cut: a line too long for the table shows, it does not lose its last column.
     return "|" + "|\n|".join(line.ljust(WIDTH) for line in lines) + "|\n"

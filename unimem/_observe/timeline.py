@@ -15,7 +15,9 @@ import functools
 import os
 import site
 import sysconfig
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy
 
 from .history import is_unimem_code
 from .snapshot_file import read_source_line
@@ -41,6 +43,42 @@ def shorten(text: str, limit: int = MAX_NAME) -> str:
 # The band steps one timeline records at most (a band's bottom each time it
 # moves): what a screen shows, within a second or two and well under a GiB.
 STEP_BUDGET = 500_000
+# A screen is a few thousand pixels wide: a line keeps at most four points
+# (first, lowest, highest, last) in each of this many slices of time, so that
+# every peak and trough stays where it was; a band's bottom, in this many.
+TIME_SLICES = 1000
+BAND_TIME_SLICES = 300
+# Out-of-memory errors marked one by one (the plot: a line and a note each;
+# the report: a line and a marker each). A trace may hold any number of
+# them: 50,000 references to one shared entry fit a 100 KB pickle, and each
+# mark cost the plot about 12 ms (10 minutes in all). Past this many, the
+# first ones are marked and the legend says how many there were.
+MAX_OOM_MARKS = 100
+# Blocks a segment map draws one by one, in all (the largest segment's
+# first): one segment of 12,000 blocks made a 61 MB report from a 0.38 MB
+# pickle. The rest of each segment is one bar that sums them up.
+MAX_SEGMENT_BLOCKS = 5000
+
+
+def oom_marks(ooms: List[Tuple[float, int]]) -> Tuple[List[Tuple[float, int]], str]:
+    """The out-of-memory errors ``(time, requested bytes)`` to mark one by
+    one (the first :data:`MAX_OOM_MARKS`), and the legend's name for them."""
+    if len(ooms) <= MAX_OOM_MARKS:
+        return ooms, "out of memory"
+    return ooms[:MAX_OOM_MARKS], f"out of memory ({len(ooms):,} errors, the first {MAX_OOM_MARKS} marked)"
+
+
+def segment_rows(segments: List[Dict[str, Any]], max_rows: int,
+                 max_blocks: int = MAX_SEGMENT_BLOCKS) -> List[Tuple[Dict[str, Any], int]]:
+    """The rows of a segment map: the ``max_rows`` largest segments, by
+    address, each with how many of its blocks (from its start) are drawn one
+    by one, ``max_blocks`` in all, the largest segments' first."""
+    largest = sorted(range(len(segments)), key=lambda k: segments[k]["total_size"], reverse=True)[:max_rows]
+    left, drawn = max_blocks, {}
+    for k in largest:
+        drawn[k] = min(len(segments[k]["blocks"]), left)
+        left -= drawn[k]
+    return [(segments[k], drawn[k]) for k in sorted(largest, key=lambda k: (segments[k]["address"], k))]
 
 
 def pick_device(snapshot: Dict[str, Any], device: Optional[int]) -> int:
@@ -141,9 +179,13 @@ class Timeline:
                                      "segment_unmap", "oom")]
         self.segments = [s for s in snapshot["segments"] if s.get("device", 0) == device]
         self.has_history = bool(events)
-        start_us = events[0].get("time_us", 0) if events else 0
-        self.times = [(e.get("time_us", i) - start_us) / 1e6 if "time_us" in e else float(i)
-                      for i, e in enumerate(events)]
+        # Seconds since the first entry where every entry has its time_us;
+        # else the entries' numbers in the trace (a mix of the two would
+        # put entries out of order).
+        self.timed = all("time_us" in e for e in events)
+        start_us = events[0]["time_us"] if events and self.timed else 0
+        self.times = ([(e["time_us"] - start_us) / 1e6 for e in events] if self.timed
+                      else [float(i) for i in range(len(events))])
         self.ooms: List[Tuple[float, int]] = []
         self.reserved: List[float] = []
         self.active: List[float] = []
@@ -190,12 +232,17 @@ class Timeline:
         self.active_at_start = float(base)
         self.reserved_at_start = float(reserved)
         self.peak = (self.active_at_start, 0) if events else (0.0, -1)   # (active bytes, event index)
+        site_of_list: Dict[int, str] = {}          # id of a list of frames (alive in events) -> its site
         for i, e in enumerate(events):
             t = self.times[i]
             action = e["action"]
             if action == "alloc":
                 frames = e.get("frames", [])
-                band = {"addr": e["addr"], "size": e["size"], "site": site(frames), "frames": frames,
+                # Once per list of frames: a snapshot may share one among all its entries.
+                place = site_of_list.get(id(frames))
+                if place is None:
+                    place = site_of_list[id(frames)] = site(frames)
+                band = {"addr": e["addr"], "size": e["size"], "site": place, "frames": frames,
                         "start": t, "end": None, "tracked": i in with_band, "steps": [],
                         "order": len(self.bands), "first": i, "last": None}
                 if band["tracked"]:
@@ -350,3 +397,47 @@ def band_polygon(band: Dict[str, Any], end_time: float,
     lower.append((end, steps[-1][1] / MiB))
     upper = [(t, y + band["size"] / MiB) for t, y in reversed(lower)]
     return lower + upper
+
+
+def downsample(x: Sequence[float], y: Sequence[float],
+               slices: int = TIME_SLICES) -> Tuple[numpy.ndarray, numpy.ndarray]:
+    """The points of a step line ``(x, y)`` (``x`` sorted) worth drawing: in
+    each of ``slices`` equal slices of ``x``, the first, lowest, highest and
+    last point, in order. A line of at most ``4 * slices`` points comes back whole."""
+    xs, ys = numpy.asarray(x, dtype=float), numpy.asarray(y, dtype=float)
+    if len(xs) <= 4 * slices:
+        return xs, ys
+    span = xs[-1] - xs[0]
+    slice_of = numpy.minimum(((xs - xs[0]) / (span or 1.0) * slices).astype(numpy.int64), slices - 1)
+    starts = numpy.flatnonzero(numpy.r_[True, slice_of[1:] != slice_of[:-1]])
+    ends = numpy.r_[starts[1:], len(xs)] - 1
+    keep = [starts, ends]
+    for reduce in (numpy.minimum, numpy.maximum):
+        extreme = reduce.reduceat(ys, starts)
+        # the first point of each slice that reaches the slice's extreme
+        hits = numpy.flatnonzero(ys == numpy.repeat(extreme, ends - starts + 1))
+        keep.append(hits[numpy.r_[True, slice_of[hits][1:] != slice_of[hits][:-1]]])
+    kept = numpy.unique(numpy.concatenate(keep))
+    return xs[kept], ys[kept]
+
+
+def drawn_steps(bands: List[Dict[str, Any]], corners: int) -> List[List[Tuple[float, float]]]:
+    """The steps of each band's bottom as drawn: about ``corners`` corners of
+    outline in all (4 a step), shared evenly among the bands that want more
+    than their share, and at most ``4 * BAND_TIME_SLICES`` steps a band. A
+    band moves at every free below it: a few thousand frees below a few
+    hundred bands would be millions of corners, all in a few pixels."""
+    wanted = [len(band["steps"]) for band in bands]
+    kept = [0] * len(bands)
+    left = corners // 4
+    for done, k in enumerate(sorted(range(len(bands)), key=wanted.__getitem__)):
+        kept[k] = min(wanted[k], 4 * BAND_TIME_SLICES, max(left // (len(bands) - done), 4))
+        left -= kept[k]
+    drawn = []
+    for band, keep in zip(bands, kept):
+        steps = band["steps"]
+        if len(steps) > keep:
+            xs, ys = downsample([t for t, _ in steps], [y for _, y in steps], max(keep // 4, 1))
+            steps = list(zip(xs.tolist(), ys.tolist()))
+        drawn.append(steps)
+    return drawn
