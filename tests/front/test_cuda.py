@@ -1,8 +1,9 @@
 """The CUDA backend and unimem.cuda.
 
 Without a GPU (CI): CuPy imports, CUDA reports no device, the facade falls
-back, and everything else runs against a simulated CUDA runtime
-(fake_cuda.FakeCudaRuntime) driving the real backend and front. With a GPU,
+back (test_cuda_without_a_gpu.py), and everything else runs against a
+simulated CUDA runtime (fake_cuda.FakeCudaRuntime) driving the real backend
+and front. With a GPU,
 the tests at the end run on it; without one they are skipped.
 """
 import gc
@@ -15,43 +16,11 @@ from unimem.backends.cuda import CUDABackend, CUDAPinnedBackend
 from unimem.backends.simulated import SimulatedBackend
 
 from tests.helpers.fake_cuda import CUDA_ERROR_INVALID_DEVICE, CUDARuntimeError, fake  # noqa: F401  (fixture)
-from tests.helpers.gpu import cuda_gpu_available, requires_gpu
+from tests.helpers.gpu import requires_gpu
 
 cupy = pytest.importorskip("cupy", reason="CuPy (cupy-cuda12x) is in the test extra")
 
 MiB = 1 << 20
-
-
-# ---------------------------------------------------------------------------
-# no GPU: the fallback and its messages
-# ---------------------------------------------------------------------------
-@pytest.mark.skipif(cuda_gpu_available(), reason="this machine has a GPU")
-def test_without_a_gpu_cuda_reports_nothing_and_says_why():
-    import unimem.cuda as ucuda
-    assert ucuda.device_count() == 0 and not ucuda.is_available()
-    assert unimem.accelerator.current_accelerator().type != "cuda"
-    for call in (lambda: ucuda.allocator(100), lambda: ucuda.caching_allocator_alloc(100),
-                 lambda: ucuda.MemoryPool(), lambda: ucuda.reset_peak_memory_stats(),
-                 lambda: ucuda.mem_get_info()):
-        with pytest.raises(RuntimeError, match="no cuda device is available: CUDA cannot be used here"):
-            call()
-    ucuda.empty_cache()                          # a no-op, as torch.cuda.empty_cache without CUDA
-    assert ucuda.memory_snapshot() == []
-
-
-@pytest.mark.skipif(cuda_gpu_available(), reason="this machine has a GPU")
-def test_without_a_gpu_the_statistics_read_as_pytorchs_before_cuda_is_initialised():
-    """torch.cuda.memory_stats() is {} and memory_allocated() 0 on a machine
-    without CUDA (its is_initialized() guard), whatever the device argument:
-    code that measures memory runs on CPU machines. unimem.cuda raised
-    RuntimeError there before."""
-    import unimem.cuda as ucuda
-    for device in (None, 0, 3, "cuda:0"):
-        assert ucuda.memory_stats(device) == {} and ucuda.memory_stats_as_nested_dict(device) == {}
-        assert (ucuda.memory_allocated(device), ucuda.max_memory_allocated(device),
-                ucuda.memory_reserved(device), ucuda.max_memory_reserved(device)) == (0, 0, 0, 0)
-    with pytest.warns(FutureWarning):
-        assert ucuda.memory_cached() == 0
 
 
 # ---------------------------------------------------------------------------

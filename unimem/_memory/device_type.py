@@ -3,7 +3,7 @@ allocators, and the device functions (``is_available``, ``set_device``...)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .. import _core
 from .._runtime.devices import DEVICE_POOLS, DeviceLike, DeviceType, device_index, get_type, is_negative_index
@@ -34,6 +34,19 @@ def pools_beside(type_name: str, index: Optional[int]) -> List[_core.CachingAllo
     device's for None): those :func:`show_pools_beside` named."""
     beside = _POOLS_BESIDE.get(type_name)
     return beside.made(index) if beside is not None else []
+
+
+class _DefaultDeviceOnly:
+    """What :func:`device_index` reads a device argument against where a
+    device type has no device: the one device a program names by default."""
+
+    device_count = 1
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def current_index(self) -> int:
+        return 0
 
 
 class DeviceTypeAPI:
@@ -67,16 +80,34 @@ class DeviceTypeAPI:
         dtype = self._type()
         return dtype.registry.peek(device_index(device, dtype))
 
-    def _existing_if_available(self, device: DeviceLike) -> Optional[_core.CachingAllocator]:
-        """:meth:`_existing`, or None where this device type has no device
-        (``unimem.cuda`` without a GPU): the statistics then read as
-        PyTorch's do before CUDA is initialised ({} and 0), whatever the
-        device argument, so that code measuring memory runs on CPU machines."""
+    def _peek(self, device: DeviceLike) -> Tuple[int, Optional[_core.CachingAllocator]]:
+        """The index ``device`` names and its allocator, None if not made yet.
+
+        Where this device type has no device (``unimem.cuda`` without a GPU)
+        the device a program names by default (None, 0, ``"cuda"``,
+        ``"cuda:0"``) is one never used, (0, None): its statistics read as
+        PyTorch's do before CUDA is initialised (an empty ``memory_stats``,
+        zeros, resets that do nothing), so that code measuring memory runs on
+        CPU machines. Any other device is refused, as where there are devices."""
         try:
             dtype = self._type()
-        except RuntimeError:
-            return None
-        return dtype.registry.peek(device_index(device, dtype))
+        except RuntimeError as unavailable:
+            return self._never_used_index(device, unavailable), None
+        index = device_index(device, dtype)
+        return index, dtype.registry.peek(index)
+
+    def _never_used_index(self, device: DeviceLike, unavailable: RuntimeError) -> int:
+        """:meth:`_peek`'s index where this device type has no device: 0 for
+        the default device; ``InvalidDeviceError`` for another index,
+        ``TypeError``/``ValueError`` for what names no device of this type."""
+        try:
+            return device_index(device, _DefaultDeviceOnly(self.type_name))
+        except _core.InvalidDeviceError:
+            raise _core.InvalidDeviceError(f"device {device!r} is out of range: {unavailable}") from None
+
+    def _existing_if_available(self, device: DeviceLike) -> Optional[_core.CachingAllocator]:
+        """:meth:`_existing`, or None where this device type has no device (see :meth:`_peek`)."""
+        return self._peek(device)[1]
 
     def caching_allocator(self, device: DeviceLike = None) -> _core.CachingAllocator:
         """The caching allocator of ``device`` (created if needed)."""

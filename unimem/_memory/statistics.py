@@ -121,10 +121,10 @@ class StatisticsAPI(DeviceTypeAPI):
         Accumulated stats correspond to the `"allocated"` and `"freed"` keys in each
         individual stat dict, as well as `"num_alloc_retries"` and `"num_ooms"`.
         """
-        allocator = self._existing(device)
+        index, allocator = self._peek(device)
         if allocator is not None:
             allocator.reset_accumulated_stats()
-        for pool in self.pools_beside(self._index(device)):
+        for pool in self.pools_beside(index):
             pool.reset_accumulated_stats()
 
     def reset_peak_memory_stats(self, device: DeviceLike = None) -> None:
@@ -132,10 +132,10 @@ class StatisticsAPI(DeviceTypeAPI):
 
         Peak stats correspond to the `"peak"` key in each individual stat dict.
         """
-        allocator = self._existing(device)
+        index, allocator = self._peek(device)
         if allocator is not None:
             allocator.reset_peak_stats()
-        for pool in self.pools_beside(self._index(device)):
+        for pool in self.pools_beside(index):
             pool.reset_peak_stats()
 
     def reset_max_memory_allocated(self, device: DeviceLike = None) -> None:
@@ -164,7 +164,8 @@ class StatisticsAPI(DeviceTypeAPI):
         r"""Return the current memory occupied by tensors in bytes for a given device."""
         try:
             dtype = self._type()
-        except RuntimeError:             # no device of this type: 0, as PyTorch's before CUDA is initialised
+        except RuntimeError as unavailable:     # no device of this type: see _peek
+            self._never_used_index(device, unavailable)
             return 0
         return dtype.registry.memory_allocated(device_index(device, dtype))
 
@@ -244,6 +245,6 @@ class StatisticsAPI(DeviceTypeAPI):
             abbreviated (bool, optional): whether to return an abbreviated summary
                 (default: False).
         """
-        index = self._index(device)
+        index = self._peek(device)[0]
         return memory_summary_table(self.memory_stats(index), self.pool.display_name,
                                     index, abbreviated)

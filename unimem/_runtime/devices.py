@@ -38,6 +38,11 @@ class DeviceArgumentError(ValueError, RuntimeError):
     bad arguments."""
 
 
+class DeviceUnavailableError(RuntimeError):
+    """A device type cannot be used on this machine: the message says why,
+    the error of the runtime that said so is its ``__cause__``."""
+
+
 def is_negative_index(device_arg: Any) -> bool:
     """``device_arg`` is a negative int index (for which PyTorch's set_device
     and set_device_index do nothing)."""
@@ -238,6 +243,7 @@ _lock = threading.RLock()
 # it replaces (see there).
 _types: Dict[str, DeviceType] = {}
 _unavailable: Dict[str, str] = {}      # type -> why it cannot be used
+_unavailable_causes: Dict[str, Optional[BaseException]] = {}     # type -> the error that said so
 _current: Optional[str] = None
 
 
@@ -257,7 +263,9 @@ DEVICE_POOLS: Dict[str, Pool] = {name: _device_pool(name) for name in KNOWN_TYPE
 
 def make_cuda_type(runtime: Optional[Any] = None,
                    current_stream_fn: Optional[Callable[[int], Any]] = None) -> Union[DeviceType, str]:
-    """The ``cuda`` device type, or a string saying why there is none.
+    """The ``cuda`` device type, or a string saying why there is none;
+    :class:`DeviceUnavailableError` (the runtime's error as its cause) when the
+    CUDA runtime refuses to work here (no driver, for one).
 
     ``runtime`` is CuPy's runtime module by default; ``current_stream_fn(device)``
     gives the stream (a CuPy stream or a ``cudaStream_t``) requests use when
@@ -275,7 +283,7 @@ def make_cuda_type(runtime: Optional[Any] = None,
     try:
         count = runtime.getDeviceCount()
     except Exception as exc:
-        return f"CUDA cannot be used here: {exc}"
+        raise DeviceUnavailableError(backend_module.unusable_reason(exc, runtime)) from exc
     if count == 0:
         return "CUDA sees no GPU"
     stream_key = backend_module.stream_key
@@ -323,13 +331,25 @@ def _probe(name: str) -> Optional[DeviceType]:
         return DeviceType("cpu", PageAlignedBackend("CPU"))
     try:
         made = make_xpu_type() if name == "xpu" else make_cuda_type()
+    except DeviceUnavailableError as exc:
+        _unavailable[name] = str(exc)
+        _keep_cause(name, exc.__cause__)
+        return None
     except Exception as exc:  # a broken driver stack must not break import unimem
         _unavailable[name] = f"{type(exc).__name__}: {exc}"
+        _keep_cause(name, exc)
         return None
     if isinstance(made, str):
         _unavailable[name] = made
         return None
     return made
+
+
+def _keep_cause(name: str, cause: Optional[BaseException]) -> None:
+    """Keep ``cause`` for the errors that say device type ``name`` cannot be
+    used, without its traceback: its frames reach up the stack of the first
+    probe, and would keep every object on it alive for good."""
+    _unavailable_causes[name] = None if cause is None else cause.with_traceback(None)
 
 
 def install_type(name: str, made: Optional[DeviceType]) -> None:
@@ -365,7 +385,8 @@ def get_type(name: str) -> DeviceType:
                 install_type(name, made)
         if name in _types:
             return _types[name]
-        raise RuntimeError(f"unimem: no {name} device is available: {_unavailable[name]}")
+        raise RuntimeError(f"unimem: no {name} device is available: {_unavailable[name]}") \
+            from _unavailable_causes.get(name)
 
 
 def types_by_name() -> Dict[str, DeviceType]:

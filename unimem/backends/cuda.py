@@ -26,6 +26,8 @@ from .base import Backend
 from .cuda_vmm import CudaVMM, load_driver
 
 CUDA_ERROR_MEMORY_ALLOCATION = 2          # cudaErrorMemoryAllocation
+CUDA_ERROR_INSUFFICIENT_DRIVER = 35       # cudaErrorInsufficientDriver
+CUDA_ERROR_NO_DEVICE = 100                # cudaErrorNoDevice
 CUDA_MEMCPY_HOST_TO_DEVICE = 1            # cudaMemcpyHostToDevice
 CUDA_MEMCPY_DEVICE_TO_HOST = 2            # cudaMemcpyDeviceToHost
 #: Why an allocator without expandable segments cannot sleep on a GPU.
@@ -47,6 +49,36 @@ _this_thread = threading.local()
 def _default_runtime() -> Any:
     from cupy_backends.cuda.api import runtime
     return runtime
+
+
+def unusable_reason(error: BaseException, runtime: Any) -> str:
+    """Why CUDA cannot be used here, from the error ``runtime`` raised when
+    asked for its devices. CUDA says ``cudaErrorInsufficientDriver`` ("CUDA
+    driver version is insufficient for CUDA runtime version") both where no
+    NVIDIA driver is installed and where it is older than the runtime:
+    ``cudaDriverGetVersion`` tells the two apart (0 when there is no driver)."""
+    status = getattr(error, "status", None)
+    if status == CUDA_ERROR_INSUFFICIENT_DRIVER:
+        driver = _version_of(runtime, "driverGetVersion")
+        if driver == 0:
+            return "no NVIDIA driver was found"
+        if driver is not None:
+            toolkit = _version_of(runtime, "runtimeGetVersion")
+            runtime_part = "" if toolkit is None else f" {toolkit // 1000}.{toolkit % 1000 // 10}"
+            return (f"the NVIDIA driver supports CUDA {driver // 1000}.{driver % 1000 // 10}, older than "
+                    f"CuPy's CUDA runtime{runtime_part}: update the driver")
+    if status == CUDA_ERROR_NO_DEVICE:
+        return "no NVIDIA GPU was found"
+    return f"CUDA cannot be used here: {error}"
+
+
+def _version_of(runtime: Any, query: str) -> Optional[int]:
+    """``runtime.driverGetVersion()`` or ``runtimeGetVersion()`` (CUDA's
+    1000 * major + 10 * minor), None where it cannot say."""
+    try:
+        return int(getattr(runtime, query)())
+    except Exception:
+        return None
 
 
 def _is_out_of_memory(error: BaseException) -> bool:
