@@ -14,13 +14,14 @@ from typing import Any, Literal, Sequence, Tuple, Union
 import numpy
 from numpy.typing import DTypeLike, NDArray
 
+from ._core import OutOfMemoryError
 from ._memory_api import PUBLIC_CLASSES, PUBLIC_FUNCTIONS, MemoryAPI, numpy_dtype
 from ._runtime.devices import DeviceLike
 
 _api = MemoryAPI("cpu")
 globals().update(_api.functions())
 
-__all__ = list(PUBLIC_FUNCTIONS) + list(PUBLIC_CLASSES) + ["empty", "zeros"]
+__all__ = list(PUBLIC_FUNCTIONS) + list(PUBLIC_CLASSES) + ["empty", "zeros", "OutOfMemoryError"]
 
 
 class _PoolBuffer:

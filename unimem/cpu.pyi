@@ -4,6 +4,7 @@ from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple, Union
 
 from numpy.typing import DTypeLike, NDArray
 
+from unimem._core import OutOfMemoryError as OutOfMemoryError
 from unimem._memory.mempool import MemPool as _MemPool
 from unimem._memory_api import MemoryAPI
 from unimem._runtime.devices import DeviceLike
@@ -18,7 +19,7 @@ __all__ = [
     "reset_max_memory_cached", "memory_allocated", "max_memory_allocated", "memory_reserved",
     "max_memory_reserved", "memory_cached", "max_memory_cached", "get_memory_info", "mem_get_info",
     "memory_snapshot", "memory_summary", "caching_allocator", "_record_memory_history", "_snapshot",
-    "_dump_snapshot", "empty", "zeros",
+    "_dump_snapshot", "empty", "zeros", "OutOfMemoryError",
 ]
 
 _api: MemoryAPI

@@ -32,7 +32,10 @@ from . import _core, _cupy_allocator
 from ._runtime.registry import DeviceRegistry
 from ._runtime import devices as _devices
 from ._runtime.config import settings_from_env
-from ._runtime.devices import get_type, new_allocator
+from ._runtime.devices import DeviceLike, device_index, get_type, new_allocator
+from ._memory import telemetry as _telemetry
+from ._memory.device_type import synchronize_device
+from ._memory.mempool import generate_graph_pool_handle
 from ._runtime.pools import Pool, PoolKind
 from ._memory_api import PUBLIC_CLASSES, PUBLIC_FUNCTIONS, MemoryAPI
 from .backends.base import Backend, forward_to_inner
@@ -49,6 +52,7 @@ __all__ = list(PUBLIC_FUNCTIONS) + list(PUBLIC_CLASSES) + [
     "allocator", "MemoryPool", "OutOfMemoryError", "PooledMemory", "CUDAPluggableAllocator",
     "list_gpu_processes", "host_memory_stats", "host_memory_stats_as_nested_dict",
     "reset_accumulated_host_memory_stats", "reset_peak_host_memory_stats",
+    "synchronize", "ipc_collect", "graph_pool_handle", "device_memory_used", "memory_usage",
 ]
 
 
@@ -413,47 +417,44 @@ class CUDAPluggableAllocator(SharedLibraryAllocator):
                          memory_info_fn=memory_info_fn)
 
 
-def _nvml_device_index(device: Any) -> int:
-    """The NVML index of a CUDA device: CUDA counts only the devices in
-    ``CUDA_VISIBLE_DEVICES`` (when it lists indices), NVML counts them all."""
-    index = _api._index(device)
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is None:
-        return index
-    listed = [entry.strip() for entry in visible.split(",")]
-    try:
-        return int(listed[index])
-    except (IndexError, ValueError):    # UUIDs or a short list: the order CUDA sees
-        return index
-
-
-def list_gpu_processes(device: Any = None) -> str:
-    r"""Return a human-readable printout of the running processes and their GPU memory use for a given device.
-
-    This can be useful to display periodically during training, or when
-    handling out-of-memory exceptions. It reads NVML (the ``pynvml`` module
-    of ``nvidia-ml-py``); without it, a one-line message says so, as PyTorch's.
+# ---------------------------------------------------------------------------
+# torch.cuda: synchronize, ipc_collect, graph_pool_handle, NVML telemetry
+# ---------------------------------------------------------------------------
+def synchronize(device: DeviceLike = None) -> None:
+    r"""Wait for all kernels in all streams on a CUDA device to complete.
 
     Args:
-        device (int, str or device, optional): selected device. Returns
-            printout for the current device, given by :func:`current_device`,
+        device (torch.device or int, optional): device for which to synchronize.
+            It uses the current device, given by :func:`~unimem.cuda.current_device`,
             if :attr:`device` is ``None`` (default).
+
+    ``cudaDeviceSynchronize`` through CuPy's runtime; then the pools take back
+    the blocks whose streams' work has finished. Without a usable GPU,
+    ``RuntimeError`` saying why.
     """
-    try:
-        import pynvml
-    except ImportError:
-        return "pynvml module not found, please install nvidia-ml-py"
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError_DriverNotLoaded:
-        return "cuda driver can't be loaded, is cuda enabled?"
-    index = _nvml_device_index(device)
-    handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-    processes = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
-    lines = [f"GPU:{index}"]
-    if not processes:
-        lines.append("no processes are running")
-    for process in processes:
-        megabytes = process.usedGpuMemory / (1024 * 1024)
-        lines.append(f"process {process.pid:>10d} uses {megabytes:>12.3f} MB GPU memory")
-    return "\n".join(lines)
+    dtype = get_type("cuda")
+    synchronize_device(dtype, device_index(device, dtype))
+
+
+def ipc_collect() -> None:
+    r"""Force collects GPU memory after it has been released by CUDA IPC.
+
+    .. note::
+        Checks if any sent CUDA tensors could be cleaned from the memory. Force
+        closes shared memory file used for reference counting if there is no
+        active counters. Useful when the producer process stopped actively sending
+        tensors and want to release unused memory.
+
+    unimem's pools send no block to another process through CUDA IPC, so
+    there is never such memory to collect: this only checks, as PyTorch's
+    initialisation of CUDA does, that CUDA can be used here (``RuntimeError``
+    saying why not).
+    """
+    get_type("cuda")
+
+
+#: torch.cuda's name for it (its graph pools share the ids of MemPool objects).
+graph_pool_handle = generate_graph_pool_handle
+device_memory_used = _telemetry.cuda_device_memory_used
+memory_usage = _telemetry.cuda_memory_usage
+list_gpu_processes = _telemetry.list_gpu_processes

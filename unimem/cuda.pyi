@@ -6,6 +6,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from unimem import _core
 from unimem._memory.mempool import MemPool as _MemPool
 from unimem._memory_api import MemoryAPI
+from unimem._runtime.devices import DeviceLike
 from unimem.backends.base import Backend
 from unimem.backends.shared_library import SharedLibraryAllocator
 from unimem.host import (host_memory_stats as host_memory_stats,  # unimem.host's functions
@@ -27,6 +28,7 @@ __all__ = [
     "allocator", "MemoryPool", "OutOfMemoryError", "PooledMemory", "CUDAPluggableAllocator",
     "list_gpu_processes", "host_memory_stats", "host_memory_stats_as_nested_dict",
     "reset_accumulated_host_memory_stats", "reset_peak_host_memory_stats",
+    "synchronize", "ipc_collect", "graph_pool_handle", "device_memory_used", "memory_usage",
 ]
 
 _api: MemoryAPI
@@ -107,4 +109,9 @@ class MemoryPool:
 class CUDAPluggableAllocator(SharedLibraryAllocator):  # type: ignore[misc]
     def __init__(self, path_to_so_file: str, alloc_fn_name: str, free_fn_name: str) -> None: ...
 
-def list_gpu_processes(device: Any = ...) -> str: ...
+def list_gpu_processes(device: DeviceLike = ...) -> str: ...
+def synchronize(device: DeviceLike = ...) -> None: ...
+def ipc_collect() -> None: ...
+def graph_pool_handle() -> Tuple[int, int]: ...
+def device_memory_used(device: DeviceLike = ...) -> int: ...
+def memory_usage(device: DeviceLike = ...) -> int: ...

@@ -30,7 +30,10 @@ import numpy
 from . import _dpnp_allocator, _usm_memory, host
 from ._runtime.devices import get_type
 from ._memory_api import PUBLIC_CLASSES, PUBLIC_FUNCTIONS, DeviceLike, MemoryAPI, MemoryLike, record_stream_on_pools, numpy_dtype
-from ._memory.device_type import PoolsBeside, show_pools_beside
+from ._core import OutOfMemoryError
+from ._memory.device_type import PoolsBeside, show_pools_beside, synchronize_device
+from ._memory.mempool import generate_graph_pool_handle
+from ._memory import telemetry as _telemetry
 from ._observe.summary import has_held_memory, memory_summary_table
 from . import _xpu_pools
 # _pool_for and _keep_alive_guard: the dpnp allocator's routes (the SYCL interposer's too)
@@ -44,6 +47,7 @@ __all__ = list(PUBLIC_FUNCTIONS) + list(PUBLIC_CLASSES) + [
     "empty", "zeros", "ones", "full", "empty_like", "zeros_like", "ones_like", "full_like",
     "asarray", "default_queue", "stream_handle", "allocator_for", "synchronize",
     "set_allocator", "reset_allocator", "using_allocator", "allocator_installed", "allocator_counters",
+    "OutOfMemoryError", "device_memory_used", "memory_usage", "graph_pool_handle",
 ]
 
 ShapeLike = Union[int, Sequence[int]]
@@ -504,12 +508,45 @@ def synchronize(device: Any = None) -> None:
     the pools (dpnp keeps an array's memory until the kernels using it are done).
     """
     index = _ctx().registry.current_index() if device is None else _device_to_index(device)
-    get_type("xpu").backend.synchronize(index)
     # dpctl's keep-alive host tasks let go of arrays on their own threads:
-    # the frees that wait for other queues are done here (_free_deferred)
-    for pool in [_ctx().registry.initialized().get(index), *_shared_pools_made(index), host._existing()]:
-        if pool is not None:
-            pool.process_events()
+    # the frees that wait for other queues are done there (_free_deferred)
+    synchronize_device(get_type("xpu"), index)
+
+
+def device_memory_used(device: Any = None) -> int:
+    r"""Return the current GPU used global (device) memory in bytes.
+
+    Args:
+        device (torch.device, str or int, optional): selected device. Uses the
+            current device, given by :func:`~unimem.xpu.current_device`,
+            if ``None`` (default).
+
+    The device's global memory less the free memory its driver reports, every
+    process included (``dpctl.utils.intel_device_info``: Level Zero devices,
+    where ``ZES_ENABLE_SYSMAN=1`` may be needed); ``RuntimeError`` on a
+    device that reports none (OpenCL devices, the SYCL CPU device).
+    """
+    return _telemetry.xpu_device_memory_used(_device_to_index(device))
+
+
+def memory_usage(device: Any = None) -> float:
+    r"""Return the GPU memory bandwidth usage as a percentage.
+
+    Args:
+        device (torch.device, str or int, optional): selected device. Uses the
+            current device, given by :func:`~unimem.xpu.current_device`,
+            if ``None`` (default).
+
+    PyTorch samples Level Zero Sysman's bandwidth counters, which dpctl does
+    not expose: this raises ``RuntimeError``, as PyTorch's where the
+    counters cannot be read.
+    """
+    _device_to_index(device)     # a bad device argument is refused first, as PyTorch's
+    raise RuntimeError(_telemetry.XPU_BANDWIDTH_UNAVAILABLE)
+
+
+#: torch.xpu's name for it (its graph pools share the ids of MemPool objects).
+graph_pool_handle = generate_graph_pool_handle
 
 
 # ---------------------------------------------------------------------------

@@ -3,9 +3,10 @@
 arrays (``Any`` here: dpnp and dpctl ship no type information)."""
 import collections
 from contextlib import AbstractContextManager
-from typing import Any, Dict, List, Literal, Optional, Sequence, Union
+from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple, Union
 
 from unimem import _core
+from unimem._core import OutOfMemoryError as OutOfMemoryError
 from unimem._memory.mempool import MemPool as _MemPool
 from unimem._memory_api import MemoryAPI, MemoryLike
 from unimem._runtime.devices import DeviceLike
@@ -31,6 +32,7 @@ __all__ = [
     "set_allocator", "reset_allocator", "using_allocator", "allocator_installed", "allocator_counters",
     "XPUPluggableAllocator", "host_memory_stats", "host_memory_stats_as_nested_dict",
     "reset_accumulated_host_memory_stats", "reset_peak_host_memory_stats",
+    "OutOfMemoryError", "device_memory_used", "memory_usage", "graph_pool_handle",
 ]
 
 _api: MemoryAPI
@@ -100,6 +102,9 @@ def full_like(x: Any, fill_value: Any, dtype: Any = ..., **kwargs: Any) -> Any: 
 def asarray(obj: Any, dtype: Any = ..., *, order: Optional[_AsarrayOrder] = ..., device: Any = ...,
             usm_type: Optional[_UsmType] = ..., sycl_queue: Any = ...) -> Any: ...
 def synchronize(device: Any = ...) -> None: ...
+def device_memory_used(device: Any = ...) -> int: ...
+def memory_usage(device: Any = ...) -> float: ...
+def graph_pool_handle() -> Tuple[int, int]: ...
 def set_allocator() -> None: ...
 def reset_allocator() -> None: ...
 def using_allocator() -> AbstractContextManager[None]: ...

@@ -4,7 +4,7 @@ The module imports, ``device_count()`` is 0, and code that measures memory
 runs: the statistics of the device a program names by default read as
 ``torch.cuda``'s before CUDA is initialised (an empty ``memory_stats``, zeros,
 a summary table of zeros, resets that do nothing). What needs a device
-(``mem_get_info``, allocating) raises ``RuntimeError`` saying
+(``mem_get_info``, ``synchronize``, allocating) raises ``RuntimeError`` saying
 why, with the runtime's error as its cause; bad device arguments raise as
 where there are GPUs.
 
@@ -122,6 +122,8 @@ def test_a_device_argument_that_names_no_device_is_refused(no_driver, name, devi
 NEEDS_A_DEVICE = {
     "mem_get_info": lambda: ucuda.mem_get_info(),
     "get_memory_info": lambda: ucuda.get_memory_info(0),
+    "synchronize": lambda: ucuda.synchronize(),
+    "ipc_collect": lambda: ucuda.ipc_collect(),
     "allocator": lambda: ucuda.allocator(100),
     "caching_allocator_alloc": lambda: ucuda.caching_allocator_alloc(100),
     "MemoryPool": lambda: ucuda.MemoryPool(),
@@ -177,7 +179,7 @@ def test_another_runtime_error_is_passed_on_as_it_is(no_driver):
         raise CUDARuntimeError(999)
     no_driver.getDeviceCount = fails
     with pytest.raises(RuntimeError, match="CUDA cannot be used here: cudaError 999"):
-        ucuda.mem_get_info()
+        ucuda.synchronize()
 
 
 # ---------------------------------------------------------------------------

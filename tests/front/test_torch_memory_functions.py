@@ -25,6 +25,7 @@ import unimem.host
 
 from tests.helpers import fresh
 from tests.helpers.fake_cuda import fake  # noqa: F401  (fixture)
+from tests.helpers.fake_nvml import fake_pynvml
 
 ALLOCATOR_SOURCE = r"""
 #include <stdlib.h>
@@ -99,28 +100,6 @@ def test_list_gpu_processes_without_nvml_says_so_in_one_line(monkeypatch):
     assert unimem.cuda.list_gpu_processes() == "pynvml module not found, please install nvidia-ml-py"
 
 
-def fake_pynvml(processes, driver_loaded=True):
-    class NVMLError_DriverNotLoaded(Exception):
-        pass
-
-    module = types.ModuleType("pynvml")
-    module.NVMLError_DriverNotLoaded = NVMLError_DriverNotLoaded
-    module.handles = []
-
-    def nvmlInit():
-        if not driver_loaded:
-            raise NVMLError_DriverNotLoaded()
-
-    def nvmlDeviceGetHandleByIndex(index):
-        module.handles.append(index)
-        return ("handle", index)
-
-    module.nvmlInit = nvmlInit
-    module.nvmlDeviceGetHandleByIndex = nvmlDeviceGetHandleByIndex
-    module.nvmlDeviceGetComputeRunningProcesses = lambda handle: processes
-    return module
-
-
 def test_list_gpu_processes_prints_nvmls_processes_as_pytorch(monkeypatch, fake):
     process = types.SimpleNamespace(pid=4242, usedGpuMemory=3 << 20)
     monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml([process]))
@@ -139,7 +118,7 @@ def test_list_gpu_processes_maps_visible_devices_to_nvml_indices(monkeypatch, fa
 
 
 def test_list_gpu_processes_without_a_driver(monkeypatch):
-    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml([], driver_loaded=False))
+    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml(driver="not loaded"))
     assert unimem.cuda.list_gpu_processes() == "cuda driver can't be loaded, is cuda enabled?"
 
 

@@ -36,6 +36,22 @@ def pools_beside(type_name: str, index: Optional[int]) -> List[_core.CachingAllo
     return beside.made(index) if beside is not None else []
 
 
+def synchronize_device(dtype: DeviceType, index: int) -> None:
+    """Wait for all work on device ``index`` of ``dtype`` (its backend's
+    ``synchronize``: a user backend without one has no asynchronous work),
+    then commit the frees that the finished work let go of on a runtime's
+    thread, in the device's pool, the pools beside it (XPU's shared USM) and
+    the pinned host pool."""
+    device_synchronize = getattr(dtype.backend, "synchronize", None)
+    if device_synchronize is None:
+        return
+    device_synchronize(index)
+    from .. import host        # unimem.host imports this package: imported here, once it is loaded
+    for pool in [dtype.registry.initialized().get(index), *pools_beside(dtype.name, index), host._existing()]:
+        if pool is not None:
+            pool.process_events()
+
+
 class _DefaultDeviceOnly:
     """What :func:`device_index` reads a device argument against where a
     device type has no device: the one device a program names by default."""

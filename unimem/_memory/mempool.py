@@ -37,6 +37,25 @@ def _new_pool_id() -> Tuple[int, int]:
         return (0, next(_next_id))
 
 
+def generate_graph_pool_handle() -> Tuple[int, int]:
+    r"""
+    Returns a unique handle that identifies a graph memory pool.
+
+    This function does not create an actual memory pool and does not allocate any resources.
+    The returned handle is purely an identifier and intended to be passed to graph capture APIs
+    to control memory sharing and isolation between graphs.
+
+    Returns:
+        tuple[int, int]: An unique identifier for a graph memory pool.
+
+    As PyTorch's, it is taken from the ids user-created pools take
+    (:attr:`MemPool.id`, ``(0, n)``): no :class:`MemPool` has it, nor will.
+    unimem captures no graphs; the handle names no pool in
+    ``memory_snapshot(mempool_id=...)``.
+    """
+    return _new_pool_id()
+
+
 def _apply_caching_switch(pool: Pool, allocator: _core.CachingAllocator) -> None:
     if pool.kind is PoolKind.DEVICE and pool.device_type in _caching_off:
         allocator.set_caching(False)

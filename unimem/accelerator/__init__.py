@@ -19,8 +19,8 @@ from typing import Any, Dict, Iterator, Optional
 import numpy
 
 from .._runtime.devices import DeviceLike, current_type, device, device_index as _device_index, is_negative_index
-from .. import host
-from .._memory.device_type import pools_beside
+from .._memory.device_type import synchronize_device
+from .._memory.mempool import generate_graph_pool_handle
 from . import memory
 # torch.accelerator re-exports its memory functions too; a star import, so
 # that type checkers see the re-export of every name in memory.__all__.
@@ -30,6 +30,7 @@ __all__ = [
     "current_accelerator", "device_count", "is_available", "current_device_index",
     "set_device_index", "device_index", "synchronize", "memory",
     "current_device_idx", "set_device_idx", "current_stream", "set_stream", "get_device_capability",
+    "generate_graph_pool_handle",
 ] + memory.__all__
 
 
@@ -115,16 +116,7 @@ def synchronize(device: DeviceLike = None, /) -> None:
     queue and those given as streams); a CUDA device on all of its streams.
     """
     dtype = current_type()
-    index = _device_index(device, dtype)
-    # Optional for user backends: one without it has no asynchronous work.
-    device_synchronize = getattr(dtype.backend, "synchronize", None)
-    if device_synchronize is not None:
-        device_synchronize(index)
-        # the frees the finished work let go of on a runtime's thread: in the
-        # device's pool, the pools beside it (XPU's shared USM) and the pinned pool
-        for pool in [dtype.registry.initialized().get(index), *pools_beside(dtype.name, index), host._existing()]:
-            if pool is not None:
-                pool.process_events()
+    synchronize_device(dtype, _device_index(device, dtype))
 
 
 # torch.accelerator's older names, the same functions

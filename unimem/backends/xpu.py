@@ -426,18 +426,30 @@ class XPUBackend(Backend):
         return self.runtime.default_queues[device]
 
     def memory_info(self, device: int) -> Tuple[int, int]:
-        """(free, total): the device's global memory, less what this backend
-        holds on it (SYCL has no portable free-memory query); on a CPU device
-        also bounded by the host's available memory."""
+        """(free, total): the device's global memory, and the free memory the
+        driver reports (:meth:`reported_free_memory`); where it reports none
+        (SYCL has no portable free-memory query), the global memory less what
+        this backend holds on it, on a CPU device also bounded by the host's
+        available memory."""
         dev = self.runtime.devices[device]
         total = int(dev.global_mem_size)
-        free = getattr(dev, "free_memory", None)
-        if not free:
+        free = self.reported_free_memory(device)
+        if free is None:
             free = max(total - self.raw.held(device), 0)
             if dev.has_aspect_cpu:
                 from ._host import _meminfo
                 free = min(free, _meminfo()[0])
         return int(free), total
+
+    def reported_free_memory(self, device: int) -> Optional[int]:
+        """The free global memory the driver reports for ``device``, every
+        process included: ``dpctl.utils.intel_device_info``'s
+        ``"free_memory"`` (SYCL's ``ext_intel_free_memory``: Level Zero
+        devices, where ``ZES_ENABLE_SYSMAN=1`` may be needed); None where
+        the device reports none (OpenCL devices, the SYCL CPU device)."""
+        from dpctl.utils import intel_device_info
+        free = intel_device_info(self.runtime.devices[device]).get("free_memory")
+        return None if free is None else int(free)
 
     def max_allocation_size(self, device: int) -> int:
         """SYCL's ``max_mem_alloc_size``: OpenCL CPU devices refuse more than
