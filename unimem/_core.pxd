@@ -90,7 +90,7 @@ cdef class CachingAllocator:
     cdef bint recording
     cdef vector[TraceEvent] trace_buffer
     cdef object trace_hook
-    cdef object trace_delivery            # threading.RLock: one thread delivers at a time (_flush_trace)
+    cdef object trace_delivery            # threading.RLock: batches reach the hook in the order taken
     cdef list oom_observers
     cdef bint poisoned
     cdef str poison_reason
@@ -134,6 +134,8 @@ cdef class CachingAllocator:
     # counted against the limits meanwhile, so that two misses cannot pass
     # them together.
     cdef size_t in_flight_bytes
+    cdef vector[pair[unsigned long, uint64_t]] in_flight_calls   # (thread, number) of each call
+    cdef uint64_t in_flight_numbered        # calls numbered so far
     cdef object __weakref__
 
     cdef inline void _lock(self) noexcept
@@ -164,7 +166,7 @@ cdef class CachingAllocator:
     cdef inline void _account_free_merge(self, bint is_small, int64_t net_blocks, int64_t net_bytes,
                                          size_t original_size, size_t requested) noexcept nogil
     cdef inline void _account_free_request(self, Block* b) noexcept nogil
-    cdef int _flush_trace(self, bint wait=*) except -1
+    cdef int _flush_trace(self) except -1
     cdef object _out_of_memory(self, object requested, object tried=*)
     cdef inline void _update_unusual(self) noexcept nogil
     cdef int _check_usable(self) except -1

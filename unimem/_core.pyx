@@ -249,10 +249,11 @@ cdef class CachingAllocator:
     #      frees its block in one go, without giving the GIL up half-way).
     # Backend calls that may block run outside the lock: returning memory,
     # and asking for a segment of the device's own pools (_alloc_block: its
-    # bytes count against the limits meanwhile); the history hook too, and
-    # no thread waits for another's delivery (_flush_trace). Calls still made
-    # under it (events, virtual memory, private pools' allocators) are listed
-    # as strict xfails in tests/core/test_backend_calls_outside_the_lock.py.
+    # bytes count against the limits meanwhile). The history hook runs
+    # outside it too, though one thread's delivery waits for another's (each
+    # thread's hook takes its own Python frames). Calls still made under it
+    # (events, virtual memory, private pools' allocators) are listed as
+    # strict xfails in tests/core/test_backend_calls_outside_the_lock.py.
     # ------------------------------------------------------------------
     cdef inline void _lock(self) noexcept:
         """Take the lock for anything but the pair of one size: a merge put
@@ -644,58 +645,38 @@ cdef class CachingAllocator:
     # ------------------------------------------------------------------
     # after the lock: history and out-of-memory reporting
     # ------------------------------------------------------------------
-    cdef int _flush_trace(self, bint wait=False) except -1:
+    cdef int _flush_trace(self) except -1:
         """Hand recorded events to the history hook, outside the lock. An
         ordinary exception from the hook is reported as unraisable (the
         allocation it describes succeeded); a KeyboardInterrupt or SystemExit
         reaches the caller, as a Ctrl-C must.
 
-        One thread delivers at a time (it holds trace_delivery), so batches
-        reach the hook in the order they were taken and the history keeps
-        the order of the allocator's own operations. No
-        thread waits for another's delivery: one that finds a delivery under
-        way leaves its events in the buffer, and the deliverer takes them
-        too: after letting trace_delivery go it looks at the buffer again.
-        So a call whose hook runs long (or takes the allocator's lock) never
-        holds up another thread's allocation, and an allocation made by the
-        hook itself waits for nothing. ``wait`` (flush_history, which
-        promises the events delivered when it returns): wait for a delivery
-        under way instead. Nothing of it runs while no hook is installed
-        (recording is False).
+        Taking the buffer and calling the hook happen under trace_delivery
+        (waited for without the GIL): with several threads, batches reach the
+        hook in the order they were taken, so the history keeps the order of
+        the allocator's own operations. Nothing of it runs while no hook is
+        installed (recording is False).
 
-        Not while this thread holds the lock (a free or an allocation made by
-        Python that a backend call under the lock ran): those events go with
-        the outer call's."""
-        cdef vector[TraceEvent] events
-        cdef bint waiting
+        Not while this thread holds the lock (a free or an allocation made
+        by Python that a backend call under the lock ran): the hook's
+        delivery is taken before the lock, never after it (a thread
+        delivering waits for the lock; one holding it must not wait for the
+        delivery). Those events go with the outer call's."""
         if self.trace_buffer.empty() or self.lock.held_here():
             return 0
-        delivery = self.trace_delivery
-        while True:
-            if not delivery.acquire(wait):     # (a blocking acquire lets the GIL go)
-                return 0            # the thread delivering takes these events too
-            try:
-                while True:
-                    self._lock()
-                    events.swap(self.trace_buffer)
-                    hook = self.trace_hook
-                    self._unlock()
-                    if hook is None or events.empty():
-                        break
-                    try:
-                        hook([(TRACE_ACTIONS[e.action], e.addr, e.size, e.stream, e.time_ns) for e in events])
-                    except Exception as exc:
-                        _report_unraisable(exc, "unimem history hook")
-                    events.clear()
-            finally:
-                delivery.release()
-            # Events another thread left while this one delivered, after its
-            # last look: deliver them, unless a third thread does meanwhile.
+        cdef vector[TraceEvent] events
+        with self.trace_delivery:
             self._lock()
-            waiting = not self.trace_buffer.empty() and self.trace_hook is not None
+            events.swap(self.trace_buffer)
+            hook = self.trace_hook
             self._unlock()
-            if not waiting:
+            if hook is None or events.empty():
                 return 0
+            try:
+                hook([(TRACE_ACTIONS[e.action], e.addr, e.size, e.stream, e.time_ns) for e in events])
+            except Exception as exc:
+                _report_unraisable(exc, "unimem history hook")
+        return 0
 
     cdef object _out_of_memory(self, object requested, object tried=None):
         """Build (and report) the OutOfMemoryError for a failed request of
@@ -1200,7 +1181,7 @@ cdef class CachingAllocator:
         """Hand the recorded actions still buffered (frees done by finalizers)
         to the history hook now."""
         if self.recording:
-            self._flush_trace(True)
+            self._flush_trace()
 
     def set_trace_hook(self, hook):
         """Install ``hook(events)`` to receive the allocator's actions as

@@ -36,6 +36,7 @@ cdef object _reset_after_fork(CachingAllocator self):
     self.lock.reset_after_fork()
     self.lock_depth = 0
     self.in_flight_bytes = 0                # the backend calls of threads that are gone
+    self.in_flight_calls.clear()
     # A sleep() or wake_up() another thread had under way stops where it
     # was: its state stays, and wake_up() in the child ends it.
     self.sleep_busy = False

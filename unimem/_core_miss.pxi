@@ -6,6 +6,9 @@
 # hit never comes here.
 
 
+from posix.unistd cimport usleep
+
+
 cdef Block* _alloc_block(CachingAllocator self, size_t alloc_size, size_t size, uintptr_t stream, bint is_small,
                          bint is_retry, PrivatePool* pool) except? NULL:
     """A new segment from the backend (PyTorch's alloc_block), or NULL.
@@ -42,8 +45,13 @@ cdef Block* _alloc_block(CachingAllocator self, size_t alloc_size, size_t size, 
     # call under the lock allocating). Its bytes count against the limits
     # meanwhile (in_flight_bytes), and the state is read again after.
     cdef bint unlocked = pool == NULL and self.lock_depth == 1
+    cdef pair[unsigned long, uint64_t] call
     try:
         if unlocked:
+            self.in_flight_numbered += 1
+            call.first = PyThread_get_thread_ident()
+            call.second = self.in_flight_numbered
+            self.in_flight_calls.push_back(call)
             self.in_flight_bytes += alloc_size
             self._unlock()
             try:
@@ -51,6 +59,7 @@ cdef Block* _alloc_block(CachingAllocator self, size_t alloc_size, size_t size, 
             finally:
                 self._lock()
                 self.in_flight_bytes = self.in_flight_bytes - alloc_size if self.in_flight_bytes > alloc_size else 0
+                _forget_call_in_flight(self, call.second)
         else:
             rc = _backend_malloc(self, alloc_size, stream, &ptr, pool, False, &took_us)
         if rc == 0:
@@ -107,6 +116,59 @@ cdef Block* _alloc_block(CachingAllocator self, size_t alloc_size, size_t size, 
     if self.recording:
         self._trace(T_SEGMENT_ALLOC, ptr, alloc_size, stream)
     return b
+
+
+cdef void _forget_call_in_flight(CachingAllocator self, uint64_t number) noexcept nogil:
+    """Call ``number`` is no longer in flight (lock held)."""
+    cdef size_t i
+    for i in range(self.in_flight_calls.size()):
+        if self.in_flight_calls[i].second == number:
+            self.in_flight_calls.erase(self.in_flight_calls.begin() + i)
+            return
+
+
+cdef bint _wait_for_calls_in_flight(CachingAllocator self) except -1:
+    """Wait for the segments other threads are asking the backend for with
+    the lock let go (_alloc_block), when there are any: a request refused
+    meanwhile may have been refused for their bytes alone (a memory limit
+    they fill, or a device they fill), and what they get may serve it from
+    the cache, as it would have had it waited for the lock. Only the calls
+    in flight now are waited for (later ones could keep it waiting). True
+    when it waited (the caller looks at the cache again). Never when this
+    thread has a call in flight itself (a request made by the backend's own
+    Python: it would wait for itself), nor when the lock is held more than
+    once. Lock held on entry and exit, let go while waiting, without the GIL."""
+    cdef unsigned long thread = PyThread_get_thread_ident()
+    cdef uint64_t last = self.in_flight_numbered
+    cdef size_t i
+    if self.lock_depth != 1 or self.in_flight_calls.empty():
+        return False
+    for i in range(self.in_flight_calls.size()):
+        if self.in_flight_calls[i].first == thread:
+            return False
+    while _calls_in_flight_up_to(self, last):
+        self._unlock()
+        with nogil:
+            usleep(50)
+        self._lock()
+    return True
+
+
+cdef bint _calls_in_flight_up_to(CachingAllocator self, uint64_t last) noexcept nogil:
+    cdef size_t i
+    for i in range(self.in_flight_calls.size()):
+        if self.in_flight_calls[i].second <= last:
+            return True
+    return False
+
+
+cdef Block* _take_cached_again(CachingAllocator self, size_t size, uintptr_t stream, bint is_small) noexcept nogil:
+    """The best fit for ``size`` rounded bytes in the device's pools, taken off
+    the free index, or NULL (after _wait_for_calls_in_flight). Lock held."""
+    cdef FreeIndex* fi = self._pool(stream, is_small)
+    if fi == NULL or self._reserve_for_alloc(fi) != 0:
+        return NULL
+    return self._get_free_block(fi, size)
 
 
 cdef inline size_t _held_or_asked(CachingAllocator self) noexcept nogil:
@@ -187,6 +249,10 @@ cdef Block* _malloc_slow(CachingAllocator self, size_t orig_size, uintptr_t stre
                 _release_empty_ranges(self, False, 0, _default_range_size(self))
     else:
         b = _alloc_block(self, alloc_size, size, stream, is_small, False, pool)
+        if b == NULL and pool == NULL and not uncached and _wait_for_calls_in_flight(self):
+            b = _take_cached_again(self, size, stream, is_small)
+            if b == NULL:
+                b = _alloc_block(self, alloc_size, size, stream, is_small, False, pool)
         if b == NULL and _release_available_cached_blocks(self, size, stream, pool):
             b = _alloc_block(self, alloc_size, size, stream, is_small, False, pool)
         if b == NULL:

@@ -64,3 +64,40 @@ print("PASSED")
 
 def test_a_free_made_under_the_lock_does_not_wait_for_another_threads_delivery():
     run_python(FREE_IN_A_BACKEND_CALL_WHILE_ANOTHER_THREAD_DELIVERS, timeout=60)
+
+
+# Two threads allocate with history recorded while the main thread takes
+# snapshots: each thread delivers its own events (with its own frames), none
+# is left delivering others' for ever, and a snapshot returns.
+EVERY_THREAD_DELIVERS_ITS_OWN = r'''
+import threading, time
+import unimem.cpu as dev
+dev._record_memory_history(max_entries=100000)
+stop = False
+progress = {}
+def churn(name):
+    n = 0
+    while not stop:
+        dev.caching_allocator_delete(dev.caching_allocator_alloc(4096, 0))
+        n += 1
+        progress[name] = n
+threads = [threading.Thread(target=churn, args=(f"T{i}",), daemon=True) for i in range(2)]
+for t in threads:
+    t.start()
+time.sleep(1.0)
+first = dict(progress)
+time.sleep(1.0)
+second = dict(progress)
+snapshot = dev._snapshot()
+stop = True
+for t in threads:
+    t.join(10)
+assert not any(t.is_alive() for t in threads), "a thread never returned"
+assert all(second.get(k, 0) > first.get(k, 0) for k in ("T0", "T1")), (first, second)
+assert snapshot["device_traces"][0], "no history delivered"
+print("PASSED")
+'''
+
+
+def test_with_history_recorded_every_thread_goes_on_and_a_snapshot_returns():
+    run_python(EVERY_THREAD_DELIVERS_ITS_OWN, timeout=60, env={"UNIMEM_DEVICE": "cpu"})
