@@ -465,7 +465,9 @@ def cycle(allocator, backend_case, backend, expandable):
 @pytest.mark.parametrize("options", [{}, {"exact_segments": True}], ids=["pooled", "exact-segments"])
 def test_it_serves_a_caching_allocator(backend_case, conforming_backend, options):
     """Also with a segment per request (``exact_segments``), where a block
-    is as aligned as the backend's malloc."""
+    is as aligned as the backend's malloc (XPU blocks were 128-aligned so,
+    below the 512 the dpnp allocator honours: DPCTLmalloc_device aligns
+    small allocations no further on the OpenCL CPU device)."""
     allocator = _core.CachingAllocator(conforming_backend, 0, **options)
     cycle(allocator, backend_case, conforming_backend, expandable=False)
 

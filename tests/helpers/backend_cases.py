@@ -187,10 +187,8 @@ def make_gpu(pinned):
 
 needs_gpu = [pytest.mark.gpu, pytest.mark.skipif(not cuda_gpu_available(), reason="needs an NVIDIA GPU")]
 
-# The alignment SYCL gives malloc_device/shared/host: the specification
-# names none for them (only the aligned_alloc_* calls take one).
-XPU_CASE = dict(alignment=16, real_memory=True, bad_stream=1 << 19,
-                why_aligned="SYCL's malloc_* promise no alignment: a fundamental type's (16)",
+XPU_CASE = dict(alignment=512, real_memory=True, bad_stream=1 << 19,
+                why_aligned="aligned_alloc_* by 512, as PyTorch's XPU allocator (kDeviceAlignment)",
                 held=lambda backend: backend.raw.held(0), new_stream=new_xpu_stream)
 
 CASES = [
