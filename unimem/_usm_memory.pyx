@@ -138,8 +138,8 @@ cdef enum Bypass:
     BY_NO_POOL = 4
 
 # The pool's blocks start at multiples of 512 bytes (the core's rounding
-# unit, and every segment is at least page-aligned): alignments up to this
-# are honoured by any block.
+# unit, and the XPU backend aligns every segment to 512:
+# _dpctl_api.SEGMENT_ALIGNMENT): alignments up to this are honoured by any block.
 POOL_ALIGNMENT = 512
 
 # Allocators a handed-out block may return to are never destroyed: a block's

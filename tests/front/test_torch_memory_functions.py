@@ -10,8 +10,6 @@ real SYCL device; a C allocator is compiled with the system's C compiler.
 """
 import ctypes
 import os
-import shutil
-import subprocess
 import sys
 import types
 
@@ -24,6 +22,7 @@ import unimem.cuda
 import unimem.host
 
 from tests.helpers import fresh
+from tests.helpers.c_library import build_shared_library
 from tests.helpers.fake_cuda import fake  # noqa: F401  (fixture)
 from tests.helpers.fake_nvml import fake_pynvml
 
@@ -43,14 +42,7 @@ int call_count(void) { return calls; }
 @pytest.fixture(scope="module")
 def allocator_library(tmp_path_factory):
     """A shared library with PyTorch's pluggable allocator functions over malloc."""
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        pytest.skip("no C compiler to build the pluggable allocator")
-    folder = tmp_path_factory.mktemp("pluggable")
-    (folder / "alloc.c").write_text(ALLOCATOR_SOURCE)
-    library = folder / "alloc.so"
-    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(library), str(folder / "alloc.c")], check=True)
-    return str(library)
+    return build_shared_library(tmp_path_factory, "pluggable", ALLOCATOR_SOURCE)
 
 
 def library_counters(path):

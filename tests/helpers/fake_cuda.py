@@ -36,9 +36,10 @@ class CUDARuntimeError(RuntimeError):
 class FakeCudaRuntime:
     eventDisableTiming = 2
 
-    def __init__(self, devices=2, capacity=1 << 30):
+    def __init__(self, devices=2, capacity=1 << 30, host_capacity=64 << 30):
         self.devices = devices
         self.capacity = capacity
+        self.host_capacity = host_capacity   # bytes cudaHostAlloc can pin in all
         self._local = threading.local()
         self._lock = threading.Lock()
         self.used = [0] * devices
@@ -96,6 +97,8 @@ class FakeCudaRuntime:
     # pinned host memory
     def hostAlloc(self, size, flags):
         with self._lock:
+            if sum(self.pinned.values()) + size > self.host_capacity:
+                raise CUDARuntimeError(CUDA_ERROR_MEMORY_ALLOCATION)
             ptr = self._next_host
             self._next_host += -(-size // 4096) * 4096
             self.pinned[ptr] = size
@@ -103,6 +106,8 @@ class FakeCudaRuntime:
 
     def freeHost(self, ptr):
         with self._lock:
+            if ptr not in self.pinned:
+                raise AssertionError(f"cudaFreeHost({ptr:#x}): not allocated by cudaHostAlloc")
             del self.pinned[ptr]
 
     # streams and events

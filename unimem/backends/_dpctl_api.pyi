@@ -4,6 +4,7 @@ from typing import Any, List
 from typing_extensions import disjoint_base
 
 MAX_QUEUE_HANDLES: int
+SEGMENT_ALIGNMENT: int
 
 def set_queue_wait(wait_fn: int) -> None: ...
 def wait_queue(queue: Any) -> None: ...

@@ -13,10 +13,11 @@ queue is added, counts the allocations made on it and not yet freed, and is
 cleared again (dropping the queue) once none is left, so the slot can serve
 another queue.
 
-:class:`USMRawAllocator`: SYCL USM ``malloc_device`` / ``malloc_shared`` /
-``malloc_host`` and ``free``, published to the caching core as C functions
-(a cache miss calls them without Python and without the GIL). Pool blocks
-become dpctl memory objects in :mod:`unimem._usm_memory`.
+:class:`USMRawAllocator`: SYCL USM ``aligned_alloc_device`` /
+``aligned_alloc_shared`` / ``aligned_alloc_host`` (by
+:data:`SEGMENT_ALIGNMENT`) and ``free``, published to the caching core as C
+functions (a cache miss calls them without Python and without the GIL). Pool
+blocks become dpctl memory objects in :mod:`unimem._usm_memory`.
 """
 from cpython.pycapsule cimport PyCapsule_New, PyCapsule_GetPointer, PyCapsule_GetName
 from libc.stdint cimport uintptr_t, int64_t
@@ -125,7 +126,17 @@ cdef extern from *:
 # queue is dropped, so this bounds queues alive together, not queues ever seen.
 MAX_QUEUE_HANDLES = 1 << 20
 
-ctypedef void* (*usm_malloc_fn)(size_t size, void* queue) noexcept nogil
+#: Every segment starts at a multiple of this, so that every block does (the
+#: core hands out blocks at multiples of 512 bytes into a segment): PyTorch's
+#: XPU allocator asks ``sycl::aligned_alloc_device`` for 512 bytes
+#: (``kDeviceAlignment``). SYCL's ``malloc_*`` promise none (128 on the
+#: OpenCL CPU device).
+cdef enum:
+    SEGMENT_ALIGNMENT_C = 512
+SEGMENT_ALIGNMENT = SEGMENT_ALIGNMENT_C
+
+# DPCTLaligned_alloc_<kind>(alignment, size, queue)
+ctypedef void* (*usm_malloc_fn)(size_t alignment, size_t size, void* queue) noexcept nogil
 ctypedef void (*usm_free_fn)(void* ptr, void* queue) noexcept nogil
 
 
@@ -178,7 +189,7 @@ cdef int usm_malloc(void* ctx, size_t size, int device, uintptr_t stream,
     out[0] = 0
     if q == NULL:
         return RAW_ERROR
-    cdef void* p = c.malloc(size, q)
+    cdef void* p = c.malloc(SEGMENT_ALIGNMENT_C, size, q)
     if p == NULL:
         return RAW_OUT_OF_MEMORY
     out[0] = <uintptr_t>p
@@ -214,7 +225,7 @@ cdef class USMRawAllocator:
 
     Args:
         kind: the USM kind.
-        malloc_fn, free_fn: addresses of ``DPCTLmalloc_<kind>`` and
+        malloc_fn, free_fn: addresses of ``DPCTLaligned_alloc_<kind>`` and
             ``DPCTLfree_with_queue``.
         default_queues: the default ``dpctl.SyclQueue`` of each device.
 

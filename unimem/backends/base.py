@@ -116,7 +116,10 @@ class Backend(Protocol):
     def record_event(self, stream: int, device: int) -> Any:
         """Mark the current end of the work queued on ``stream``. Called by
         the core when a block used on other streams (``record_stream``) is
-        freed; absent: None (no asynchronous work)."""
+        freed; absent: None (no asynchronous work). An event's life ends at
+        the first of :meth:`event_done` answering True,
+        :meth:`event_synchronize` or :meth:`release_event`: the core never
+        passes it again, so the backend may free it there (CUDA's does)."""
         return None
 
     def event_done(self, event: Any) -> bool:

@@ -7,8 +7,8 @@ what it handed out, so a core that frees twice or the wrong size is caught.
 
 Streams are simulated too: an event recorded on a stream stays pending until
 the test says the stream's work is done (:meth:`SimulatedBackend.complete`)
-or someone waits for it (:meth:`event_synchronize`), as work on a real GPU
-queue would.
+or someone waits for it (:meth:`event_synchronize`, or :meth:`synchronize`
+for the whole device), as work on a real GPU queue would.
 """
 from __future__ import annotations
 
@@ -207,6 +207,14 @@ class SimulatedBackend(Backend):
             if self._completed.get(key, 0) < event.sequence:
                 self._completed[key] = event.sequence
 
+    def synchronize(self, device: int) -> None:
+        """Wait for all work queued on ``device``: every stream completes."""
+        self._check_device(device)
+        with self._lock:
+            for dev, stream in list(self._recorded):
+                if dev == device:
+                    self._completed[(dev, stream)] = self._recorded[(dev, stream)]
+
     def complete(self, stream: int, device: int = 0) -> None:
         """Declare all work queued so far on ``stream`` finished."""
         key = (device, stream)
@@ -263,14 +271,6 @@ class SimulatedGPU(SimulatedBackend):
                                      for seq, at, n in work):
                 return True
         return False
-
-    def synchronize(self, device: int) -> None:
-        """Wait for all work queued on ``device``: every stream completes."""
-        self._check_device(device)
-        with self._lock:
-            for dev, stream in list(self._recorded):
-                if dev == device:
-                    self._completed[(dev, stream)] = self._recorded[(dev, stream)]
 
     def unmap_pages(self, address: int, size: int, device: int) -> None:
         """Wait for the device, then unmap (CUDABackend.unmap_pages)."""

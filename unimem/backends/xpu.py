@@ -103,8 +103,8 @@ class _SyclRuntime:
         self.devices = preferred_devices(dpctl)
         self.default_queues = [_default_queue(d) for d in self.devices]
         self.c_library = ctypes.CDLL(os.path.join(os.path.dirname(dpctl.__file__), "libDPCTLSyclInterface.so"))
-        self.functions = self.c_functions(("DPCTLmalloc_device", "DPCTLmalloc_shared", "DPCTLmalloc_host",
-                                           "DPCTLfree_with_queue", "DPCTLQueue_Wait"))
+        self.functions = self.c_functions(("DPCTLaligned_alloc_device", "DPCTLaligned_alloc_shared",
+                                           "DPCTLaligned_alloc_host", "DPCTLfree_with_queue", "DPCTLQueue_Wait"))
         # every queue wait of unimem's takes its turn (see _dpctl_api.wait_queue)
         _dpctl_api.set_queue_wait(self.functions["DPCTLQueue_Wait"])
         # Barriers (the events of record_stream) are submitted through ctypes,
@@ -163,7 +163,7 @@ class _SyclRuntime:
 
     def raw_allocator(self, kind: str):
         from ._dpctl_api import USMRawAllocator
-        raw = USMRawAllocator(kind, self.functions[f"DPCTLmalloc_{kind}"],
+        raw = USMRawAllocator(kind, self.functions[f"DPCTLaligned_alloc_{kind}"],
                               self.functions["DPCTLfree_with_queue"], list(self.default_queues))
         with self._lock:
             for handle, queue in enumerate(self.queues):
