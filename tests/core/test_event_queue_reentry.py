@@ -22,7 +22,8 @@ import pytest
 
 from unimem import _core
 from unimem.backends.simulated import SimulatedBackend, SimulatedGPU
-from tests.core.test_event_queues import free_after_use
+
+from tests.helpers.stream_events import free_after_use
 
 KiB = 1 << 10
 MiB = 1 << 20
