@@ -252,7 +252,7 @@ cdef class CachingAllocator:
     # bytes count against the limits meanwhile); the history hook too, and
     # no thread waits for another's delivery (_flush_trace). Calls still made
     # under it (events, virtual memory, private pools' allocators) are listed
-    # as strict xfails in tests/core/test_backend_calls_outside_the_lock.py.
+    # as strict xfails in tests/core/threads/test_backend_calls_outside_the_lock.py.
     # ------------------------------------------------------------------
     cdef inline void _lock(self) noexcept:
         """Take the lock for anything but the pair of one size: a merge put

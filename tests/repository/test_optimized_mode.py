@@ -20,7 +20,7 @@ PACKAGE = REPO_ROOT / "unimem"
 
 # The slice of the suite that runs again under -O: the core's rules and the
 # XPU backend (the one that had behaviour inside an assert).
-OPTIMIZED_SLICE = ("tests/core/test_core_rules.py", "tests/front/test_xpu.py")
+OPTIMIZED_SLICE = ("tests/core/policy/test_core_rules.py", "tests/front/test_xpu.py")
 OPTIMIZED_TIMEOUT_S = 240
 
 

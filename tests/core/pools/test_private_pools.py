@@ -488,7 +488,7 @@ class HookedDevice(Device):
 REQUEST_OUTLIVING_ITS_POOL = """
 from unimem import _core
 from unimem.backends.pluggable import PluggableAllocator
-from tests.core.test_private_pools import HookedDevice, MiB, P1
+from tests.core.pools.test_private_pools import HookedDevice, MiB, P1
 dev = HookedDevice(capacity=24 * MiB)
 a = _core.CachingAllocator(PluggableAllocator(dev.malloc, dev.free), 0)
 a.free(a.malloc(4 * MiB))           # a cached 20 MiB segment of the device's own pools
