@@ -2,6 +2,7 @@
 import pytest
 
 from unimem import OutOfMemoryError, _core
+from unimem.backends.simulated import SimulatedBackend
 
 MiB = 1 << 20
 
@@ -457,3 +458,12 @@ def test_the_registry_allocates_on_the_current_device_and_stream():
     with pytest.raises(TypeError):
         registry.allocate_current("10")
     assert registry.get(0).memory_stats()["allocation.all.current"] == 0
+
+
+def test_exact_segments_hold_no_more_than_asked():
+    a = _core.CachingAllocator(SimulatedBackend(), 0, exact_segments=True)
+    p = a.malloc(1024)
+    s = a.memory_stats()
+    assert s["reserved_bytes.all.current"] == 1024 and a.free_block_count() == 0
+    a.free(p)
+    assert a.free_block_count() == 1
