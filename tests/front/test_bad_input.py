@@ -231,7 +231,7 @@ def test_frees_still_pending_from_earlier_tests_are_not_blamed_on_the_call():
     """Pool arrays deleted while their kernels run come back to the pool when
     dpctl's keep-alive host tasks let go of them, asynchronously, and
     ``xpu.empty`` lets those tasks through before it allocates. Left by an
-    earlier test file (test_xpu.py, test_dpnp_hook_attacks.py), such frees
+    earlier test file (test_xpu.py, test_dpnp_allocator_blocks.py), such frees
     landed between the snapshots of the test above and failed it."""
     dpnp = pytest.importorskip("dpnp")
     if not _devices.is_available("xpu"):
