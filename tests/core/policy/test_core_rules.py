@@ -366,7 +366,7 @@ def test_the_backend_gets_memory_back_outside_the_allocator_lock():
 
 @pytest.mark.parametrize("error", [RuntimeError("device busy"), KeyboardInterrupt()])
 def test_a_backend_free_that_raises_forgets_the_segment_and_never_hands_it_out_again(error):
-    """Issue 12 #2: a free that raises may have released the memory (a Ctrl-C
+    """A free that raises may have released the memory (a Ctrl-C
     after the driver let go). Re-caching the segment handed the freed address
     out again, and freed it twice. Now it is forgotten and counted."""
     from unimem.backends.simulated import SimulatedBackend

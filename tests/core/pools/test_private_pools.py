@@ -456,7 +456,7 @@ def test_inactive_split_counts_a_pool_block_in_an_expandable_allocator():
 def test_a_pool_request_that_fails_leaves_no_free_index_behind(stream):
     """A routed request failing on a stream where the pool has no segment
     made the pool's free indexes of that stream and kept them, one table per
-    failure (found by a differential review: _check_invariants failed)."""
+    failure (_check_invariants failed)."""
     a = _core.CachingAllocator(SimulatedBackend(capacity=256 * MiB), 0)
     a.set_capacity(256 * MiB)
     a.create_pool(P1, None, False, False)

@@ -1,5 +1,5 @@
 """Expandable segments: where a miss goes and which holes are unmapped
-first (issue 27, _core_holes.pxi), pinned one rule at a time on the
+first (_core_holes.pxi), pinned one rule at a time on the
 simulated CUDA VMM device (2 MiB pages) and the cpu pool's host backend.
 
 * With max_reserved_ratio, a miss maps pages where the request needs the
