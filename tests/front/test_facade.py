@@ -1,10 +1,13 @@
 """unimem.accelerator: torch.accelerator's functions, names and semantics."""
 import collections
 import ctypes
+import inspect
 
 import pytest
 
 import unimem
+import unimem.cpu
+import unimem.xpu
 from unimem import accelerator as acc
 from unimem._runtime.registry import DeviceRegistry
 
@@ -465,3 +468,23 @@ def test_the_configured_fraction_is_reported_before_the_first_allocation():
         print(acc.get_per_process_memory_fraction())
     """, UNIMEM_ALLOC_CONF="per_process_memory_fraction:0.5")
     assert out.split() == ["0.5", "0.5", "0.5"]
+
+
+# torch.accelerator's _snapshot(device=None, augment_with_fx_traces=False)
+def test_the_accelerators_snapshot_takes_torchs_arguments():
+    assert list(inspect.signature(unimem.accelerator._snapshot).parameters) == ["device", "augment_with_fx_traces"]
+    for snapshot in (unimem.accelerator._snapshot(None, False), unimem.accelerator._snapshot(augment_with_fx_traces=True)):
+        assert {"segments", "device_traces"} <= set(snapshot)
+
+
+# torch.xpu.set_per_process_memory_fraction: XPUCachingAllocator takes (0, 1]
+def test_xpu_refuses_a_memory_fraction_of_zero_and_changes_nothing():
+    before = unimem.xpu.get_per_process_memory_fraction()
+    with pytest.raises(ValueError, match=r"invalid fraction:0\. Please set within \(0, 1\]"):
+        unimem.xpu.set_per_process_memory_fraction(0.0)
+    assert unimem.xpu.get_per_process_memory_fraction() == before
+    unimem.cpu.set_per_process_memory_fraction(0.0)          # CUDA's (and the cpu pool's) range: [0, 1]
+    try:
+        assert unimem.cpu.get_per_process_memory_fraction() == 0.0
+    finally:
+        unimem.cpu.set_per_process_memory_fraction(1.0)
