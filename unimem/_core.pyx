@@ -253,7 +253,7 @@ cdef class CachingAllocator:
     # outside it too, though one thread's delivery waits for another's (each
     # thread's hook takes its own Python frames). Calls still made under it
     # (events, virtual memory, private pools' allocators) are listed as
-    # strict xfails in tests/core/test_backend_calls_outside_the_lock.py.
+    # strict xfails in tests/core/threads/test_backend_calls_outside_the_lock.py.
     # ------------------------------------------------------------------
     cdef inline void _lock(self) noexcept:
         """Take the lock for anything but the pair of one size: a merge put

@@ -244,7 +244,7 @@ def test_the_cuda_device_type_over_cupys_runtime_maps_with_the_real_driver(monke
     """``unimem.cuda`` over CuPy's own runtime must use the real driver for
     expandable segments. It passed that runtime on as if given by the user,
     so every real GPU refused ``expandable_segments:True`` ("given without a
-    driver"): found on the first GPU run (issue 30)."""
+    driver"): found on the first GPU run."""
     from unimem._runtime.devices import make_cuda_type
     real_like = FakeCudaRuntime(devices=1, capacity=64 * MiB)       # stands for cupy's runtime module
     driver = FakeCudaDriver(real_like)

@@ -21,6 +21,8 @@ from unimem._runtime import devices as _devices
 from unimem._runtime.config import parse_alloc_conf
 from unimem.backends.simulated import SimulatedBackend
 
+from tests.helpers.fake_cuda import fake  # noqa: F401  (fixture)
+
 DOCUMENTED = (TypeError, ValueError, unimem.OutOfMemoryError)
 # dpnp.asarray(300, dtype="u1") and dpnp.full(3, 2**63) raise OverflowError
 # (NumPy's conversion), and so do unimem's (tests/front/test_xpu.py).
@@ -231,7 +233,7 @@ def test_frees_still_pending_from_earlier_tests_are_not_blamed_on_the_call():
     """Pool arrays deleted while their kernels run come back to the pool when
     dpctl's keep-alive host tasks let go of them, asynchronously, and
     ``xpu.empty`` lets those tasks through before it allocates. Left by an
-    earlier test file (test_xpu.py, test_dpnp_hook_attacks.py), such frees
+    earlier test file (test_xpu.py, test_dpnp_allocator_blocks.py), such frees
     landed between the snapshots of the test above and failed it."""
     dpnp = pytest.importorskip("dpnp")
     if not _devices.is_available("xpu"):
@@ -254,6 +256,57 @@ def test_double_free_and_foreign_pointers_change_nothing():
         with pytest.raises(ValueError):
             SIMULATED.free(bad)
     assert unchanged(before, state())
+
+
+# ---------------------------------------------------------------------------
+# caching_allocator_delete of an address the allocator does not hold: torch's
+# allocator raises RuntimeError("invalid device pointer: ...")
+# ---------------------------------------------------------------------------
+def _namespaces_with_delete():
+    return [pytest.param("cpu", id="cpu"), pytest.param("accelerator", id="accelerator"),
+            pytest.param("cuda", id="cuda")]
+
+
+@pytest.mark.parametrize("name", _namespaces_with_delete())
+def test_freeing_what_the_allocator_does_not_hold_is_torchs_runtime_error(name, request):
+    if name == "cuda":
+        pytest.importorskip("cupy", reason="CuPy (cupy-cuda12x) is in the test extra")
+        request.getfixturevalue("fake")
+        import unimem.cuda as ns
+    else:
+        ns = getattr(unimem, name)
+    ptr = ns.caching_allocator_alloc(4096)
+    before = dict(ns.memory_stats())
+    for bad in (ptr + 512, 0x7F00_0000_1000):
+        with pytest.raises(RuntimeError) as caught:
+            ns.caching_allocator_delete(bad)
+        assert isinstance(caught.value, ValueError) and isinstance(caught.value, unimem.InvalidPointerError)
+    ns.caching_allocator_delete(ptr)
+    with pytest.raises(unimem.InvalidPointerError):
+        ns.caching_allocator_delete(ptr)                 # freed already
+    after = dict(ns.memory_stats())
+    assert after["allocation.all.current"] == before["allocation.all.current"] - 1
+
+
+@pytest.mark.parametrize("name", ["cpu", "accelerator", "xpu"])
+def test_record_stream_of_an_address_not_handed_out_is_torchs_runtime_error(name):
+    """torch: RuntimeError, "No allocated block can be found"; the namespaces
+    raised a plain ValueError (the core's record_stream already raised
+    InvalidPointerError)."""
+    ns = getattr(unimem, name)
+    before = dict(ns.memory_stats())
+    with pytest.raises(unimem.InvalidPointerError) as caught:
+        ns.record_stream(0x7F00_0000_1000, 0)
+    assert isinstance(caught.value, RuntimeError) and isinstance(caught.value, ValueError)
+    assert dict(ns.memory_stats()) == before
+
+
+def test_the_cores_own_free_raises_it_too():
+    from unimem import _core
+    from unimem.backends.simulated import SimulatedBackend
+    core = _core.CachingAllocator(SimulatedBackend(), 0)
+    with pytest.raises(unimem.InvalidPointerError):
+        core.free(0x1000)
 
 
 @pytest.mark.parametrize("namespace", [cpu, xpu])

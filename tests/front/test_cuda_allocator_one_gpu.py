@@ -61,7 +61,7 @@ def test_blocks_are_reused_on_the_stream_that_freed_them(one_gpu):
 
 def test_per_thread_default_streams_are_keyed_per_thread(one_gpu):
     """cudaStreamPerThread (2) names each thread's own stream: a block freed
-    on it in one thread is not another thread's at once (issue 22's rule)."""
+    on it in one thread is not another thread's at once."""
     import unimem.cuda as ucuda
     seen = {}
 

@@ -1,4 +1,4 @@
-"""Expandable segments, sleep mode and private pools on a real GPU (issue 30),
+"""Expandable segments, sleep mode and private pools on a real GPU,
 each in a fresh interpreter (``UNIMEM_ALLOC_CONF`` is read when the pool is
 made). The driver's own free-memory figure is the judge of what was given
 back. Skipped without an NVIDIA GPU and cuda-bindings."""

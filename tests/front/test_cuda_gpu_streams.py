@@ -1,4 +1,4 @@
-"""Streams on a real GPU (issue 30): a block is never handed to new work while
+"""Streams on a real GPU: a block is never handed to new work while
 a kernel may still use it.
 
 Each round frees an array while a kernel that uses it is still running, then

@@ -274,7 +274,7 @@ def test_caching_allocator_alloc_keys_the_per_thread_stream_per_thread(fake):
 
 
 # ---------------------------------------------------------------------------
-# Issue 12 item 15: an event recorded for a free that fails is not leaked
+# an event recorded for a free that fails is not leaked
 # ---------------------------------------------------------------------------
 def test_a_failed_event_record_leaks_no_event(fake):
     allocator = _devices.get_type("cuda").registry.get(0)

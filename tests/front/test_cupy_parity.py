@@ -313,7 +313,7 @@ def test_set_limit_fraction(any_pool):
 
 
 # ---------------------------------------------------------------------------
-# issue 18: CuPy's pool allows these under a limit; so does every unimem pool
+# CuPy's pool allows these under a limit; so does every unimem pool
 # ---------------------------------------------------------------------------
 @pytest.mark.parametrize("limit, request_size", [(3072, 2560), (10 * MiB, MiB + MiB // 2)])
 def test_a_request_that_fits_the_limit_is_served(any_pool, limit, request_size):
@@ -325,7 +325,7 @@ def test_a_request_that_fits_the_limit_is_served(any_pool, limit, request_size):
 
 
 def test_after_one_small_malloc_the_numbers_are_cupys(pool):
-    """issue 18: CuPy reports total 1024, free 0, no free block after malloc(1024)."""
+    """CuPy reports total 1024, free 0, no free block after malloc(1024)."""
     p = pool.malloc(1024)
     assert (pool.used_bytes(), pool.free_bytes(), pool.total_bytes(), pool.n_free_blocks()) == (1024, 0, 1024, 0)
     del p

@@ -1,10 +1,13 @@
 """unimem.accelerator: torch.accelerator's functions, names and semantics."""
 import collections
 import ctypes
+import inspect
 
 import pytest
 
 import unimem
+import unimem.cpu
+import unimem.xpu
 from unimem import accelerator as acc
 from unimem._runtime.registry import DeviceRegistry
 
@@ -17,7 +20,7 @@ def current_type():
     return acc.current_accelerator().type
 
 
-def test_the_issue_example():
+def test_1000_bytes_count_1024_allocated_and_1000_requested():
     before = acc.memory_stats(0)
     p = acc.caching_allocator_alloc(1000)
     s = acc.memory_stats(0)
@@ -337,7 +340,7 @@ def test_device_registries_come_and_go():
     """A process may make (and drop) any number of device registries, as
     change_current_allocator does; a new one never inherits the current
     device another one set, and there is no limit on how many live at once
-    (issue 12 item 19: CuPy has none)."""
+    (CuPy has none)."""
     import gc
 
     from unimem import _core
@@ -389,7 +392,7 @@ def test_cpu_zeros_is_numpy_zeros_from_the_pool(dtype):
 # torch.accelerator's shape: the memory submodule, synchronize, the fraction
 # ---------------------------------------------------------------------------
 def test_the_memory_submodule_holds_the_same_functions():
-    """Issue 15: as torch.accelerator.memory, re-exported by torch.accelerator."""
+    """As torch.accelerator.memory, re-exported by torch.accelerator."""
     import unimem.accelerator.memory as memory
     assert acc.memory is memory
     for name in memory.__all__:
@@ -446,7 +449,7 @@ def test_synchronize_waits_on_every_queue_of_the_xpu_device():
 
 
 def test_set_per_process_memory_fraction_takes_a_float_only():
-    """Issue 18: PyTorch's check is isinstance(fraction, float); an int is a TypeError."""
+    """PyTorch's check is isinstance(fraction, float); an int is a TypeError."""
     before = acc.get_per_process_memory_fraction()
     for bad in (1, 0, True, "0.5"):
         with pytest.raises(TypeError, match="Invalid type for fraction argument, must be `float`"):
@@ -455,7 +458,7 @@ def test_set_per_process_memory_fraction_takes_a_float_only():
 
 
 def test_the_configured_fraction_is_reported_before_the_first_allocation():
-    """Issue 18: get_per_process_memory_fraction() read 1.0 until the first allocation."""
+    """get_per_process_memory_fraction() once read 1.0 until the first allocation."""
     out = run_fresh("""
         import unimem
         from unimem import accelerator as acc
@@ -465,3 +468,23 @@ def test_the_configured_fraction_is_reported_before_the_first_allocation():
         print(acc.get_per_process_memory_fraction())
     """, UNIMEM_ALLOC_CONF="per_process_memory_fraction:0.5")
     assert out.split() == ["0.5", "0.5", "0.5"]
+
+
+# torch.accelerator's _snapshot(device=None, augment_with_fx_traces=False)
+def test_the_accelerators_snapshot_takes_torchs_arguments():
+    assert list(inspect.signature(unimem.accelerator._snapshot).parameters) == ["device", "augment_with_fx_traces"]
+    for snapshot in (unimem.accelerator._snapshot(None, False), unimem.accelerator._snapshot(augment_with_fx_traces=True)):
+        assert {"segments", "device_traces"} <= set(snapshot)
+
+
+# torch.xpu.set_per_process_memory_fraction: XPUCachingAllocator takes (0, 1]
+def test_xpu_refuses_a_memory_fraction_of_zero_and_changes_nothing():
+    before = unimem.xpu.get_per_process_memory_fraction()
+    with pytest.raises(ValueError, match=r"invalid fraction:0\. Please set within \(0, 1\]"):
+        unimem.xpu.set_per_process_memory_fraction(0.0)
+    assert unimem.xpu.get_per_process_memory_fraction() == before
+    unimem.cpu.set_per_process_memory_fraction(0.0)          # CUDA's (and the cpu pool's) range: [0, 1]
+    try:
+        assert unimem.cpu.get_per_process_memory_fraction() == 0.0
+    finally:
+        unimem.cpu.set_per_process_memory_fraction(1.0)

@@ -1,5 +1,5 @@
 """Memory history recorded while several threads allocate and free: the
-trace keeps the order of the allocator's own operations (issue 26, defect 4).
+trace keeps the order of the allocator's own operations.
 
 Each thread hands its buffered events to the history after letting the
 allocator lock go; without an order kept between those hand-overs, two of

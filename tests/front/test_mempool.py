@@ -448,3 +448,50 @@ def test_memory_snapshot_takes_pytorchs_include_traces_and_refuses_ids_no_pool_h
     assert unimem.accelerator.memory_snapshot(include_traces=False) == unimem.accelerator.memory_snapshot()
     with pytest.raises(TypeError, match="include_traces must be a bool"):
         unimem.accelerator.memory_snapshot(None, 1)
+
+
+# ---------------------------------------------------------------------------
+# a refused allocator takes no id; a snapshot's pool id as a list; a pluggable
+# allocator's .allocator(), what MemPool(allocator=...) takes
+# ---------------------------------------------------------------------------
+def test_a_refused_mempool_takes_no_pool_id():
+    first = unimem.cpu.MemPool().id
+    for bad in (5, object()):
+        with pytest.raises(TypeError):
+            unimem.cpu.MemPool(allocator=bad)
+    assert unimem.cpu.MemPool().id == (0, first[1] + 1)
+    gc.collect()
+
+
+def test_a_snapshot_takes_a_pool_id_as_a_list():
+    """torch's memory_snapshot only indexes mempool_id[0] and [1]: a list (an
+    id that went through JSON) names the pool as the tuple does."""
+    pool = unimem.cpu.MemPool()
+    with unimem.cpu.use_mem_pool(pool):
+        ptr = unimem.cpu.caching_allocator_alloc(MiB)
+    try:
+        listed = unimem.cpu.memory_snapshot(list(pool.id))
+        assert listed and listed == unimem.cpu.memory_snapshot(pool.id)
+    finally:
+        unimem.cpu.caching_allocator_delete(ptr)
+        del pool
+        gc.collect()
+        unimem.cpu.empty_cache()
+
+
+def test_mempool_takes_a_pluggable_allocators_allocator():
+    """Ported code writes MemPool(allocator.allocator()) (torch's
+    _CUDAAllocator.allocator() hands out the C allocator)."""
+    from unimem.backends._host import PageAlignedBackend
+    pages = PageAlignedBackend()
+    allocator = PluggableAllocator(pages.malloc, pages.free)
+    assert allocator.allocator() is allocator
+    pool = unimem.cpu.MemPool(allocator.allocator())
+    assert pool.allocator is allocator
+    with unimem.cpu.use_mem_pool(pool):
+        ptr = unimem.cpu.caching_allocator_alloc(4096)
+    assert [s["segment_pool_id"] for s in unimem.cpu.memory_snapshot(pool.id)] == [pool.id]
+    unimem.cpu.caching_allocator_delete(ptr)
+    del pool
+    gc.collect()
+    unimem.cpu.empty_cache()

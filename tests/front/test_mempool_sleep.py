@@ -1,5 +1,5 @@
 """MemPool.sleep / wake_up: sleep mode for one private pool's segments, on
-the ``cpu`` pool's real host memory (issue 28: "and the same on a MemPool").
+the ``cpu`` pool's real host memory.
 
 The pool's live blocks keep their addresses and (offloaded) bytes; its memory
 goes back while the device's other memory and allocations are untouched;

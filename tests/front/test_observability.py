@@ -160,7 +160,7 @@ def frames_of(snapshot, address):
 
 
 def test_disabling_drops_the_trace_and_reenabling_starts_fresh():
-    """Issue 18: PyTorch's recordHistory clears the trace when disabled."""
+    """PyTorch's recordHistory clears the trace when disabled."""
     unimem.cpu._record_memory_history(clear_history=True)
     try:
         unimem.cpu.caching_allocator_delete(allocate_here(4096))
@@ -176,7 +176,7 @@ def test_disabling_drops_the_trace_and_reenabling_starts_fresh():
 
 
 def test_frames_of_memory_freed_while_history_was_off_are_dropped():
-    """Issue 12 item 16: a block reallocated while history was paused must not
+    """A block reallocated while history was paused must not
     show the stack of the freed allocation that had its address."""
     unimem.cpu._record_memory_history(clear_history=True)
     try:
@@ -243,7 +243,7 @@ def test_which_entries_carry_frames_follows_pytorchs_context(context):
 
 
 def test_dump_snapshot_takes_only_paths(tmp_path):
-    """Issue 12 item 20: _dump_snapshot(1) wrote the pickle to stdout and closed it."""
+    """_dump_snapshot(1) once wrote the pickle to stdout and closed it."""
     code = (
         "import os, unimem\n"
         "for bad in (1, 2.5, None, [b'x']):\n"
@@ -304,7 +304,7 @@ print("all children exited")
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_fork_while_another_thread_is_in_the_history_hook():
-    """Issue 12 item 7: History.lock was not reset in a forked child."""
+    """History.lock was once not reset in a forked child."""
     done = subprocess.run([sys.executable, "-c", FORK_UNDER_HISTORY], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr
@@ -477,7 +477,7 @@ def test_a_failing_oom_observer_does_not_stop_the_others(monkeypatch):
 
 @pytest.mark.parametrize("interrupt", [KeyboardInterrupt, SystemExit])
 def test_an_interrupt_in_an_oom_observer_goes_through_the_dispatcher(interrupt):
-    """Issue 12 item 9 (unimem's side): Ctrl-C in an observer is not held back
+    """On unimem's side, Ctrl-C in an observer is not held back
     like an ordinary error, and stops the observers after it."""
     calls = []
 
@@ -502,7 +502,7 @@ def test_an_interrupt_in_an_oom_observer_goes_through_the_dispatcher(interrupt):
 
 
 def test_ctrl_c_in_an_oom_observer_reaches_the_program():
-    """Issue 12 item 9, end to end (needs the core to let KeyboardInterrupt through)."""
+    """Ctrl-C in an OOM observer, end to end (needs the core to let KeyboardInterrupt through)."""
     code = (
         "import unimem\n"
         "def observer(*args):\n"
@@ -521,7 +521,7 @@ def test_ctrl_c_in_an_oom_observer_reaches_the_program():
 
 
 def test_ctrl_c_in_the_history_hook_reaches_the_program():
-    """Issue 12 item 9: a KeyboardInterrupt raised while the history hook runs."""
+    """A KeyboardInterrupt raised while the history hook runs."""
     code = (
         "import unimem\n"
         "from unimem._observe import history as _history\n"

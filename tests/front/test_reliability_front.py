@@ -1,5 +1,5 @@
-"""Issue 12, the parts outside the core: device strings and indices (item 18),
-locks of the front modules across fork (item 7)."""
+"""Device strings and indices as the front reads them, and the front modules'
+locks across fork."""
 import os
 import subprocess
 import sys
@@ -19,7 +19,7 @@ REPO_ROOT = str(_REPO_ROOT)
 
 
 # ---------------------------------------------------------------------------
-# item 18: device strings take ASCII digits only; __index__ must give an int
+# device strings take ASCII digits only; __index__ must give an int
 # ---------------------------------------------------------------------------
 @pytest.mark.parametrize("text", [
     "xpu:\u0660",        # ARABIC-INDIC DIGIT ZERO: str.isdigit() and int() take it
@@ -94,7 +94,7 @@ def test_device_index_of_an_unicode_digit_string_is_refused():
 
 
 # ---------------------------------------------------------------------------
-# item 7 (front modules): a lock held by another thread at fork() must not
+# the front modules: a lock held by another thread at fork() must not
 # hang the child
 # ---------------------------------------------------------------------------
 FORK_WHILE_LOCKED = textwrap.dedent("""

@@ -1,4 +1,4 @@
-"""Sleep mode through the namespaces (issue 28, part 5): ``unimem.cpu``
+"""Sleep mode through the namespaces: ``unimem.cpu``
 sleeps for real, ``unimem.xpu`` (the SYCL CPU device here) refuses saying
 why, ``unimem.accelerator`` dispatches to the current device type."""
 import ctypes

@@ -1,5 +1,5 @@
-"""The ``memory_summary`` tables of every pool kind keep PyTorch's layout
-(issue 31): PyTorch's own ``torch.cuda.memory_summary`` formats the same
+"""The ``memory_summary`` tables of every pool kind keep PyTorch's layout:
+PyTorch's own ``torch.cuda.memory_summary`` formats the same
 statistics, and every row's ``|`` sits where it sits in PyTorch's table, no
 cell cut; a pool that never held memory prints no table."""
 import subprocess
@@ -126,7 +126,7 @@ def test_every_pool_kinds_table_has_pytorchs_layout(name, abbreviated, stats):
 
 
 def test_long_pool_names_are_in_the_title_only():
-    """The regression of issue 31: "XPU shared USM reserved memory" outgrew
+    """A regression: "XPU shared USM reserved memory" outgrew
     the label column and the row lost its "Tot Freed" cell."""
     table = memory_summary_table(full_stats(5), "XPU shared USM", 0)
     assert "unimem XPU shared USM memory summary, device ID 0" in table
@@ -194,7 +194,7 @@ print(xpu.memory_summary(0).count("memory summary"))
 
 
 def test_pools_that_never_held_memory_print_no_table(xpu):
-    """The regression of issue 31: the demo printed the shared USM and host
+    """A regression: the demo printed the shared USM and host
     USM pools' tables, all zeros, though nothing came from them. In a fresh
     process: set up, no table; once it held memory, its table, also after its
     memory is back."""

@@ -1,4 +1,4 @@
-"""Issue 26, defect 5: unimem keeps no SYCL queue a user made and dropped.
+"""Unimem keeps no SYCL queue a user made and dropped.
 
 Counted as a user's program sees them: every live ``dpctl.SyclQueue`` the
 garbage collector knows of (dpctl's queues take no weak reference). The
@@ -222,7 +222,7 @@ def test_giving_back_an_abandoned_queues_cache_does_not_wait_on_it(xpu, dpctl):
     """Every free waits on its queue, and unimem's waits take turns: the cache
     of an abandoned queue, given back at another queue's first allocation,
     made that allocation wait behind any other thread's wait on a busy queue
-    (0.38 s in the review's repro). A queue found idle with no holder but
+    (0.38 s in a reproduction). A queue found idle with no holder but
     unimem gets no more work, so its frees no longer wait: the waits are
     counted here through the wait function unimem calls."""
     import ctypes

@@ -1,5 +1,5 @@
-"""PyTorch 2.13's memory functions that unimem added without a core change
-(issue 28): ``mem_get_info`` on every backend, ``list_gpu_processes``, the
+"""PyTorch 2.13's memory functions that unimem added without a core change:
+``mem_get_info`` on every backend, ``list_gpu_processes``, the
 host statistics in ``unimem.cuda``/``unimem.xpu``, the pluggable allocators
 (``change_current_allocator``, ``get_allocator_backend``,
 ``CUDAPluggableAllocator``, ``XPUPluggableAllocator``) and

@@ -27,7 +27,7 @@ def stats(xpu):
     return xpu.memory_stats(0)
 
 
-def test_the_issue_example(xpu, dpnp):
+def test_pool_arrays_are_dpnp_arrays_counted_by_unimem_xpu_and_the_accelerator(xpu, dpnp):
     before = stats(xpu).get("active_bytes.all.current", 0)
     x = xpu.empty((1024, 1024), dtype="f4")
     y = xpu.zeros_like(x)
@@ -460,7 +460,7 @@ def test_training_with_history_recorded_does_not_hang(tmp_path):
 
 
 # ---------------------------------------------------------------------------
-# issue 12, item 14: temporary queues are not kept alive by unimem
+# temporary queues are not kept alive by unimem
 # ---------------------------------------------------------------------------
 def test_temporary_queues_are_let_go_of_after_empty_cache(xpu, dpctl):
     import weakref
@@ -552,7 +552,7 @@ def test_a_queue_named_by_record_stream_outlives_its_segments(xpu, dpctl):
 
 
 def test_record_stream_with_a_handle_that_names_no_queue_is_refused(xpu, dpctl):
-    """Issue 12 #13: the handle was taken, and every later free of the block
+    """The handle was taken, and every later free of the block
     raised IndexError, so it could never be freed."""
     pool = xpu.allocator_for("device")
     ptr = pool.malloc(4096)

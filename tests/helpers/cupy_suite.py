@@ -1,5 +1,5 @@
 """Running a slice of CuPy's own test suite with and without unimem's
-allocator, on a GPU, and comparing each test's outcome (issue 30).
+allocator, on a GPU, and comparing each test's outcome.
 
 CuPy's wheels do not ship its tests: point ``UNIMEM_CUPY_TESTS`` at the
 ``tests`` folder of a CuPy checkout of the installed version (``git archive

@@ -1,9 +1,12 @@
 """Running code in a new interpreter: the facade's state is per process (the
-device types, the allocator configuration read from the environment)."""
+device types, the allocator configuration read from the environment), and
+code that may hang (a fork, the interpreter's exit) runs under a timeout."""
 import os
 import subprocess
 import sys
 import textwrap
+
+import pytest
 
 from tests.helpers import REPO_ROOT
 
@@ -22,3 +25,13 @@ def run_fresh(code: str, timeout: float = 300, **env: str) -> str:
     for noise in NOISE:
         assert noise not in result.stderr, result.stderr
     return result.stdout
+
+
+def run_within_timeout(code, timeout=60, env=None):
+    """Run ``code`` (dedented) in a fresh interpreter and return the completed
+    process, its exit status unchecked; a hang fails the test, not the suite."""
+    try:
+        return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                              text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired as expired:
+        pytest.fail(f"hung for {timeout} s:\n{expired.stdout}\n{expired.stderr}")

@@ -1,7 +1,7 @@
 """What the misbehaving-backend state machines share.
 
-tests/core/test_misbehaving_backend.py drives a caching allocator with
-segments, tests/core/test_misbehaving_expandable.py one with expandable
+tests/core/robustness/test_misbehaving_backend.py drives a caching allocator with
+segments, tests/core/robustness/test_misbehaving_expandable.py one with expandable
 segments; both over :class:`MisbehavingBackend`, a simulated device whose
 callbacks misbehave as planned (garbage collections that free blocks of the
 same allocator re-entrantly, interrupts, errors). :class:`AllocatorMachine`

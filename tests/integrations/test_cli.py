@@ -174,7 +174,7 @@ class RunsCode:
 
 @pytest.mark.parametrize("how", ["os.system", "builtins.open", "nested in a real snapshot"])
 def test_plot_refuses_a_pickle_that_would_run_code(tmp_path, how):
-    """Issue 12 item 1: a crafted snapshot must not run code; it is refused in one line."""
+    """A crafted snapshot must not run code; it is refused in one line."""
     marker = tmp_path / "pwned"
     if how == "os.system":
         payload = RunsCode(os.system, f"touch {marker}")
@@ -260,7 +260,7 @@ MALFORMED = {
 
 @pytest.mark.parametrize("case", sorted(MALFORMED))
 def test_plot_of_a_malformed_file_is_one_line(tmp_path, case):
-    """Issue 12 item 20: truncated, empty, malformed files give one line and a non-zero exit."""
+    """Truncated, empty, malformed files give one line and a non-zero exit."""
     content, says = MALFORMED[case]
     path = tmp_path / "bad.pickle"
     path.write_bytes(content)

@@ -1,4 +1,4 @@
-"""CuPy's own tests as the judge (issue 30): a slice of CuPy's test suite
+"""CuPy's own tests as the judge: a slice of CuPy's test suite
 gives the same outcome for every test with ``unimem.cuda.allocator`` (and
 unimem's pinned allocator) installed as with CuPy's own pools.
 

@@ -144,7 +144,7 @@ def test_page_block(block, where, workdir):
 
 
 # ---------------------------------------------------------------------------
-# The options page's claims, run (issue 26, item 10: the README said
+# The options page's claims, run (the README once said
 # `expandable_segments:True` was refused long after the option worked)
 # ---------------------------------------------------------------------------
 def options_section():

@@ -1,4 +1,4 @@
-"""The HTML memory report (issue 29), opened in a real browser with the network blocked.
+"""The HTML memory report, opened in a real browser with the network blocked.
 
 Chromium comes from the system's packages (``apt-get install chromium``; .ci/run
 installs it), driven headless by Playwright's Python client: no browser is

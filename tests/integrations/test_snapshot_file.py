@@ -1,6 +1,6 @@
 """Hostile and malformed snapshot files: ``load_snapshot`` refuses them in one
 line (a :class:`SnapshotError`) and ``python -m unimem plot`` never opens a
-path a snapshot names unless asked for source lines (issue 26, defects 2 and 3).
+path a snapshot names unless asked for source lines.
 
 The commands that a regression could make read without end or block run in a
 subprocess with a memory limit and a timeout, so a failure cannot eat the machine.
@@ -135,7 +135,7 @@ def refused_in_one_line(done, *needed):
         assert text in lines[0], (text, lines[0])
 
 
-# --- defect 2: paths named in a snapshot ------------------------------------
+# --- paths named in a snapshot ---------------------------------------------
 @pytest.fixture
 def fifo(tmp_path):
     path = tmp_path / "fifo.py"
@@ -145,7 +145,7 @@ def fifo(tmp_path):
 
 @pytest.mark.parametrize("named", ["/dev/zero", "fifo"])
 def test_plot_opens_no_path_a_snapshot_names(tmp_path, fifo, named):
-    """Issue 26 defect 2: a frame naming /dev/zero made plot read until memory
+    """A frame naming /dev/zero made plot read until memory
     ran out, one naming a FIFO blocked forever; without --source-lines no
     path in the snapshot is opened, and the frame shows file:line function."""
     filename = str(fifo) if named == "fifo" else named
@@ -196,7 +196,7 @@ def test_plot_help_documents_source_lines():
     assert "--source-lines" in done.stdout and "regular files" in done.stdout
 
 
-# --- defect 3: malformed snapshots ------------------------------------------
+# --- malformed snapshots ---------------------------------------------------
 def _nested_list_pickle(depth):
     """A pickle of ``[[[...]]]`` ``depth`` deep, built opcode by opcode
     (pickle.dumps itself would recurse): EMPTY_LIST, then APPENDs."""
@@ -274,7 +274,7 @@ def test_the_deep_case_is_what_it_says():
 
 @pytest.mark.parametrize("case", sorted(HOSTILE))
 def test_a_malformed_snapshot_is_refused_in_one_line(tmp_path, case):
-    """Issue 26 defect 3: a second frame without filename was KeyError, a
+    """A second frame without filename was KeyError, a
     size of 10**400 OverflowError, a nested pool RecursionError; every part
     of the snapshot is checked before plot uses any of it."""
     content, says = HOSTILE[case]

@@ -2,7 +2,7 @@
 
 ``-O`` strips every ``assert`` statement, so an assert whose test calls
 something (registering a queue, taking a lock, popping a list) silently
-removes that call. Issue 12: under ``-O`` no pool array could be made on any
+removes that call. Once, under ``-O`` no pool array could be made on any
 queue but a device's default one, because the queue was registered inside an
 assert.
 """
@@ -20,7 +20,7 @@ PACKAGE = REPO_ROOT / "unimem"
 
 # The slice of the suite that runs again under -O: the core's rules and the
 # XPU backend (the one that had behaviour inside an assert).
-OPTIMIZED_SLICE = ("tests/core/test_core_rules.py", "tests/front/test_xpu.py")
+OPTIMIZED_SLICE = ("tests/core/policy/test_core_rules.py", "tests/front/test_xpu.py")
 OPTIMIZED_TIMEOUT_S = 240
 
 
@@ -34,7 +34,7 @@ def asserts_that_call(source: str, filename: str):
 
 
 def test_the_rule_catches_a_call_inside_an_assert():
-    # the rule itself, on the shape issue 12 found and on ones it must let through
+    # the rule itself, on the shape of that queue registration and on ones it must let through
     assert asserts_that_call("assert raw.add_queue(queue) == handle\n", "x.py") == [
         (1, "assert raw.add_queue(queue) == handle")]
     assert asserts_that_call("assert not [q for q in f()]\n", "x.py")

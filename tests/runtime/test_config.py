@@ -109,7 +109,7 @@ def test_max_reserved_ratio_0_turns_the_expandable_bound_off(text, ratio):
 
 
 # ---------------------------------------------------------------------------
-# issue 12, item 17: sizes that do not fit, digits that are not ASCII
+# sizes that do not fit, digits that are not ASCII
 # ---------------------------------------------------------------------------
 @pytest.mark.parametrize("text, option", [
     ("max_split_size_mb:17592186044416", "max_split_size_mb"),       # 2**44 MiB: overflows a size_t
@@ -166,7 +166,7 @@ def test_a_malformed_fraction_fails_when_the_environment_is_read(monkeypatch):
 
 
 # ---------------------------------------------------------------------------
-# issue 18: every option of PYTORCH_CUDA_ALLOC_CONF, checked as PyTorch does
+# every option of PYTORCH_CUDA_ALLOC_CONF, checked as PyTorch does
 # ---------------------------------------------------------------------------
 PYTORCH_OPTIONS_ALL_AT_ONCE = (
     "backend:native, max_split_size_mb:64, max_non_split_rounding_mb:40,"
@@ -237,7 +237,7 @@ def test_pytorch_options_are_validated_as_pytorch_does(text, message):
 
 
 # ---------------------------------------------------------------------------
-# issue 26, item 9: PyTorch's wording for an out-of-range memory fraction
+# PyTorch's wording for an out-of-range memory fraction
 # ---------------------------------------------------------------------------
 @pytest.mark.parametrize("value", ["2", "1.0001", "-0.5", "-1"])
 def test_an_out_of_range_memory_fraction_is_refused_in_pytorchs_words(value):

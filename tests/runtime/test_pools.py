@@ -1,6 +1,6 @@
 """Pools and backends as types, not strings: the Pool of every allocator, the
-Backend Protocol and the wrappers that forward it (issue 13, "Types instead of
-strings"), and dpnp routing that no longer hides unimem's own errors."""
+Backend Protocol and the wrappers that forward it, and dpnp routing that no
+longer hides unimem's own errors."""
 import gc
 import os
 import pickle

@@ -1,5 +1,5 @@
 """Expandable segments: where a miss goes and which holes are unmapped
-first (issue 27, _core_holes.pxi), pinned one rule at a time on the
+first (_core_holes.pxi), pinned one rule at a time on the
 simulated CUDA VMM device (2 MiB pages) and the cpu pool's host backend.
 
 * With max_reserved_ratio, a miss maps pages where the request needs the
@@ -19,6 +19,8 @@ from unimem import _core
 from unimem.backends._host import PageAlignedBackend
 from unimem.backends.simulated import SimulatedBackend
 
+from tests.helpers.mapped_pages import mapped, unmapped
+
 MiB = 1 << 20
 CAPACITY = 256 * MiB
 # A ratio no test here reaches: the placement rule alone.
@@ -30,15 +32,6 @@ def simulated(**options):
     allocator = _core.CachingAllocator(backend, 0, expandable_segments=True, **options)
     allocator.set_capacity(CAPACITY)
     return allocator, backend
-
-
-def mapped(backend, ptr, size):
-    """Whether every 2 MiB page of [ptr, ptr + size) is mapped."""
-    return all(p in backend.mapped_pages[0] for p in range(ptr, ptr + size, 2 * MiB))
-
-
-def unmapped(backend, ptr, size):
-    return not any(p in backend.mapped_pages[0] for p in range(ptr, ptr + size, 2 * MiB))
 
 
 def a_hole_and_a_free_end(a):

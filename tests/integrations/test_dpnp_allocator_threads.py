@@ -1,8 +1,7 @@
-"""Trying to break ``unimem.xpu.set_allocator()`` from ordinary dpnp code.
-
-Each test says what it expects.
-"""
-import gc
+"""``unimem.xpu.set_allocator()`` and dpnp code on several threads: arrays
+made and memory objects dropped while another thread installs and removes
+the allocator every millisecond, and a known deadlock between dpnp's parts
+that the pool makes likelier."""
 import subprocess
 import sys
 import threading
@@ -10,8 +9,6 @@ import time
 
 import numpy
 import pytest
-
-from tests.helpers import REPO_ROOT
 
 dpnp = pytest.importorskip("dpnp")
 dpctl = pytest.importorskip("dpctl")
@@ -24,131 +21,8 @@ from unimem._runtime import devices  # noqa: E402
 if not devices.is_available("xpu"):
     pytest.skip(f"no SYCL device: {devices.unavailable_reason('xpu')}", allow_module_level=True)
 
-
-def counters_delta(before):
-    after = xpu.allocator_counters()
-    return {key: after[key] - before.get(key, 0) for key in after if after[key] != before.get(key, 0)}
-
-
-def allocated():
-    gc.collect()
-    xpu.synchronize()
-    return xpu.memory_stats(0).get("allocated_bytes.all.current", 0)
-
-
-@pytest.fixture
-def hooked():
-    with xpu.using_allocator():
-        yield
-
-
-@pytest.mark.parametrize("usm_type", ["device", "shared", "host"])
-def test_every_usm_type_is_pooled_and_computes_right(hooked, usm_type):
-    before = xpu.allocator_counters()
-    a = dpnp.arange(1000, dtype="f4", usm_type=usm_type)
-    delta = counters_delta(before)
-    assert delta.get("pooled.allocations", 0) >= 1 and "bypassed.allocations" not in delta, delta
-    assert a.usm_type == usm_type and a.get_array().usm_data.get_usm_type() == usm_type
-    assert a.get_array().usm_data.reference_obj is None
-    assert float((a + 1).sum()) == 500500.0
-    assert numpy.array_equal(dpnp.asnumpy(a[::7]), numpy.arange(1000, dtype="f4")[::7])
-
-
-def test_another_queue_of_the_default_context_is_pooled(hooked):
-    queue = dpctl.SyclQueue()
-    before = xpu.allocator_counters()
-    a = dpnp.ones(1000, sycl_queue=queue)
-    assert counters_delta(before).get("pooled.allocations") == 1
-    assert a.sycl_queue == queue and float(a.sum()) == 1000.0
-
-
-def test_a_queue_with_its_own_context_is_pooled_exactly_when_sycl_says_it_is_the_same_context(hooked):
-    """On Intel's OpenCL CPU runtime ``dpctl.SyclContext(dev)`` compares equal
-    to the device's default context (the same SYCL context), so it is pooled;
-    a context SYCL calls different must be passed to dpctl."""
-    device = dpctl.SyclDevice()
-    queue = dpctl.SyclQueue(dpctl.SyclContext(device), device)
-    before = xpu.allocator_counters()
-    a = dpnp.ones(1000, sycl_queue=queue)
-    delta = counters_delta(before)
-    if queue.sycl_context == xpu.default_queue().sycl_context:
-        assert delta.get("pooled.allocations") == 1, delta
-    else:
-        assert delta.get("bypassed.foreign_context.allocations") == 1, delta
-    assert float((a * 2).sum()) == 2000.0
-
-
-def test_a_queue_on_a_sub_device_goes_to_dpctl(hooked):
-    try:
-        sub_devices = dpctl.SyclDevice().create_sub_devices(partition=1)
-    except Exception as exc:   # a device that cannot be partitioned
-        pytest.skip(f"no sub-devices: {exc}")
-    queue = dpctl.SyclQueue(sub_devices[0])
-    before = xpu.allocator_counters()
-    a = dpnp.ones(100, sycl_queue=queue)
-    assert counters_delta(before).get("bypassed.no_pool.allocations") == 1
-    assert float(a.sum()) == 100.0
-
-
-def test_zero_size_arrays_work_and_a_zero_byte_request_fails_as_dpctls_does(hooked):
-    a, b = dpnp.empty(0), dpnp.empty((0, 5), usm_type="shared")
-    assert a.shape == (0,) and b.shape == (0, 5) and dpnp.asnumpy(a).size == 0
-    before = xpu.allocator_counters()
-    with pytest.raises(ValueError, match="must be positive"):
-        dpm.MemoryUSMDevice(0)
-    assert counters_delta(before).get("bypassed.zero_size.allocations") == 1
-
-
-def test_views_keep_the_block_after_the_base_and_reset_allocator():
-    base = allocated()
-    xpu.set_allocator()
-    try:
-        a = dpnp.arange(1 << 20, dtype="i4")
-        view, row = a[100:200], a.reshape(1024, 1024)[3]
-    finally:
-        xpu.reset_allocator()
-    del a
-    assert allocated() - base == 4 << 20          # the views hold the whole block
-    assert int(view.sum()) == sum(range(100, 200)) and int(row[0]) == 3072
-    assert numpy.array_equal(dpnp.asnumpy(view)[:3], [100, 101, 102])
-    del view
-    assert allocated() - base == 4 << 20
-    del row
-    assert allocated() == base
-
-
-def test_memory_shared_through_dlpack_outlives_its_source(hooked):
-    x = dpnp.arange(10.0)
-    y = dpnp.from_dlpack(x)
-    del x
-    dpnp.full(10, -1.0)                           # would take the block if it were back in the pool
-    assert numpy.array_equal(dpnp.asnumpy(y), numpy.arange(10.0))
-
-
-def test_inputs_deleted_while_their_kernels_run_are_not_reused_too_early(hooked):
-    n = 1 << 20
-    for _ in range(10):
-        a = dpnp.full(n, 1.0)
-        b = dpnp.sin(a) + dpnp.cos(a) * a
-        del a
-        dpnp.full(n, 5.0), dpnp.full(n, 7.0)      # new arrays that could take a's block
-        values = dpnp.asnumpy(b)
-        assert numpy.all(values == numpy.sin(1.0) + numpy.cos(1.0))
-
-
-@pytest.mark.parametrize("count", [1 << 45, 1 << 50])
-def test_out_of_memory_is_a_memory_error_and_leaves_the_statistics_exact(hooked, count):
-    keys = ["allocated_bytes.all.current", "reserved_bytes.all.current", "allocation.all.current",
-            "segment.all.current"]
-    keep = dpnp.ones(1000)
-    before = {key: xpu.memory_stats(0)[key] for key in keys}
-    ooms = xpu.memory_stats(0)["num_ooms"]
-    with pytest.raises(MemoryError) as raised:
-        dpnp.empty(count, dtype="u1")
-    assert isinstance(raised.value, dpm.USMAllocationError)
-    assert {key: xpu.memory_stats(0)[key] for key in keys} == before
-    assert xpu.memory_stats(0)["num_ooms"] == ooms + 1
-    assert float(keep.sum()) == 1000.0 and float(dpnp.ones(10).sum()) == 10.0
+from tests.helpers import REPO_ROOT  # noqa: E402
+from tests.helpers.dpnp_hook import allocated, counters_delta  # noqa: E402
 
 
 def _warm_up_dpnp():
@@ -269,21 +143,6 @@ def test_threads_never_share_a_block_while_the_allocator_is_installed_and_remove
     assert allocated() == base
 
 
-def test_a_subclass_made_while_installed_makes_its_own_instances(hooked):
-    class Mine(dpm.MemoryUSMDevice):
-        pass
-    before = xpu.allocator_counters()
-    mine = Mine(64)
-    # the subclass is dpctl's to allocate: the pools' counters do not move for it
-    assert counters_delta(before) == {}
-    assert type(mine) is Mine and mine.nbytes == 64
-    assert isinstance(mine, Mine) and isinstance(mine, dpm.MemoryUSMDevice)
-    # dpctl's own memory, pooled or not, is not an instance of the user's class
-    assert not isinstance(dpm.MemoryUSMDevice(64), Mine)
-    assert not isinstance(dpnp.empty(16).get_array().usm_data, Mine)
-    assert not issubclass(type(dpm.MemoryUSMDevice(64)), Mine)
-
-
 DEADLOCK = """
 import faulthandler, sys
 faulthandler.dump_traceback_later(25, exit=True)
@@ -320,3 +179,4 @@ def test_a_softmax_loop_does_not_deadlock():
     done = subprocess.run([sys.executable, "-c", DEADLOCK], cwd=str(REPO_ROOT), capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0 and "finished" in done.stdout, done.stdout + done.stderr[-3000:]
+

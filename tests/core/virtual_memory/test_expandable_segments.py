@@ -368,7 +368,7 @@ def test_pytorchs_fraction_keeps_the_ranges_pages_on_a_backend_with_small_pages(
 def test_a_refused_fine_map_leaves_the_range_unmapping_by_its_own_page():
     """The segment was marked as finely mapped before the map was tried: a
     refused attempt switched it to unmapping by 4 KiB for good, and a later
-    empty_cache kept part of a 2 MiB page mapped (review)."""
+    empty_cache kept part of a 2 MiB page mapped."""
     backend = SimulatedBackend(capacity=8 * MiB, granularity=4096)
     a = _core.CachingAllocator(backend, 0, expandable_segments=True)
     a.set_capacity(8 * MiB)

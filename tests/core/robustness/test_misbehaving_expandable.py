@@ -1,4 +1,4 @@
-"""The misbehaving backend with expandable segments (issue 26, defect 1).
+"""The misbehaving backend with expandable segments.
 
 The state machine of test_misbehaving_backend.py, over a caching allocator
 with ``expandable_segments=True``: its backend (a :class:`SimulatedBackend`

@@ -1,4 +1,4 @@
-"""Expandable segments that give back the free pages in holes (issue 27), on
+"""Expandable segments that give back the free pages in holes, on
 the ``cpu`` pool's host backend: real address ranges, real pages.
 
 A state machine allocates random sizes on random streams, fills every block

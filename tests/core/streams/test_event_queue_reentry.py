@@ -6,7 +6,7 @@ makes no more: every window is tried. After each run every stream completes
 and the cache is emptied, and the allocator must be whole: each block back
 once, nothing unmapped twice, no entry lost.
 
-Found by review: a collection between handling the done entries and taking
+Before the fix: a collection between handling the done entries and taking
 them out of their queues let a nested pass handle them again (a block's
 event count went to -1, held pages were unmapped twice, a queue was read
 past its end: a segfault), one inside _add_pending appended to a queue a
@@ -22,7 +22,8 @@ import pytest
 
 from unimem import _core
 from unimem.backends.simulated import SimulatedBackend, SimulatedGPU
-from tests.core.test_event_queues import free_after_use
+
+from tests.helpers.stream_events import free_after_use
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -197,7 +198,7 @@ def test_a_free_on_another_stream_with_a_finalizer_re_entering_at_every_collecti
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_a_child_forked_while_empty_cache_ends_its_wait_frees_no_block_twice():
-    """Found by review: after empty_cache's wait, the entries it handled
+    """After empty_cache's wait, the entries it handled
     stayed in syncing_events until a new list was made; a collection there
     let another thread fork, and the child, which puts syncing_events back
     in its queues, freed those blocks a second time (the free index held a

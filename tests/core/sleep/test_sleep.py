@@ -1,4 +1,4 @@
-"""Sleep mode in the core (issue 28, part 5): ``sleep(offload)`` gives a
+"""Sleep mode in the core: ``sleep(offload)`` gives a
 device's memory back and keeps every live block at its address;
 ``wake_up()`` backs the addresses with memory again and copies the bytes back.
 

@@ -19,9 +19,11 @@ import threading
 
 import pytest
 
-from tests.core.test_expandable_placement import mapped, unmapped
 from unimem import _core
 from unimem.backends.simulated import SimulatedGPU
+
+from tests.helpers.mapped_pages import mapped, unmapped
+from tests.helpers.stream_events import AllocatesInAQuery
 
 MiB = 1 << 20
 
@@ -331,18 +333,6 @@ def test_the_allocators_death_unmaps_held_pages_and_releases_the_range():
     gc.collect()
     assert gpu.mapped_pages[0] == set() and gpu.ranges[0] == {}
     assert gpu.device_waits >= 1                     # unmap_pages waited for the kernel
-
-
-class AllocatesInAQuery(SimulatedGPU):
-    """event_done runs ``hook`` once first: a finalizer that allocates,
-    run by a garbage collection inside the query."""
-    hook = None
-
-    def event_done(self, event):
-        hook, self.hook = self.hook, None
-        if hook is not None:
-            hook()
-        return super().event_done(event)
 
 
 def test_an_allocation_re_entered_from_an_event_query_handles_no_event():

@@ -100,7 +100,7 @@ def test_an_allocation_re_entered_from_an_event_query_frees_no_block_twice():
     """A record_stream free waits for its event; a finalizer that allocates
     inside the query (process_events) used to run a nested pass that freed
     the block, then the outer pass freed it again (two free-index entries)."""
-    from tests.core.test_expandable_release import AllocatesInAQuery
+    from tests.helpers.stream_events import AllocatesInAQuery
     from unimem import _core
 
     MiB = 1 << 20

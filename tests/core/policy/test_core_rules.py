@@ -2,6 +2,7 @@
 import pytest
 
 from unimem import OutOfMemoryError, _core
+from unimem.backends.simulated import SimulatedBackend
 
 MiB = 1 << 20
 
@@ -365,7 +366,7 @@ def test_the_backend_gets_memory_back_outside_the_allocator_lock():
 
 @pytest.mark.parametrize("error", [RuntimeError("device busy"), KeyboardInterrupt()])
 def test_a_backend_free_that_raises_forgets_the_segment_and_never_hands_it_out_again(error):
-    """Issue 12 #2: a free that raises may have released the memory (a Ctrl-C
+    """A free that raises may have released the memory (a Ctrl-C
     after the driver let go). Re-caching the segment handed the freed address
     out again, and freed it twice. Now it is forgotten and counted."""
     from unimem.backends.simulated import SimulatedBackend
@@ -457,3 +458,12 @@ def test_the_registry_allocates_on_the_current_device_and_stream():
     with pytest.raises(TypeError):
         registry.allocate_current("10")
     assert registry.get(0).memory_stats()["allocation.all.current"] == 0
+
+
+def test_exact_segments_hold_no_more_than_asked():
+    a = _core.CachingAllocator(SimulatedBackend(), 0, exact_segments=True)
+    p = a.malloc(1024)
+    s = a.memory_stats()
+    assert s["reserved_bytes.all.current"] == 1024 and a.free_block_count() == 0
+    a.free(p)
+    assert a.free_block_count() == 1

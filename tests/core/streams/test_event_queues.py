@@ -9,6 +9,8 @@ import pytest
 from unimem import _core
 from unimem.backends.simulated import SimulatedBackend
 
+from tests.helpers.stream_events import free_after_use
+
 KiB = 1 << 10
 
 
@@ -28,13 +30,6 @@ class CountingBackend(SimulatedBackend):
         if done:
             self.answered_done.add(id(event))
         return done
-
-
-def free_after_use(a, blocks, stream):
-    """Free ``blocks`` used on ``stream``: an event each, pending."""
-    for p in blocks:
-        a.record_stream(p, stream)
-        a.free(p)
 
 
 def free_on(a, stream, n, size=4 * KiB):

@@ -2,13 +2,17 @@
 held. The probe: while a backend call (or a hook) runs, another thread asks
 the same allocator for a block its cache already holds; it must get it before
 the call returns. A call still made under the lock is an xfail(strict) here,
-so that moving it out flips the test."""
+so that moving it out flips the test. Waits too: empty_cache waits for an
+XPU queue's events without the lock, which a dpctl host task queued before
+them needs (in a subprocess: a hang fails the test, not the suite)."""
 import threading
 
 import pytest
 
 from unimem import _core
 from unimem.backends.simulated import SimulatedBackend
+
+from tests.helpers.fresh import run_within_timeout
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -262,3 +266,43 @@ def test_a_free_made_by_the_backends_python_during_its_malloc_is_an_ordinary_fre
     assert stats["active_bytes.small_pool.current"] == 0
     allocator.free(p)
     _core._check_invariants(allocator)
+
+
+def test_xpu_empty_cache_does_not_wait_on_the_queue_holding_the_lock():
+    """A dpctl keep-alive host task, queued before the barrier that
+    empty_cache waits on, frees a pool array and needs the allocator lock.
+
+    Kernels queued on queue B keep it busy for a while; then a kernel reads
+    pool array ``y`` and dpctl's host task that keeps ``y`` alive until that
+    kernel is done holds its last reference. ``x``, used on queue B, is freed
+    with an event on B after all of it, and empty_cache waits for that
+    event: the host task runs meanwhile and frees ``y``. The old code waited
+    with the pool's lock held, and hung. ``before == 2`` says that ``y`` was
+    still live when empty_cache was called (the scenario happened)."""
+    pytest.importorskip("dpnp")
+    result = run_within_timeout("""
+        import unimem, dpctl
+        import dpnp.tensor as dpt
+        xpu = unimem.xpu
+        queue_b = dpctl.SyclQueue(xpu.default_queue().sycl_device, property="in_order")
+        work = dpt.ones(1 << 24, dtype="f4", sycl_queue=queue_b)
+        dpt.sin(work); queue_b.wait()                  # the kernels are built
+        caught = 0
+        for round in range(3):
+            x = xpu.empty(1 << 20, dtype="f4")
+            xpu.record_stream(x, queue_b)
+            y = xpu.empty(1 << 20, dtype="f4", sycl_queue=queue_b)
+            busy = [dpt.sin(work) for _ in range(3)]   # queue B is busy for a while
+            z = dpt.sin(y.get_array())  # after them; a keep-alive host task holds y's memory ...
+            del y                       # ... and so the last reference: a pool free from its thread
+            del x                       # an event on queue B, after all of that
+            before = xpu.memory_stats()["active.all.current"]
+            xpu.empty_cache()           # waits for it
+            after = xpu.memory_stats()["active.all.current"]
+            assert after == 0, after
+            caught += before == 2
+            del z, busy
+        print("caught", caught)
+    """, timeout=30)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "caught 0" not in result.stdout and "caught" in result.stdout, result.stdout

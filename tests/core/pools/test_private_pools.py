@@ -456,7 +456,7 @@ def test_inactive_split_counts_a_pool_block_in_an_expandable_allocator():
 def test_a_pool_request_that_fails_leaves_no_free_index_behind(stream):
     """A routed request failing on a stream where the pool has no segment
     made the pool's free indexes of that stream and kept them, one table per
-    failure (found by a differential review: _check_invariants failed)."""
+    failure (_check_invariants failed)."""
     a = _core.CachingAllocator(SimulatedBackend(capacity=256 * MiB), 0)
     a.set_capacity(256 * MiB)
     a.create_pool(P1, None, False, False)
@@ -488,7 +488,7 @@ class HookedDevice(Device):
 REQUEST_OUTLIVING_ITS_POOL = """
 from unimem import _core
 from unimem.backends.pluggable import PluggableAllocator
-from tests.core.test_private_pools import HookedDevice, MiB, P1
+from tests.core.pools.test_private_pools import HookedDevice, MiB, P1
 dev = HookedDevice(capacity=24 * MiB)
 a = _core.CachingAllocator(PluggableAllocator(dev.malloc, dev.free), 0)
 a.free(a.malloc(4 * MiB))           # a cached 20 MiB segment of the device's own pools

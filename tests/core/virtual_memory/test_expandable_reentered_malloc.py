@@ -1,6 +1,6 @@
 """A malloc re-entered from the backend's ``map_pages`` that runs out of
-memory, while the outer request's span is being mapped (found by an
-adversarial pass, after issue 26's re-entered frees).
+memory, while the outer request's span is being mapped (the malloc's side
+of test_expandable_reentry.py's re-entered frees).
 
 ``_map_block`` marks the span it maps as handed out while ``map_pages`` runs
 (Python: a garbage collection in it runs finalizers, and those may allocate).
@@ -102,7 +102,7 @@ def test_a_malloc_reentered_from_map_pages_that_runs_out_of_memory(case, base):
 
 
 def test_a_span_whose_map_fails_joins_the_neighbour_a_re_entered_call_unmapped():
-    """Found by review: the outer request maps a free block's hole and the
+    """The outer request maps a free block's hole and the
     unmapped span after it; the re-entered request unmaps the free block to
     stay under the ratio (it cannot merge with the span being mapped), then
     the outer map fails for want of memory. The two unmapped spans stayed

@@ -1,5 +1,5 @@
-"""Sleep mode where it meets the other new features and other threads
-(review of issue 28 and the private pools): a private pool's segments on a
+"""Sleep mode where it meets private pools, expandable segments and other
+threads: a private pool's segments on a
 backend that sleeps only through expandable segments, a pool put to sleep
 while the device sleeps, two threads sleeping or waking at once, and a
 segment filter that fails."""
@@ -328,7 +328,7 @@ def test_a_whole_device_sleep_wakes_under_a_limit_lowered_before_it():
     """A limit set below what the device holds (allowed, as PyTorch's
     fraction) must not keep a whole-device sleep from waking: nothing else
     could have taken its room, and with allocation refused nothing could
-    make room (review of the wake's limit check)."""
+    make room."""
     a = _core.CachingAllocator(PageAlignedBackend(), 0)
     kept = a.malloc(80 * MiB)
     ctypes.memset(kept, 7, 80 * MiB)

@@ -147,7 +147,7 @@ def test_a_restore_that_fails_at_the_pools_death_is_tried_again_by_empty_cache()
 
 DEAD_POOL_WOKEN_BY_A_RESTORE_THAT_EMPTIES_THE_CACHE = """
 import sys
-sys.path.insert(0, "tests/core")
+sys.path.insert(0, "tests/core/sleep")
 from test_sleep_dead_pool import MiB, POOL, setup
 allocator, backend, outside, (kept, *rest) = setup()
 for ptr in rest:

@@ -1,4 +1,4 @@
-"""A free re-entered from a virtual-memory callback (issue 26, defect 1).
+"""A free re-entered from a virtual-memory callback.
 
 With expandable segments the core calls the backend's ``map_pages``,
 ``unmap_pages``, ``reserve_address_range`` and ``release_address_range``,
@@ -348,7 +348,7 @@ def test_a_collection_inside_a_virtual_memory_callback(kind, case, when):
 
 
 def test_an_allocation_collected_with_a_garbage_cycle_frees_its_block():
-    """Found while writing the tests above (not in issue 26's report): when
+    """Found while writing the tests above: when
     the collector finds an Allocation in a garbage cycle, it may clear the
     Allocation (Cython's tp_clear sets ``allocator`` to None) before it is
     deallocated; ``__dealloc__`` then frees nothing, and the block stays live

@@ -1,10 +1,16 @@
-"""Out of memory through a user-supplied backend that refuses memory."""
+"""Out of memory through a user-supplied backend that refuses memory; the
+observers of each OOM; the error itself, as PyTorch's (a RuntimeError that
+pickles whole, its message word for word)."""
+import pickle
+
 import pytest
 
 from unimem import OutOfMemoryError, _core
 from unimem.backends.pluggable import PluggableAllocator
+from unimem.backends.simulated import SimulatedBackend
 
 MiB = 1 << 20
+GiB = 1 << 30
 
 
 class Refusing:
@@ -129,3 +135,44 @@ def test_a_request_larger_than_the_device_keeps_the_cache():
     assert after["num_alloc_retries"] == 1 and after["reserved_bytes.all.current"] == 40 * MiB
     a.free(p)
     a._check_invariants()
+
+
+def test_a_keyboard_interrupt_in_an_oom_observer_reaches_the_caller():
+    a = _core.CachingAllocator(SimulatedBackend(capacity=64 * MiB), 0)
+    a.set_capacity(64 * MiB)
+
+    def observer(*args):
+        raise KeyboardInterrupt
+
+    a.add_oom_observer(observer)
+    with pytest.raises(KeyboardInterrupt):
+        a.malloc(100 * MiB)
+    assert a.memory_stats()["num_ooms"] == 1
+
+
+def test_out_of_memory_error_is_a_runtime_error_and_pickles_whole():
+    a = _core.CachingAllocator(SimulatedBackend(capacity=64 * MiB), 3)
+    a.set_capacity(64 * MiB)
+    with pytest.raises(RuntimeError) as caught:          # what PyTorch users write
+        a.malloc(100 * MiB)
+    error = caught.value
+    assert isinstance(error, MemoryError) and isinstance(error, OutOfMemoryError)
+    back = pickle.loads(pickle.dumps(error))
+    assert type(back) is OutOfMemoryError and str(back) == str(error)
+    assert (back.device, back.requested, back.capacity) == (3, 100 * MiB, 64 * MiB)
+
+
+def test_out_of_memory_text_is_pytorchs():
+    a = _core.CachingAllocator(SimulatedBackend(capacity=GiB), 0)
+    a.set_capacity(GiB)
+    with pytest.raises(OutOfMemoryError, match=r"Tried to allocate 800000000\.00 GiB\. SIM 0 "):
+        a.malloc(1024 * 1024 * 1024 * 800000000)
+    with pytest.raises(OutOfMemoryError, match="Tried to allocate more than 1EB memory"):
+        a.malloc(1024 * 1024 * 1024 * 8000000000)
+    with pytest.raises(OutOfMemoryError, match=r"Tried to allocate 2\.00 GiB\. SIM 0 has a total capacity of "
+                                               r"1024\.00 MiB of which 1024\.00 MiB is free\. Of the allocated"):
+        a.malloc(2 * GiB)
+    pluggable = _core.CachingAllocator(PluggableAllocator(lambda *x: 0, lambda *x: None), 0)
+    with pytest.raises(OutOfMemoryError) as caught:
+        pluggable.malloc(100)
+    assert "device device" not in str(caught.value) and "device 0 has an unknown capacity" in str(caught.value)
