@@ -27,13 +27,14 @@ def test_usage_names_the_program():
     assert bench.returncode == 0 and bench.stdout.startswith("usage: python -m benchmarks "), bench.stdout[:80]
 
 
-def test_version_is_the_installed_distributions():
+def test_version_is_the_imported_packages():
     from importlib import metadata
 
     import unimem
     done = unimem_cli("--version")
     assert done.returncode == 0 and done.stderr == "", done.stderr
-    assert done.stdout.startswith(f"unimem {metadata.version('unimem')} from "
+    assert metadata.version("unimem") == unimem.__version__        # the build reads __version__
+    assert done.stdout.startswith(f"unimem {unimem.__version__} from "
                                   f"{os.path.dirname(unimem.__file__)} (Python "), done.stdout
     assert done.stdout.count("\n") == 1
     console = subprocess.run([sys.executable, "-c", "import sys; from unimem.cli.main import main; "
@@ -76,3 +77,18 @@ def test_every_argument_of_every_subcommand_has_a_help_text():
     from unimem.cli.main import build_parser
     assert list(_arguments_without_help(build_parser(), "unimem")) == []
     assert "the Python script to run" in unimem_cli("run", "--help").stdout
+
+
+def test_version_says_when_the_installed_metadata_is_stale(monkeypatch, capsys):
+    """An editable install made before the version changed: the imported
+    package's version is printed, and the metadata's difference said."""
+    from importlib import metadata
+
+    import unimem
+    from unimem.cli.main import main
+
+    monkeypatch.setattr(metadata, "version", lambda name: "0.0.1")
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert capsys.readouterr().out.startswith(
+        f"unimem {unimem.__version__} (the installed metadata says 0.0.1: reinstall) from ")

@@ -181,3 +181,27 @@ def test_an_install_runs_the_command_line(built, kind, tmp_path):
     for command in ([python, "-m", "unimem", "--help"], [python.parent / "unimem", "--help"]):
         out = run(*command, cwd=tmp_path, env=built["env"]).stdout
         assert "usage:" in out and "demo" in out
+
+
+# What runs, tests, notebooks and editors leave beside the sources of a
+# working checkout: none of it goes into an sdist (or the wheel built from it).
+JUNK = ["unimem/snapshot.pickle", "unimem/debug.log", "unimem/_core.pyx.orig", "unimem/.DS_Store",
+        "unimem/_observe/report.py~", "unimem/memory.html", "unimem/scratch.cpp", "unimem/_core.o",
+        "unimem/.hypothesis/examples/x", "unimem/__pycache__/x.cpython-311.pyc"]
+
+
+def test_an_sdist_from_a_working_checkout_leaves_what_runs_and_editors_wrote_out(tmp_path):
+    source = tmp_path / "source"
+    for path in tracked_files():
+        (source / path).parent.mkdir(parents=True, exist_ok=True)
+        with open(REPO_ROOT / path, "rb") as src, open(source / path, "wb") as dst:
+            dst.write(src.read())
+    for path in JUNK:
+        (source / path).parent.mkdir(parents=True, exist_ok=True)
+        (source / path).write_text("junk\n")
+    run(sys.executable, "-m", "build", "--sdist", "--no-isolation", "--outdir", tmp_path / "dist", source,
+        cwd=tmp_path, env=clean_env())
+    (sdist,) = (tmp_path / "dist").glob("*.tar.gz")
+    with tarfile.open(sdist) as tar:
+        names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
+    assert not [p for p in JUNK if p in names], sorted(p for p in JUNK if p in names)

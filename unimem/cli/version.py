@@ -9,18 +9,22 @@ from typing import Any, Optional, Sequence, Union
 
 
 def version() -> str:
-    """What ``--version`` prints: the version in the installed distribution's
-    metadata, or, from a source tree never installed (no metadata), the
-    package's own ``__version__``, said so; and where the package was imported
-    from, which tells an installed copy from a checkout."""
+    """What ``--version`` prints: the version of the package imported (its
+    ``__version__``, which is also what the build writes into the
+    metadata), where it was imported from, which tells an installed copy
+    from a checkout, and a note when the installed metadata says another
+    version (an install made before the version changed: reinstall)."""
     from importlib import metadata
 
     import unimem
+    number = unimem.__version__
     try:
-        number = metadata.version("unimem")
+        installed = metadata.version("unimem")
     except metadata.PackageNotFoundError:
-        number = f"{unimem.__version__} (source tree, not installed)"
-    return f"unimem {number} from {os.path.dirname(os.path.abspath(unimem.__file__))} " \
+        note = " (source tree, not installed)"
+    else:
+        note = "" if installed == number else f" (the installed metadata says {installed}: reinstall)"
+    return f"unimem {number}{note} from {os.path.dirname(os.path.abspath(unimem.__file__))} " \
            f"(Python {platform.python_version()})"
 
 
