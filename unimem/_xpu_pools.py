@@ -176,10 +176,27 @@ def _stream_for(usm_type: str, index: int, queue: Any) -> int:
     own short-lived queues included) that no other queue reuses. Reuse on
     another queue is safe: a block goes back only once the kernels using it,
     on any queue, are done (they hold copies of its smart pointer), and one
-    that record_stream names waits for that queue's work first."""
+    that record_stream names waits for that queue's work first, the default
+    queue's included (:func:`host_block_use_stream`)."""
     if usm_type == "host" or queue is _ctx().default_queues[index]:
         return 0
     return _runtime().stream_handle(queue)
+
+
+def host_block_use_stream(stream: Any) -> int:
+    """The stream ``record_stream`` names a host USM block's use on
+    ``stream`` by, in the pinned pool: a handle of that queue that is never
+    0 (a ``dpctl.SyclQueue`` or a :func:`stream_handle`; None or 0: the
+    current device's default queue).
+
+    The pool caches host USM of every queue under stream 0 (see
+    :func:`_stream_for`), so there 0 is the block's own stream and names no
+    queue: the core records no event for a use on a block's own stream, and
+    a block used on the default queue would go to another queue while that
+    work runs."""
+    if stream is None or (type(stream) is int and stream == 0):
+        stream = default_queue()
+    return _runtime().own_handle(stream)
 
 
 def _keep_alive_guard(index: int) -> Optional[Any]:

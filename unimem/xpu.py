@@ -422,6 +422,10 @@ def record_stream(memory: MemoryLike, stream: Any) -> None:
         stream: a ``dpctl.SyclQueue`` (a SYCL queue is PyTorch's XPU stream),
             a handle from :func:`stream_handle`, or ``None`` for the default queue.
 
+    A host USM block is cached for every queue alike (the pinned host pool),
+    so its use on any queue named here, the default queue included, is
+    waited for before the block is handed out again.
+
     Raises ``TypeError`` for what is no memory or no queue and ``ValueError``
     for an address that is not a live block of unimem's XPU pools; nothing
     is recorded then.
@@ -432,9 +436,12 @@ def record_stream(memory: MemoryLike, stream: Any) -> None:
         pools.append(shared.find_owner)
     pinned = host.caching_allocator()
     pools.append(lambda address: pinned if pinned.owns(address) else None)
-    record_stream_on_pools(memory, stream, pools,
-                           lambda owner: 0 if stream is None else stream_handle(stream),
-                           "unimem's XPU pools")
+
+    def stream_of(owner: Any) -> int:
+        if owner is pinned:         # its stream 0 is every queue's (host USM), not the default queue
+            return _xpu_pools.host_block_use_stream(stream)
+        return 0 if stream is None else stream_handle(stream)
+    record_stream_on_pools(memory, stream, pools, stream_of, "unimem's XPU pools")
 
 
 # ---------------------------------------------------------------------------

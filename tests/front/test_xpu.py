@@ -3,7 +3,6 @@
 These tests must run, not skip: without a SYCL device the setup is broken
 (``pip install -e ".[xpu,test]"`` brings dpctl, dpnp and the CPU runtime).
 """
-import ctypes
 import enum
 import gc
 import random
@@ -13,6 +12,7 @@ import numpy as np
 import pytest
 
 import unimem
+from tests.helpers.sycl_gate import Gate
 
 MiB = 1 << 20
 
@@ -114,31 +114,6 @@ def test_a_view_keeps_its_block_alive(xpu, dpnp):
     assert not pool.owns(ptr)
     again = xpu.empty(1000, dtype="f4")
     assert block_of(again) == ptr, "the block is reused once every view is gone"
-
-
-SPIN = """
-__kernel void spin(__global volatile int* gate) {
-    while (gate[0] == 0) { }
-}
-"""
-
-
-class Gate:
-    """Work on a queue that stays pending until the test opens the gate. Its
-    flag lives on ``flag_queue`` (``queue`` by default): a gate that must not
-    keep ``queue`` alive puts it on another."""
-
-    def __init__(self, dpctl, queue, flag_queue=None):
-        import dpctl.memory as dpm
-        import dpctl.program as dpp
-        self.flag = dpm.MemoryUSMShared(8, queue=flag_queue or queue)
-        self.flag.copy_from_host(bytearray(8))
-        kernel = dpp.create_program_from_source(queue, SPIN).get_sycl_kernel("spin")
-        self.event = queue.submit_async(kernel, [self.flag], [1])
-
-    def open(self):
-        ctypes.c_int.from_address(self.flag._pointer).value = 1
-        self.event.wait()
 
 
 def test_a_queue_named_again_before_its_release_was_told_keeps_its_handle(xpu, dpctl):

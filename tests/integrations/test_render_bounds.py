@@ -83,6 +83,16 @@ def one_blocks_list_for_48_segments():
     return {"segments": [segment(k << 30, blocks) for k in range(48)], "device_traces": []}
 
 
+def distinct_states_in_one_blocks_list_for_48_segments():
+    """48 segments that share one list of 20,000 blocks, each of a state of
+    its own of 107 characters (each segment's bar of undrawn blocks named
+    every state: a 2.5 MB pickle made a 124 MB page)."""
+    frames = stack(1)
+    blocks = [{"address": 0, "size": 512, "state": f"state {k:05d} " + "s" * 96, "frames": frames}
+              for k in range(20_000)]
+    return {"segments": [segment(k << 30, blocks) for k in range(48)], "device_traces": []}
+
+
 def a_stream_for_every_entry():
     """40,000 allocations, each on a stream of its own (a row each in the per-stream table)."""
     frames = []
@@ -98,8 +108,8 @@ def a_pool_name_of_2_mb():
 
 
 SHARING = [one_stack_for_12000_blocks, one_frame_in_every_list, one_oom_entry_50000_times,
-           frees_that_move_every_band, one_blocks_list_for_48_segments, a_stream_for_every_entry,
-           a_pool_name_of_2_mb]
+           frees_that_move_every_band, one_blocks_list_for_48_segments,
+           distinct_states_in_one_blocks_list_for_48_segments, a_stream_for_every_entry, a_pool_name_of_2_mb]
 
 
 def written(tmp_path, snapshot):
@@ -149,6 +159,22 @@ def test_the_segment_map_draws_a_bounded_number_of_blocks_and_sums_the_rest():
     total = sum(sum(blocks["size"]) for blocks in drawn.blocks.values()) * (1 << 20)
     assert total == pytest.approx(snapshot["segments"][0]["total_size"])
     assert "7,000 more blocks" in drawn.blocks[report_data.UNDRAWN]["text"][0]
+
+
+def test_a_bar_of_undrawn_blocks_names_the_states_of_most_bytes_and_sums_the_others():
+    """The bar named every state of the blocks past the cap, and a
+    snapshot's states are any strings. Now the UNDRAWN_STATES of most bytes
+    (by name), the others summed in one part."""
+    frames = stack(1)
+    drawn = [{"address": 0, "size": 512, "state": "active_allocated", "frames": frames}] * MAX_SEGMENT_BLOCKS
+    rest = ([{"address": 0, "size": 8192, "state": "active_allocated", "frames": frames}] * 2
+            + [{"address": 0, "size": 4096, "state": "inactive", "frames": []}] * 3
+            + [{"address": 0, "size": 512, "state": f"odd {k}", "frames": frames} for k in range(10)])
+    bars = report_data.segment_map([segment(4096, drawn + rest)]).blocks[report_data.UNDRAWN]
+    assert bars["size"] == [pytest.approx((2 * 8192 + 3 * 4096 + 10 * 512) / (1 << 20))]
+    assert bars["text"] == ["15 more blocks from offset 2.44 MiB, not drawn one by one (the map draws 5,000): "
+                            "16.00 KiB active allocated in 2, 12.00 KiB inactive in 3, 512 bytes odd 0 in 1, "
+                            "512 bytes odd 1 in 1, 4.00 KiB in 8 of 8 other states"]
 
 
 def test_hovers_share_one_budget_of_stack_text():

@@ -130,6 +130,9 @@ class _SyclRuntime:
         self.free_handles: Dict[int, List[int]] = {}    # device index -> handles to reuse
         self.handle_devices: Dict[int, int] = {}        # handle -> its queue's device index
         self.released: Set[int] = set()                 # handles the core no longer uses
+        # device index -> a handle of its default queue other than 0 (own_handle),
+        # kept for the process as the default queue is
+        self.default_queue_own_handles: Dict[int, int] = {}
         # A released queue someone else still held (dpctl's
         # SequentialOrderManager, until its clear()) would stay here until
         # the next queue unimem sees; dpctl's queues take no weak reference,
@@ -199,18 +202,7 @@ class _SyclRuntime:
         with self._lock:
             handle = self.handles.get(queue)
             if handle is None:
-                self._drop_released_queues()
-                reusable = self.free_handles.get(device)
-                handle = reusable.pop() if reusable else len(self.queues)
-                if handle == len(self.queues):
-                    if handle >= _dpctl_api.MAX_QUEUE_HANDLES:
-                        raise RuntimeError(f"more than {_dpctl_api.MAX_QUEUE_HANDLES - 1} SYCL queues hold "
-                                           f"unimem memory at once")
-                    self.queues.append(None)
-                for raw in self.raw_allocators:
-                    self._add_queue(raw, queue, handle)
-                self.queues[handle] = queue
-                self.handle_devices[handle] = device
+                handle = self._new_handle(queue, device)
                 self.handles[queue] = handle
                 # A candidate for letting go of until the core uses it (memory
                 # on it, or record_stream naming it): a handle asked for and
@@ -219,12 +211,54 @@ class _SyclRuntime:
                 self._sweep_after_collections()
         return handle
 
+    def own_handle(self, queue) -> int:
+        """A handle of ``queue`` that is never 0: its :meth:`stream_handle`,
+        and for a device's default queue a second handle of its own, made at
+        its first use and kept as long as the default queue is. For a pool
+        whose stream 0 names no queue: the pinned host pool caches host USM
+        of every queue under stream 0, so a use on the default queue named
+        by 0 would look like the block's own stream, ordered already."""
+        handle = self.stream_handle(queue)
+        if handle != 0:
+            return handle
+        if isinstance(queue, int):
+            raise ValueError("stream handle 0 names the default queue of every device: name the queue")
+        device = self.device_index_of(queue)
+        handle = self.default_queue_own_handles.get(device)
+        if handle is None:
+            with self._lock:
+                handle = self.default_queue_own_handles.get(device)
+                if handle is None:
+                    # never released (release() and abandoned() skip it), never swept
+                    handle = self.default_queue_own_handles[device] = self._new_handle(queue, device)
+        return handle
+
+    def _new_handle(self, queue, device: int) -> int:
+        """A handle for ``queue`` of ``device``, known to every raw allocator
+        (the lock is held)."""
+        self._drop_released_queues()
+        reusable = self.free_handles.get(device)
+        handle = reusable.pop() if reusable else len(self.queues)
+        if handle == len(self.queues):
+            if handle >= _dpctl_api.MAX_QUEUE_HANDLES:
+                raise RuntimeError(f"more than {_dpctl_api.MAX_QUEUE_HANDLES - 1} SYCL queues hold "
+                                   f"unimem memory at once")
+            self.queues.append(None)
+        for raw in self.raw_allocators:
+            self._add_queue(raw, queue, handle)
+        self.queues[handle] = queue
+        self.handle_devices[handle] = device
+        return handle
+
+    def _is_default_queue_own_handle(self, handle: int) -> bool:
+        return handle in self.default_queue_own_handles.values()
+
     def release(self, handle: int, sweep: bool = True) -> None:
         """The core keeps nothing for stream ``handle`` any more: let go of
         its queue once no allocation is left on it and nothing but this table
         refers to it (so no caller is about to allocate on it). Without
         ``sweep`` it is only noted (the core's lock is held): :meth:`sweep`."""
-        if handle <= 0:
+        if handle <= 0 or self._is_default_queue_own_handle(handle):
             return
         self.released.add(handle)
         if sweep:
@@ -318,6 +352,7 @@ class _SyclRuntime:
             for handle in handles:
                 queue = self.queues[handle] if 0 < handle < len(self.queues) else None
                 if (queue is None or self.handle_devices.get(handle) != device
+                        or self._is_default_queue_own_handle(handle)
                         or any(handle in names for names in self.named_streams)):
                     continue
                 if self._only_this_table_holds(queue):
@@ -458,9 +493,11 @@ class XPUBackend(Backend):
 
     # queues as streams
     def check_stream(self, stream: int, device: int) -> None:
-        """``record_stream``: the handle must name a queue of ``device``; the
-        queue is kept at least until the core releases the stream."""
-        self.runtime.check_handle(stream, device)
+        """``record_stream``: the handle must name a queue of ``device`` (of
+        any device for host USM: the pinned pool, device 0, serves every
+        queue of the context); the queue is kept at least until the core
+        releases the stream."""
+        self.runtime.check_handle(stream, None if self.kind == "host" else device)
         self._named_streams.add(stream)
 
     def release_stream(self, stream: int, device: int) -> None:
@@ -486,7 +523,8 @@ class XPUBackend(Backend):
         runtime = self.runtime
         queues = [runtime.default_queues[device]] + [
             q for handle, q in enumerate(list(runtime.queues))
-            if q is not None and runtime.handle_devices.get(handle) == device]
+            if q is not None and runtime.handle_devices.get(handle) == device
+            and not runtime._is_default_queue_own_handle(handle)]
         for queue in queues:
             _dpctl_api.wait_queue(queue)    # not queue.wait(): two at once crash the OpenCL CPU runtime
 
