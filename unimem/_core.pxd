@@ -180,6 +180,9 @@ cdef class CachingAllocator:
     cdef bint c_owns(self, uintptr_t ptr) noexcept
     cdef int _refuse_huge(self, object n) except -1
     cdef bint _lock_for_fork(self)
+    # Last, so that the methods above keep their places in the vtable.
+    cdef uintptr_t c_malloc_nogil(self, size_t size, uintptr_t stream, char* error,
+                                  size_t error_size) noexcept nogil
 
 
 @cython.no_gc_clear

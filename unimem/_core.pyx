@@ -39,10 +39,11 @@ cimport cython
 cdef extern from "Python.h":
     # Callable without the GIL: it says whether this thread holds it.
     int PyGILState_Check() nogil
+    void PyErr_SetInterrupt()
 from cpython.pycapsule cimport PyCapsule_IsValid, PyCapsule_GetPointer
 from libc.stdint cimport uint64_t, int64_t, uintptr_t, INT64_MAX
 from libc.stdlib cimport malloc as sys_malloc, free as sys_free, calloc
-from libc.string cimport memset, memcmp
+from libc.string cimport memset, memcmp, memcpy, strlen
 from libcpp.vector cimport vector
 from libcpp.map cimport map as cmap
 from cython.operator cimport dereference as deref, preincrement as inc
@@ -129,6 +130,32 @@ cdef void _free_from_deleter(void* allocator, uintptr_t ptr) noexcept with gil:
         (<CachingAllocator>allocator)._try_free(ptr, False, True)
     except BaseException as exc:
         _report_unraisable(exc, "unimem: freeing a block from its deleter")
+
+
+cdef uintptr_t _malloc_taking_gil(CachingAllocator self, size_t size, uintptr_t stream, char* error,
+                                 size_t error_size) noexcept with gil:
+    """c_malloc_nogil's way through Python: c_malloc, its exception's type
+    and message written to ``error``. A Ctrl-C is raised again at Python's
+    next check (this call has no Python caller to reach)."""
+    try:
+        self._refuse_huge(size)
+        return self.c_malloc(size, stream)
+    except BaseException as exc:
+        _copy_error(error, error_size, f"{type(exc).__name__}: {exc}".encode("utf-8", "replace"))
+        if isinstance(exc, KeyboardInterrupt):
+            PyErr_SetInterrupt()
+    return 0
+
+
+cdef void _copy_error(char* error, size_t error_size, const char* text) noexcept nogil:
+    """``text`` into ``error`` (cut to ``error_size`` - 1 bytes, NUL-terminated)."""
+    if error == NULL or error_size == 0:
+        return
+    cdef size_t n = strlen(text)
+    if n >= error_size:
+        n = error_size - 1
+    memcpy(error, text, n)
+    error[n] = 0
 
 
 cdef bint _interpreter_exiting():
@@ -825,6 +852,45 @@ cdef class CachingAllocator:
         self._unlock()
         if rc == 2 or rc == 3:
             _free_from_deleter(<void*>self, ptr)
+
+    cdef uintptr_t c_malloc_nogil(self, size_t size, uintptr_t stream, char* error,
+                                  size_t error_size) noexcept nogil:
+        """c_malloc for callers of C (unimem's C ABI, unimem/_capi.pyx), on
+        any thread, holding the GIL or not. Returns the address (0 for size
+        0); on failure 0, with the reason written to ``error`` (``error_size``
+        bytes, NUL-terminated). Nothing is raised: there is no Python caller.
+
+        A cache hit takes the lock and nothing else. Without the GIL it
+        waits for the lock (no thread holding the lock waits for the GIL:
+        rule 2); holding the GIL it only tries the lock (rule 1). Everything
+        else (a miss, an unusual state, a request no device holds, the lock
+        held elsewhere while this thread has the GIL) is c_malloc with the
+        GIL taken here, after the lock is let go. History events of a hit
+        wait in the buffer for the next call from Python, as c_free_detached's
+        do. At interpreter exit the GIL is never taken: only a hit is served."""
+        cdef Block* b
+        cdef int status
+        cdef bint locked
+        if size == 0:
+            return 0
+        if not self.unusual and size <= MAX_REQUEST:
+            if _exiting or PyGILState_Check():
+                locked = self.lock.try_lock()
+            else:
+                self.lock.lock()
+                locked = True
+            if locked:
+                self.lock_depth += 1
+                if not self.unusual:       # read again under the lock
+                    b = self._malloc_cached(size, stream, False, &status)
+                    if b != NULL:
+                        self._unlock()
+                        return b.ptr
+                self._unlock()
+        if _exiting:
+            _copy_error(error, error_size, b"the interpreter is exiting: only cached blocks are handed out")
+            return 0
+        return _malloc_taking_gil(self, size, stream, error, error_size)
 
     cdef bint c_owns(self, uintptr_t ptr) noexcept:
         self._lock()
