@@ -124,7 +124,7 @@ setup(
     ext_modules=cythonize(
         [extension("unimem._core"), extension("unimem._runtime.registry"),
          extension("unimem.backends._host"), extension("unimem.backends._dpctl_api"),
-         extension("unimem._usm_memory"), extension("unimem._cupy_allocator"),
+         extension("unimem._usm_memory"), extension("unimem._cupy_allocator"), extension("unimem._capi"),
          *([extension(SYCL_INTERPOSER)] if sys.platform.startswith("linux") else []),
          *[extension(name) for name in BENCHMARK_EXTENSIONS]],
         compiler_directives={"language_level": "3"},

@@ -7,6 +7,7 @@ Layers, as the package is laid out::
     unimem._core          the caching allocator and its statistics (Cython)
     unimem.accelerator    the torch.accelerator-shaped facade, by device index
     unimem.cpu/xpu/cuda   per-device-type namespaces;  unimem.host: the pinned pool
+    unimem.capi           the pools from C, and as PyTorch's allocator (unimem.h)
 
 Quick start::
 
@@ -28,7 +29,7 @@ from .backends.opencl_env import ensure_opencl_cpu_runtime
 # (python -S, a checkout on PYTHONPATH), and notes when dpctl came first.
 ensure_opencl_cpu_runtime()
 
-from . import accelerator, cpu, host  # noqa: E402
+from . import accelerator, capi, cpu, host  # noqa: E402  (capi: sets up the C ABI's library)
 from ._runtime import devices as _devices  # noqa: E402
 from ._runtime import fork as _fork  # noqa: E402,F401  (the package's one fork handler)
 from ._core import (Allocation, CachingAllocator, InvalidDeviceError, InvalidPointerError,  # noqa: E402
@@ -45,7 +46,7 @@ from .host import (host_memory_stats, reset_accumulated_host_memory_stats,  # no
 __version__ = "0.1.0"
 
 __all__ = [
-    "accelerator", "cpu", "host", "xpu", "cuda", "device",
+    "accelerator", "capi", "cpu", "host", "xpu", "cuda", "device",
     "InvalidDeviceError", "InvalidPointerError", "OutOfMemoryError", "WriteAfterFreeWarning",
     "CachingAllocator", "Allocation", "Backend", "PluggableAllocator",
     "change_current_allocator", "attach_out_of_memory_observer", "detach_out_of_memory_observer",

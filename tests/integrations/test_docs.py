@@ -30,7 +30,7 @@ BUILD_TIMEOUT = 240
 
 #: The modules whose every public name the reference documents.
 MODULES = ("unimem", "unimem.accelerator", "unimem.cpu", "unimem.cuda", "unimem.xpu", "unimem.host",
-           "unimem.dask", "unimem.prometheus")
+           "unimem.capi", "unimem.dask", "unimem.prometheus")
 
 
 def sphinx_build(source, out, *extra):

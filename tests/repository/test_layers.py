@@ -14,7 +14,7 @@ included, and mapped to its layer:
 4     the front and observability: ``unimem.accelerator.*``, ``unimem.cpu``,
       ``unimem.cuda`` (and its ``unimem._cupy_allocator``), ``unimem.xpu`` (and its
       ``unimem._xpu_pools``), ``unimem.host``, ``unimem._memory_api``,
-      ``unimem._observe.*``
+      ``unimem._observe.*``, ``unimem.capi`` (and its library ``unimem._capi``)
 5     integrations and entry points: ``unimem._integrations.*``, ``unimem.dask``,
       ``unimem.prometheus``, ``unimem.cli.*``, ``unimem`` (its ``__init__``),
       ``unimem.__main__``
@@ -60,6 +60,8 @@ LAYER_OF_PREFIX = (                 # first match wins: more specific first
     ("unimem._sycl_interposer", 4),
     ("unimem._dpnp_allocator", 4),
     ("unimem._observe", 4),
+    ("unimem.capi", 4),
+    ("unimem._capi", 4),
     ("unimem._integrations", 5),
     ("unimem.dask", 5),
     ("unimem.prometheus", 5),

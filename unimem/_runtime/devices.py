@@ -356,10 +356,13 @@ def install_type(name: str, made: Optional[DeviceType]) -> None:
     """Make ``made`` device type ``name`` (None: none): the one way the table
     of types changes. The type it replaces has its registry marked
     ``retired``: the namespaces' fast functions keep the registry they found
-    until then (unimem/_runtime/registry_hot.pxi)."""
+    until then (unimem/_runtime/registry_hot.pxi), and the callbacks of
+    :func:`on_type_replaced` are told."""
     old = _types.get(name)
     if old is not None and old is not made:
         old.registry.retired = True
+        for callback in list(_type_replaced_callbacks):
+            callback(name)
     if made is None:
         _types.pop(name, None)
         return
@@ -368,6 +371,16 @@ def install_type(name: str, made: Optional[DeviceType]) -> None:
     # identical key is found without comparing the strings (the name may
     # come from UNIMEM_DEVICE, made apart from theirs).
     _types[sys.intern(name)] = made
+
+
+_type_replaced_callbacks: List[Callable[[str], None]] = []
+
+
+def on_type_replaced(callback: Callable[[str], None]) -> None:
+    """Call ``callback(name)`` whenever the device type ``name`` that was set
+    up is replaced (or removed): what keeps its allocators outside the
+    table (unimem's C ABI) forgets them then."""
+    _type_replaced_callbacks.append(callback)
 
 
 def get_type(name: str) -> DeviceType:
