@@ -458,3 +458,9 @@ graph_pool_handle = generate_graph_pool_handle
 device_memory_used = _telemetry.cuda_device_memory_used
 memory_usage = _telemetry.cuda_memory_usage
 list_gpu_processes = _telemetry.list_gpu_processes
+
+
+# PyTorch's CUDAPluggableAllocator over unimem's pools (the other way round from CUDAPluggableAllocator above)
+from .capi import namespace_pluggable_allocator  # noqa: E402
+pluggable_allocator = namespace_pluggable_allocator("cuda")
+__all__.append("pluggable_allocator")

@@ -653,3 +653,9 @@ class XPUPluggableAllocator(SharedLibraryAllocator):
         device_backend = get_type("xpu").backend
         super().__init__(path_to_lib_file, alloc_fn_name, free_fn_name, stream_pointer=_queue_pointer,
                          memory_info_fn=device_backend.memory_info)
+
+
+# PyTorch's XPUPluggableAllocator over unimem's pools (the other way round from XPUPluggableAllocator above)
+from .capi import namespace_pluggable_allocator  # noqa: E402
+pluggable_allocator = namespace_pluggable_allocator("xpu")
+__all__.append("pluggable_allocator")

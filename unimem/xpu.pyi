@@ -32,7 +32,7 @@ __all__ = [
     "set_allocator", "reset_allocator", "using_allocator", "allocator_installed", "allocator_counters",
     "XPUPluggableAllocator", "host_memory_stats", "host_memory_stats_as_nested_dict",
     "reset_accumulated_host_memory_stats", "reset_peak_host_memory_stats",
-    "OutOfMemoryError", "device_memory_used", "memory_usage", "graph_pool_handle",
+    "OutOfMemoryError", "device_memory_used", "memory_usage", "graph_pool_handle", "pluggable_allocator",
 ]
 
 _api: MemoryAPI
@@ -118,3 +118,5 @@ def memory_summary(device: DeviceLike = ..., abbreviated: bool = ...) -> str: ..
 # Backend is a Protocol: its optional members keep their defaults (mypy calls them abstract here)
 class XPUPluggableAllocator(SharedLibraryAllocator):  # type: ignore[misc]
     def __init__(self, path_to_lib_file: str, alloc_fn_name: str, free_fn_name: str) -> None: ...
+
+def pluggable_allocator() -> Any: ...
