@@ -33,6 +33,7 @@ BENCHMARKS = {
     "cuda": "bench_cuda",
     "cuda_expandable": "bench_cuda_expandable",
     "sleep": "bench_sleep",
+    "capi": "bench_capi",
     "soak": "soak",
 }
 DEFAULT = [name for name in BENCHMARKS if name != "soak"]

@@ -122,3 +122,34 @@ def time_libc_pairs(size_t size, Py_ssize_t pairs):
             sys_free(p)
         t0 = um_now_ns() - t0
     return t0 / <double>pairs
+
+
+ctypedef void* (*capi_malloc_fn)(size_t size, int device, void* stream) noexcept nogil
+ctypedef void (*capi_free_fn)(void* ptr, size_t size, int device, void* stream) noexcept nogil
+
+
+def time_capi_pairs(uintptr_t malloc_address, uintptr_t free_address, size_t size, Py_ssize_t pairs,
+                    int device=0):
+    """Nanoseconds per malloc+free pair through unimem's C ABI: the exported
+    functions at ``malloc_address``/``free_address`` (``unimem_cpu_malloc``/
+    ``unimem_cpu_free``, as a C caller or PyTorch calls them), in a loop that
+    holds no GIL (the calling thread is then a C thread to the ABI)."""
+    cdef capi_malloc_fn malloc_fn = <capi_malloc_fn>malloc_address
+    cdef capi_free_fn free_fn = <capi_free_fn>free_address
+    cdef void* p
+    cdef Py_ssize_t i
+    cdef int64_t elapsed
+    cdef bint failed = False
+    with nogil:
+        elapsed = um_now_ns()
+        for i in range(pairs):
+            p = malloc_fn(size, device, NULL)
+            if p == NULL:
+                failed = True
+                break
+            um_escape(p)
+            free_fn(p, size, device, NULL)
+        elapsed = um_now_ns() - elapsed
+    if failed:
+        raise MemoryError(f"unimem's C ABI could not provide {size} bytes")
+    return elapsed / <double>pairs

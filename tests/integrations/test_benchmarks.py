@@ -331,3 +331,24 @@ def test_the_replays_with_kernels_in_flight_wait_only_when_unmapping_at_once():
     waiting = bench_memory.replay_peak(events, "simulated-waiting", kernel_lag=50, **options)
     assert ordered["device_waits"] == 0 and ordered["device_frees"] > 0
     assert waiting["device_waits"] == waiting["device_frees"] > 0
+
+
+def test_the_capi_benchmark_runs_its_peers_and_reports_its_targets(tmp_path):
+    """``python -m benchmarks --quick capi``: the C ABI's pair beside glibc's
+    and the typed core's, one and two threads, and its two targets (not its
+    timings: what must hold however fast the machine is)."""
+    done = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "capi"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env=dict(os.environ, UNIMEM_BENCHMARK_RESULTS=str(tmp_path)))
+    assert done.returncode == 0, done.stdout + done.stderr
+    with open(tmp_path / "capi.json") as f:
+        result = json.load(f)
+    ways = {row["way"] for row in result["rows"]}
+    assert ways == {"glibc malloc+free (peer)", "typed core pair (c_malloc+c_free)", "hit path alone, no GIL",
+                    "C ABI (unimem_cpu_malloc+free)"}
+    assert len(result["rows"]) == 4 * len(result["sizes"])
+    for row in result["rows"]:
+        assert row["ns_per_pair"] > 0
+        if row["way"] != "typed core pair (c_malloc+c_free)":
+            assert row["t1_per_s"] > 0 and row["t2_per_s"] > 0
+    assert len(result["targets"]) == 2 and all(isinstance(t["met"], bool) for t in result["targets"])
+    assert "C ABI (unimem_cpu_malloc+free)" in done.stdout
