@@ -57,14 +57,14 @@ def test_device_allocations_are_unimem_blocks(fake):
     manager = UnimemNumbaManager(context=Context(1))
     manager.initialize()
     pointer = manager.memalloc(3 * MiB)
-    address = int(pointer.device_pointer)
+    address = pointer.device_ctypes_pointer.value
     assert isinstance(pointer, cuda.MemoryPointer) and pointer.size == 3 * MiB
     assert unimem.cuda.caching_allocator(1).owns(address) and fake.live[address][0] == 1
     assert unimem.cuda.memory_stats(1)["requested_bytes.all.current"] == 3 * MiB
     pointer.free()                              # what Numba does when the array dies
     assert unimem.cuda.memory_allocated(1) == 0
     again = manager.memalloc(3 * MiB)
-    assert int(again.device_pointer) == address and unimem.cuda.memory_stats(1)["num_device_alloc"] == 1
+    assert again.device_ctypes_pointer.value == address and unimem.cuda.memory_stats(1)["num_device_alloc"] == 1
     del again
     gc.collect()
     assert unimem.cuda.memory_allocated(1) == 0

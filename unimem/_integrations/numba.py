@@ -14,10 +14,12 @@ thread's per-thread default stream under ``NUMBA_CUDA_PER_THREAD_DEFAULT_STREAM`
 """
 from __future__ import annotations
 
+import ctypes
 from typing import Any, Callable, Dict, Tuple
 
 from numba.cuda import HostOnlyCUDAMemoryManager, MemoryPointer
-from numba.cuda.cudadrv.driver import GetIpcHandleMixin, MemoryInfo, binding
+from numba.cuda.cudadrv import driver as _driver
+from numba.cuda.cudadrv.driver import GetIpcHandleMixin, MemoryInfo
 
 from .._runtime import devices as _devices
 from ..backends.cuda import CUDA_STREAM_PER_THREAD, stream_key
@@ -33,6 +35,16 @@ def _default_stream_key() -> int:
     except ImportError:                  # Numba's own numba.cuda (before numba-cuda)
         from numba.core import config    # type: ignore[no-redef]
     return stream_key(CUDA_STREAM_PER_THREAD if config.CUDA_PER_THREAD_DEFAULT_STREAM else 0)
+
+
+def _device_pointer(address: int) -> Any:
+    """``address`` as Numba's MemoryPointer holds one: a ``CUdeviceptr`` of
+    NVIDIA's bindings (numba-cuda always; Numba's own numba.cuda with
+    NUMBA_CUDA_USE_NVIDIA_BINDING), else a ``ctypes.c_void_p``."""
+    binding = getattr(_driver, "binding", None)
+    if getattr(_driver, "USE_NV_BINDING", True) and binding is not None:
+        return binding.CUdeviceptr(address)
+    return ctypes.c_void_p(address)
 
 
 def _releaser(allocations: Dict[int, Any], ptr: int) -> Callable[[], None]:
@@ -55,13 +67,13 @@ class UnimemNumbaManager(GetIpcHandleMixin, HostOnlyCUDAMemoryManager):  # type:
     def memalloc(self, size: int) -> MemoryPointer:
         """A block of ``size`` bytes on the context's device."""
         if size == 0:
-            return MemoryPointer(self.context, binding.CUdeviceptr(0), 0)
+            return MemoryPointer(self.context, _device_pointer(0), 0)
         allocator = _devices.get_type("cuda").allocator(self.context.device.id)
         allocation = allocator.allocate(size, _default_stream_key())
         # self.allocations (HostOnlyCUDAMemoryManager's) is cleared at the
         # context's reset, which frees every block still held.
         self.allocations[allocation.ptr] = allocation
-        return MemoryPointer(self.context, binding.CUdeviceptr(allocation.ptr), size,
+        return MemoryPointer(self.context, _device_pointer(allocation.ptr), size,
                              finalizer=_releaser(self.allocations, allocation.ptr))
 
     def get_memory_info(self) -> Tuple[int, int]:
