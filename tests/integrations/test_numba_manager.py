@@ -17,6 +17,7 @@ from numba import cuda  # noqa: E402
 from numba.cuda.cudadrv import driver  # noqa: E402
 
 import unimem  # noqa: E402
+from unimem._integrations import install as _install  # noqa: E402
 from unimem._integrations import numba as numba_glue  # noqa: E402
 from unimem._integrations.numba import UnimemNumbaManager  # noqa: E402
 
@@ -37,6 +38,15 @@ class Context:
 
     def __init__(self, index=0):
         self.device = Device(index)
+
+
+@pytest.fixture(autouse=True)
+def cupy_and_dpnp_left_alone(monkeypatch):
+    """install_allocators installs only Numba here (CuPy's and dpnp's, while
+    the simulated GPU is served, would make it the pinned host pool's for the
+    rest of the process)."""
+    monkeypatch.setattr(_install, "_install_cupy", lambda: None)
+    monkeypatch.setattr(_install, "_install_dpnp", lambda: None)
 
 
 @pytest.fixture

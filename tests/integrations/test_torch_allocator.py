@@ -37,9 +37,14 @@ XPU_FREE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
 
 @pytest.fixture(autouse=True)
 def fresh_glue(monkeypatch):
-    """Each test starts with no PyTorch allocator made or installed."""
+    """Each test starts with no PyTorch allocator made or installed, and
+    install_allocators leaves CuPy and dpnp alone (installing them while the
+    simulated GPU is served would make it the pinned host pool's for the
+    rest of the process)."""
     monkeypatch.setattr(unimem.capi, "_made", {})
     monkeypatch.setattr(torch_glue, "_installed", set())
+    monkeypatch.setattr(_install, "_install_cupy", lambda: None)
+    monkeypatch.setattr(_install, "_install_dpnp", lambda: None)
 
 
 class StandInHooks:
