@@ -862,19 +862,24 @@ cdef class CachingAllocator:
 
         A cache hit takes the lock and nothing else. Without the GIL it
         waits for the lock (no thread holding the lock waits for the GIL:
-        rule 2); holding the GIL it only tries the lock (rule 1). Everything
-        else (a miss, an unusual state, a request no device holds, the lock
-        held elsewhere while this thread has the GIL) is c_malloc with the
-        GIL taken here, after the lock is let go. History events of a hit
+        rule 2); holding the GIL it only tries the lock (rule 1). A miss on a
+        thread without the GIL whose new segment comes from a backend of the
+        provider ABI, within every limit, is served without the GIL too
+        (_malloc_miss_nogil). Everything else (another miss, an unusual
+        state, a request no device holds, the lock held elsewhere while this
+        thread has the GIL) is c_malloc with the GIL taken here, after the
+        lock is let go. History events of a hit
         wait in the buffer for the next call from Python, as c_free_detached's
         do. At interpreter exit the GIL is never taken: only a hit is served."""
         cdef Block* b
         cdef int status
         cdef bint locked
+        cdef bint holding_gil
         if size == 0:
             return 0
         if not self.unusual and size <= MAX_REQUEST:
-            if _exiting or PyGILState_Check():
+            holding_gil = PyGILState_Check()
+            if _exiting or holding_gil:
                 locked = self.lock.try_lock()
             else:
                 self.lock.lock()
@@ -883,6 +888,8 @@ cdef class CachingAllocator:
                 self.lock_depth += 1
                 if not self.unusual:       # read again under the lock
                     b = self._malloc_cached(size, stream, False, &status)
+                    if b == NULL and status == 0 and not (holding_gil or _exiting):
+                        b = _malloc_miss_nogil(self, size, stream)     # a C provider's segment
                     if b != NULL:
                         self._unlock()
                         return b.ptr

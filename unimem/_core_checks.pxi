@@ -10,20 +10,26 @@ cdef int _check_new_segment(CachingAllocator self, uintptr_t ptr, size_t size) e
     if ptr > <uintptr_t>-1 - size:
         raise RuntimeError(f"the {self.device_name} backend returned {ptr:#x} for {size} bytes: "
                            f"that range wraps around the address space (a backend error)")
-    cdef cmap[uintptr_t, Segment*].iterator it = self.segments_by_base.upper_bound(ptr)
-    cdef Segment* clash = NULL
-    if it != self.segments_by_base.end() and deref(it).first < ptr + size:
-        clash = deref(it).second
-    elif it != self.segments_by_base.begin():
-        it = _map_prev(it)
-        if deref(it).second.base + deref(it).second.size > ptr:
-            clash = deref(it).second
+    cdef Segment* clash = _segment_clash(self, ptr, size)
     if clash != NULL:
         raise RuntimeError(
             f"the {self.device_name} backend returned {ptr:#x} ({size} bytes), which overlaps "
             f"memory it already gave this allocator ({clash.base:#x}, {clash.size} bytes): "
             f"a backend error; nothing was allocated")
     return 0
+
+
+cdef Segment* _segment_clash(CachingAllocator self, uintptr_t ptr, size_t size) noexcept nogil:
+    """A segment of this allocator that [ptr, ptr + size) overlaps, or NULL
+    (the range must not wrap around the address space)."""
+    cdef cmap[uintptr_t, Segment*].iterator it = self.segments_by_base.upper_bound(ptr)
+    if it != self.segments_by_base.end() and deref(it).first < ptr + size:
+        return deref(it).second
+    if it != self.segments_by_base.begin():
+        it = _map_prev(it)
+        if deref(it).second.base + deref(it).second.size > ptr:
+            return deref(it).second
+    return NULL
 
 
 def _check_invariants(CachingAllocator self):

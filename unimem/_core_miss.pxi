@@ -8,6 +8,10 @@
 
 from posix.unistd cimport usleep
 
+cdef extern from "pythread.h":
+    # Python's thread ident, callable without the GIL (it is pthread_self).
+    unsigned long _thread_ident "PyThread_get_thread_ident"() nogil
+
 
 cdef Block* _alloc_block(CachingAllocator self, size_t alloc_size, size_t size, uintptr_t stream, bint is_small,
                          bint is_retry, PrivatePool* pool) except? NULL:
@@ -48,11 +52,7 @@ cdef Block* _alloc_block(CachingAllocator self, size_t alloc_size, size_t size, 
     cdef pair[unsigned long, uint64_t] call
     try:
         if unlocked:
-            self.in_flight_numbered += 1
-            call.first = PyThread_get_thread_ident()
-            call.second = self.in_flight_numbered
-            self.in_flight_calls.push_back(call)
-            self.in_flight_bytes += alloc_size
+            call.second = _note_call_in_flight(self, alloc_size)
             self._unlock()
             try:
                 rc = _backend_malloc(self, alloc_size, stream, &ptr, pool, True, &took_us)
@@ -88,6 +88,16 @@ cdef Block* _alloc_block(CachingAllocator self, size_t alloc_size, size_t size, 
         block_delete(&self.slab, b)
         _backend_free(self, ptr, alloc_size, stream, False, _pool_free_fn(self, pool))
         raise MemoryError("host memory for the allocator's bookkeeping ran out")
+    _adopt_segment(self, seg, b, ptr, alloc_size, stream, is_small, pool, sp)
+    return b
+
+
+cdef void _adopt_segment(CachingAllocator self, Segment* seg, Block* b, uintptr_t ptr, size_t alloc_size,
+                         uintptr_t stream, bint is_small, PrivatePool* pool, StreamPools* sp) noexcept nogil:
+    """Make the backend's ``alloc_size`` bytes at ``ptr`` a segment of
+    ``sp``'s pools (of private pool ``pool``, or NULL), described by ``seg``
+    and its one free block ``b`` (not yet in a free index), and count it.
+    Lock held."""
     seg.base = ptr
     seg.size = alloc_size
     seg.stream = stream
@@ -115,7 +125,90 @@ cdef Block* _alloc_block(CachingAllocator self, size_t alloc_size, size_t size, 
     self.stats.num_device_alloc += 1
     if self.recording:
         self._trace(T_SEGMENT_ALLOC, ptr, alloc_size, stream)
-    return b
+
+
+cdef Block* _malloc_miss_nogil(CachingAllocator self, size_t orig_size, uintptr_t stream) noexcept nogil:
+    """c_malloc_nogil's miss without the GIL (a thread that does not hold
+    it), for the common case: a backend of the provider ABI, PyTorch's plain
+    segments (not expandable; no garbage collection threshold, no reserved
+    ratio), a segment within every limit, and nothing the backend must be
+    told first (a new stream, dropped streams). The backend is asked once,
+    with the lock let go, as _alloc_block asks it (a call in flight that
+    refused misses wait for). Anything else, a refusal
+    included (the retries that free cached memory, and the out-of-memory
+    error, need Python), returns NULL having changed nothing but the cache
+    of a segment it got, and the caller takes the GIL. Lock held once (and
+    held again at return)."""
+    cdef size_t size = self._round_size(orig_size)
+    cdef bint is_small = size <= self.small_request_max
+    cdef size_t alloc_size = _segment_size(self, size)
+    cdef FreeIndex* fi
+    cdef Segment* seg
+    cdef Block* b
+    cdef StreamPools* sp
+    cdef uintptr_t ptr = 0
+    cdef int rc
+    cdef int64_t took_ns
+    cdef uint64_t call
+    if (not self._has_raw or self.expandable or self._gc_enabled() or self.max_reserved_ratio
+            or self.lock_depth != 1 or self.streams_added or not self.dropped_streams.empty()):
+        return NULL
+    if ((self.capacity and alloc_size > self.capacity) or (self.max_allocation and alloc_size > self.max_allocation)
+            or (self.set_fraction and _held_or_asked(self) + alloc_size > self.allowed_memory_maximum)
+            or _held_or_asked(self) + alloc_size > MAX_RESERVED):
+        return NULL
+    fi = self._pool(stream, is_small)
+    if fi == NULL or self._reserve_for_alloc(fi) != 0:
+        return NULL
+    seg = <Segment*>sys_malloc(sizeof(Segment))
+    b = block_new(&self.slab)
+    if seg == NULL or b == NULL:
+        sys_free(seg)
+        if b != NULL:
+            block_delete(&self.slab, b)
+        return NULL
+    call = _note_call_in_flight(self, alloc_size)
+    self._unlock()
+    took_ns = um_now_ns()
+    rc = self._raw.malloc(self._raw.ctx, alloc_size, self.device, stream, &ptr)
+    took_ns = um_now_ns() - took_ns
+    self.lock.lock()                     # no GIL held: rule 1
+    self.lock_depth += 1
+    self.in_flight_bytes = self.in_flight_bytes - alloc_size if self.in_flight_bytes > alloc_size else 0
+    _forget_call_in_flight(self, call)
+    sp = NULL
+    if rc == RAW_OK and ptr != 0 and (ptr > <uintptr_t>-1 - alloc_size
+                                      or _segment_clash(self, ptr, alloc_size) != NULL):
+        ptr = 0     # a backend error: the memory may be a live segment's, so it is not given back
+    elif rc == RAW_OK and ptr != 0 and not (self.sleeping or self.poisoned):
+        sp = self._stream_pools(stream)
+    if sp == NULL:
+        if rc == RAW_OK and ptr != 0:
+            self._raw.free(self._raw.ctx, ptr, alloc_size, self.device, stream)
+        sys_free(seg)
+        block_delete(&self.slab, b)
+        return NULL
+    duration_add(&self.stats.device_alloc_time, took_ns // 1000)
+    _adopt_segment(self, seg, b, ptr, alloc_size, stream, is_small, NULL, sp)
+    fi = b.index
+    if self._reserve_for_alloc(fi) != 0:
+        fi_insert(fi, b)                 # a cached segment: the caller's c_malloc finds it
+        return NULL
+    return self._alloc_found_block(b, fi, size, orig_size, False)
+
+
+cdef uint64_t _note_call_in_flight(CachingAllocator self, size_t alloc_size) noexcept nogil:
+    """A segment of ``alloc_size`` bytes is about to be asked of the backend
+    with the lock let go: its bytes count against the limits, and misses
+    refused meanwhile wait for it (_wait_for_calls_in_flight). Its number,
+    for _forget_call_in_flight. Lock held."""
+    cdef pair[unsigned long, uint64_t] call
+    self.in_flight_numbered += 1
+    call.first = _thread_ident()
+    call.second = self.in_flight_numbered
+    self.in_flight_calls.push_back(call)
+    self.in_flight_bytes += alloc_size
+    return call.second
 
 
 cdef void _forget_call_in_flight(CachingAllocator self, uint64_t number) noexcept nogil:

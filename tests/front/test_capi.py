@@ -163,13 +163,69 @@ def test_c_threads_and_a_busy_python_thread(c_user):
     assert after["num_device_alloc"] == before["num_device_alloc"]
 
 
-def test_a_miss_on_a_c_thread_takes_the_gil_itself(c_user):
-    """A size never cached: the first request of each thread misses and
-    asks the backend (which needs Python) while a Python thread spins."""
+def test_a_miss_on_c_threads_with_a_c_backend_takes_no_gil(c_user_holding_gil, c_user, lib):
+    """The cpu pool's backend is a C provider (host memory through the
+    provider ABI): a size never cached makes each thread's first request
+    miss and ask it for a segment, still with the caller holding the GIL."""
     size = 23 * MiB + 4096
     allocator = unimem.cpu.caching_allocator(0)
     allocator.empty_cache()
+    lib.unimem_cpu_free(lib.unimem_cpu_malloc(64, 0, None), 64, 0, None)       # the C table knows the pool
     before = cpu_stats()
+    assert c_user_holding_gil.start(2, 200, size) == 0
+    timed_out = c_user_holding_gil.wait_for(120_000)
+    if timed_out:
+        c_user.wait_for(600_000)
+    assert not timed_out, "a miss served by a C provider waited for the GIL"
+    assert c_user_holding_gil.failures() == 0 and c_user_holding_gil.corruptions() == 0
+    after = cpu_stats()
+    assert after["num_device_alloc"] > before["num_device_alloc"]
+    assert after["allocation.all.allocated"] - before["allocation.all.allocated"] == 400
+    assert after["allocated_bytes.all.current"] == before["allocated_bytes.all.current"]
+    allocator._check_invariants()
+    allocator.empty_cache()
+
+
+class PythonHostBackend:
+    """Host memory through Python methods only (no provider ABI), counting its calls."""
+
+    name = "CPU"
+
+    def __init__(self):
+        from unimem.backends._host import PageAlignedBackend
+        self.inner = PageAlignedBackend("CPU")
+        self.mallocs = 0
+
+    def device_count(self):
+        return 1
+
+    def malloc(self, size, device, stream):
+        self.mallocs += 1
+        return self.inner.malloc(size, device, stream)
+
+    def free(self, ptr, size, device, stream):
+        self.inner.free(ptr, size, device, stream)
+
+
+@pytest.fixture
+def python_backed_cpu():
+    """The cpu device type served by a backend written in Python."""
+    backend = PythonHostBackend()
+    previous = _devices.get_type("cpu")
+    swapped = _devices.DeviceType("cpu", backend)
+    _devices.install_type("cpu", swapped)
+    yield backend, swapped.allocator(0)
+    _devices.install_type("cpu", previous)
+
+
+def test_a_miss_with_a_python_backend_takes_the_gil_itself(python_backed_cpu, c_user, c_user_holding_gil, lib):
+    """Misses from C threads while a Python thread spins: the threads take
+    the GIL for the backend's Python. While the caller holds the GIL for
+    good, they cannot (and wait for it: no crash, no wrong answer)."""
+    backend, allocator = python_backed_cpu
+    lib.unimem_cpu_free(lib.unimem_cpu_malloc(64, 0, None), 64, 0, None)    # the C table knows the pool
+    size = 23 * MiB + 4096
+    before = allocator.memory_stats()["allocation.all.allocated"]
     stop = threading.Event()
     spinner = threading.Thread(target=lambda: [None for _ in iter(stop.is_set, True)])
     spinner.start()
@@ -179,11 +235,32 @@ def test_a_miss_on_a_c_thread_takes_the_gil_itself(c_user):
         stop.set()
         spinner.join()
     assert c_user.failures() == 0 and c_user.corruptions() == 0
-    after = cpu_stats()
-    assert after["num_device_alloc"] > before["num_device_alloc"]
-    assert after["allocation.all.allocated"] - before["allocation.all.allocated"] == 400
-    assert after["allocated_bytes.all.current"] == before["allocated_bytes.all.current"]
+    assert backend.mallocs >= 2
+    assert allocator.memory_stats()["allocation.all.allocated"] - before == 400
     allocator.empty_cache()
+    made = backend.mallocs
+    assert c_user_holding_gil.start(2, 10, size) == 0
+    assert c_user_holding_gil.wait_for(1000) == 1          # the GIL held: the misses wait for it
+    assert c_user.wait_for(600_000) == 0                   # the GIL let go: they finish
+    assert c_user.failures() == 0 and backend.mallocs > made
+    allocator._check_invariants()
+
+
+def test_a_miss_past_a_limit_goes_the_whole_way(lib):
+    """A miss the GIL-free path does not serve (past a memory limit): the
+    GIL path's answer, here out of memory with PyTorch's text."""
+    allocator = unimem.cpu.caching_allocator(0)
+    allocator.set_memory_limit(64 * MiB)
+    try:
+        assert lib.unimem_cpu_malloc(100 * MiB, 0, None) is None
+        assert last_error(lib).startswith("OutOfMemoryError: CPU out of memory")
+        ptr = lib.unimem_cpu_malloc(30 * MiB, 0, None)
+        assert ptr and allocator.owns(ptr)
+        lib.unimem_cpu_free(ptr, 30 * MiB, 0, None)
+    finally:
+        allocator.set_memory_limit(0)
+        allocator.empty_cache()
+    allocator._check_invariants()
 
 
 # ---------------------------------------------------------------------------

@@ -15,11 +15,14 @@
  * called before that, they return NULL / -1 and unimem_last_error() says so.
  *
  * Every function may be called from any thread, holding the GIL or not,
- * concurrently. A cache hit takes neither the GIL nor any Python object; a
- * request the cache cannot serve takes the GIL itself (a backend written in
- * Python runs then). Out of memory, and every other failure, returns NULL
- * with the reason in unimem_last_error(): PyTorch raises its own error from
- * the NULL.
+ * concurrently. A cache hit takes neither the GIL nor any Python object, nor
+ * does a miss on a thread without the GIL whose new segment comes from a
+ * backend with a C interface (unimem's provider ABI: the cpu pool's host
+ * memory, dpctl's USM) within every limit. Any other request takes the GIL
+ * itself (a backend written in Python, CuPy's, runs then; so do the retries
+ * that free cached memory). Out of memory, and every other failure, returns
+ * NULL with the reason in unimem_last_error(): PyTorch raises its own error
+ * from the NULL.
  *
  * The malloc/free pairs have the signatures PyTorch's pluggable allocators
  * load (torch.cuda.memory.CUDAPluggableAllocator, torch.xpu.memory.
