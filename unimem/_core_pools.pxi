@@ -457,7 +457,7 @@ cdef int _give_back_segment_at(CachingAllocator self, uintptr_t ptr) except -1:
     cdef cmap[uintptr_t, Segment*].iterator it
     cdef Segment* seg
     cdef vector[Segment*] victims
-    if _exiting:
+    if _exiting or not self.cache_off:
         return 0
     self._lock()
     try:

@@ -15,8 +15,9 @@ cdef extern from *:
 
 
 cdef int _defer_free(CachingAllocator self, uintptr_t ptr) noexcept nogil:
-    """Keep the free of ``ptr``, a live block used on other streams, for a
-    call from Python's side (_free_deferred); 0 when kept. Its deleter runs
+    """Keep the free of ``ptr``, a live block used on other streams (with
+    the cache off, any: _keep_uncached_free), for a call from Python's side
+    (_free_deferred); 0 when kept. Its deleter runs
     on a runtime's thread (a SYCL host task dropping the last reference to
     an array when its kernels are done), where recording an event submits
     work to a queue: a barrier submitted there waits for the SYCL scheduler
@@ -28,6 +29,29 @@ cdef int _defer_free(CachingAllocator self, uintptr_t ptr) noexcept nogil:
         return -1
     self.unusual = True
     return 0
+
+
+cdef int _keep_uncached_free(CachingAllocator self, uintptr_t ptr) noexcept nogil:
+    """c_free_detached on a runtime's thread with the cache off: the free of
+    ``ptr`` would give its segment back, and the backend's free may wait
+    for the segment's queue (the XPU backend waits, as PyTorch's does before
+    sycl::free): on a SYCL host task's thread that is a wait for the queue
+    the host task belongs to, and a wait behind any other thread waiting
+    for that queue (seen: the main thread freeing an array, waiting inside
+    DPCTLQueue_Wait for this host task, which waited for the same turn). So
+    the free is kept as one needing events is (_defer_free), and done, its
+    segment given back, by the next call from Python's side (_free_deferred),
+    where waiting is allowed. _free_fast's codes: 0 kept, or (no host memory
+    to keep it) freed now, its segment cached until empty_cache or
+    set_caching; 1 unknown; 2 or 3 needs Python; 4 an Allocation's. Lock held."""
+    cdef Block* b = <Block*>um_find(&self.active, ptr)
+    if b == NULL:
+        return 1
+    if b.by_handle:
+        return 4
+    if _defer_free(self, ptr) == 0:
+        return 0
+    return self._free_fast(ptr, False)
 
 
 cdef int _free_deferred(CachingAllocator self) except -1:
