@@ -47,7 +47,7 @@ from libcpp.vector cimport vector
 from libcpp.map cimport map as cmap
 from cython.operator cimport dereference as deref, preincrement as inc
 from libcpp.utility cimport pair
-from libcpp.algorithm cimport sort as cpp_sort
+from libcpp.algorithm cimport sort as cpp_sort, unique as cpp_unique
 
 from unimem._native.addr_map cimport *
 from unimem._native.arguments cimport as_integer, check_pointer, check_size, check_stream, exact_size

@@ -154,3 +154,26 @@ def test_dpnp_work_with_the_cache_off_does_not_hang(xpu, install, make):
     out = run_python(textwrap.dedent(UNCACHED_LOOP.format(install=install, make=make)),
                      marker="done", timeout=150)
     assert out.split()[-4:] == ["done", "0", "0", "0"], out
+
+
+RECORDED_UNCACHED = """
+import dpctl
+import unimem.xpu as xpu
+xpu.caching_allocator_enable(False)
+other = dpctl.SyclQueue(xpu.default_queue().sycl_device, property="in_order")
+for i in range(5):
+    a = xpu.empty(1 << 20, dtype="f4")
+    xpu.record_stream(a, other)
+    del a                          # its segment waits for other's work ...
+    xpu.synchronize()              # ... which is done: it goes back
+stats = xpu.memory_stats()
+print("done", stats["segment.all.current"], stats["reserved_bytes.all.current"],
+      stats["allocated_bytes.all.current"])
+"""
+
+
+def test_with_the_cache_off_a_block_used_on_another_queue_gives_its_segment_back(xpu):
+    """The stream-ordered free only cached the block: 5 segments, 20 MiB
+    reserved and 0 allocated after the loop, and nothing reused them."""
+    out = run_python(textwrap.dedent(RECORDED_UNCACHED), marker="done", timeout=150)
+    assert out.split()[-4:] == ["done", "0", "0", "0"], out

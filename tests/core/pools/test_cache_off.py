@@ -8,7 +8,9 @@ queued where the memory was used (the XPU backend waits on the segment's
 queue, as PyTorch's waits before sycl::free). On a SYCL host task's thread
 that is a wait for the host task's own queue, and a wait behind any other
 thread waiting for it: such a free is kept (_keep_uncached_free) and done by
-the next call from Python's side, which may wait. The SYCL case itself:
+the next call from Python's side, which may wait. A block used on other
+streams goes back once their events complete (_handle_done): with the cache
+off, its segment then goes back too. The SYCL case itself:
 tests/front/test_xpu_deferred_frees.py."""
 import sys
 import threading
@@ -106,6 +108,80 @@ def test_many_runtime_thread_frees_come_back_once_each():
     assert a.memory_reserved() == 0 and a.live_allocations() == {}
     a.process_events()
     assert len(backend.freeing_threads) == len(blocks)
+    a._check_invariants()
+
+
+def test_a_runtime_threads_free_of_a_block_used_on_another_stream_goes_back_after_its_event():
+    backend, a = uncached()
+    p = a.malloc(MiB)
+    a.record_stream(p, 3)
+    free_on_a_runtime_thread(a, p)
+    assert backend.freeing_threads == []
+    a.process_events()                                   # the kept free: stream 3's event recorded
+    assert not a.owns(p) and a.memory_reserved() == MiB
+    backend.complete(3)
+    a.process_events()
+    assert a.memory_reserved() == 0 and a.memory_stats()["segment.all.current"] == 0
+    a._check_invariants()
+
+
+PATHS = {
+    "process_events": lambda a: a.process_events(),
+    "the next allocation": lambda a: a.free(a.malloc(100)),
+    "empty_cache": lambda a: a.empty_cache(),
+    "empty_cache of another stream": lambda a: a.empty_cache(stream=5),
+    "empty_cache without waiting": lambda a: a.empty_cache(wait=False),
+}
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_blocks_whose_stream_events_completed_give_their_segments_back(path):
+    """Five blocks used on another stream and freed: once the stream's work
+    is done, each goes back as every free does with the cache off. The
+    stream-ordered path (_handle_done) only cached them: 5 segments, 20 MiB
+    reserved, 0 allocated, and nothing would ever reuse them."""
+    backend, a = uncached()
+    for _ in range(5):
+        p = a.malloc(4 * MiB)
+        a.record_stream(p, 1)
+        a.free(p)
+        backend.complete(1)
+        PATHS[path](a)
+    stats = a.memory_stats()
+    assert (stats["segment.all.current"], stats["reserved_bytes.all.current"]) == (0, 0)
+    assert stats["num_device_free"] == stats["num_device_alloc"]
+    a._check_invariants()
+
+
+def test_two_blocks_of_one_segment_whose_events_complete_together_give_it_back_once():
+    """Made with the cache on (one segment), freed on other streams with it
+    off: both blocks come back in one pass, and the segment goes back once."""
+    backend = ThreadsFreeing()
+    a = _core.CachingAllocator(backend, 0)
+    p, q = a.malloc(MiB), a.malloc(MiB)
+    assert len(a.snapshot()) == 1
+    a.record_stream(p, 1)
+    a.record_stream(q, 2)
+    a.set_caching(False)
+    a.free(p)
+    a.free(q)
+    backend.complete(1)
+    backend.complete(2)
+    a.process_events()
+    assert len(backend.freeing_threads) == 1 and a.memory_reserved() == 0
+    a._check_invariants()
+
+
+def test_blocks_whose_events_complete_after_the_cache_is_on_again_stay_cached():
+    backend, a = uncached()
+    p = a.malloc(MiB)
+    a.record_stream(p, 1)
+    a.free(p)
+    a.set_caching(True)
+    backend.complete(1)
+    a.process_events()
+    assert a.memory_reserved() == MiB and backend.freeing_threads == []
+    assert a.malloc(MiB) == p                            # reused, as a cached block is
     a._check_invariants()
 
 
