@@ -78,7 +78,7 @@ cdef class CachingAllocator:
     cdef dict pending_events              # stream -> its events waited for, in order (_core_event_queue.pxi)
     cdef list syncing_events              # taken from pending_events, waited on outside the lock
     cdef size_t n_pending_events          # in all the queues
-    cdef vector[uintptr_t] deferred_frees   # freed on a runtime's thread, needing events (_core_streams.pxi)
+    cdef vector[uintptr_t] deferred_frees   # freed on a runtime's thread, needing Python: events, or the cache off (_core_streams.pxi)
 
     # private pools (MemPool) and the cache switch: _core_pools.pxi
     cdef cmap[uint64_t, PrivatePool*] private_pools   # by id (creation order)

@@ -48,7 +48,7 @@ from libcpp.vector cimport vector
 from libcpp.map cimport map as cmap
 from cython.operator cimport dereference as deref, preincrement as inc
 from libcpp.utility cimport pair
-from libcpp.algorithm cimport sort as cpp_sort
+from libcpp.algorithm cimport sort as cpp_sort, unique as cpp_unique
 
 from unimem._native.addr_map cimport *
 from unimem._native.arguments cimport as_integer, check_pointer, check_size, check_stream, exact_size
@@ -123,11 +123,16 @@ def _mark_exiting():
 atexit.register(_mark_exiting)
 
 
-cdef void _free_from_deleter(void* allocator, uintptr_t ptr) noexcept with gil:
+cdef void _free_from_deleter(void* allocator, uintptr_t ptr, bint may_wait) noexcept with gil:
     """c_free_detached's free through Python (a finalizer's), with the GIL
-    taken here: only for a block that needs it, after the lock is let go."""
+    taken here: only for a block that needs it, after the lock is let go.
+    ``may_wait``: with the cache off, the segment goes back too (the
+    backend's free may wait for the device); not on a runtime's thread,
+    where it stays cached until empty_cache or set_caching."""
+    cdef CachingAllocator self = <CachingAllocator>allocator
     try:
-        (<CachingAllocator>allocator)._try_free(ptr, False, True)
+        if self._try_free(ptr, False, True) == 0 and may_wait:
+            _give_back_segment_at(self, ptr)
     except BaseException as exc:
         _report_unraisable(exc, "unimem: freeing a block from its deleter")
 
@@ -755,7 +760,8 @@ cdef class CachingAllocator:
         allocator does not hold, 4 for a block that belongs to an Allocation
         (``by_handle`` False) or to no Allocation (``by_handle`` True). With
         ``from_finalizer`` (a finalizer, or Allocation.release, which runs
-        _after_free itself) no Python code runs after the free: a finalizer may run
+        _after_free itself, and with the cache off gives the segment back
+        itself, after the free is done) no Python code runs after the free: a finalizer may run
         on a runtime's thread (a SYCL host task) that must not give the GIL up
         half-way; its history events wait in the buffer for the next call from
         Python. At interpreter exit a finalizer does not wait for the lock (a
@@ -775,7 +781,7 @@ cdef class CachingAllocator:
             self._unlock()
         if not from_finalizer and (self.recording or not self.dropped_streams.empty()):
             self._after_free()
-        if self.cache_off and rc == 0:
+        if self.cache_off and rc == 0 and not from_finalizer:
             _give_back_segment_at(self, ptr)
         return rc
 
@@ -827,8 +833,12 @@ cdef class CachingAllocator:
         Without the GIL it waits for the lock (no thread holding the lock
         waits for the GIL: rule 2 above) and frees a block without stream
         uses at once, so the frees of array memory never wait for Python.
-        The rare block that needs Python (events of other streams, host
-        memory for the bookkeeping) takes the GIL after the lock is let go.
+        Nor does such a free ever wait for a queue: a block used on other
+        streams, and with the cache off every block (whose segment goes
+        back, and the backend's free waits for the segment's queue), is
+        kept for the next call from Python's side (_defer_free). The rare
+        block that needs Python otherwise (host memory for the bookkeeping)
+        takes the GIL after the lock is let go.
         With the GIL it is a finalizer's free. At interpreter exit nothing
         waits: a block whose lock is taken is left to the ending process.
         No Python object lives in this function: Cython would take the GIL
@@ -841,17 +851,20 @@ cdef class CachingAllocator:
             self._free_fast(ptr, False)
             self._unlock()
             return
-        if PyGILState_Check() or self.cache_off:
-            _free_from_deleter(<void*>self, ptr)
+        if PyGILState_Check():
+            _free_from_deleter(<void*>self, ptr, True)
             return
         self.lock.lock()
         self.lock_depth += 1
-        rc = self._free_fast(ptr, False)
-        if rc == 2 and _defer_free(self, ptr) == 0:
-            rc = 0              # its events are recorded from Python's side (_free_deferred)
+        if self.cache_off:
+            rc = _keep_uncached_free(self, ptr)
+        else:
+            rc = self._free_fast(ptr, False)
+            if rc == 2 and _defer_free(self, ptr) == 0:
+                rc = 0          # its events are recorded from Python's side (_free_deferred)
         self._unlock()
-        if rc == 2 or rc == 3:
-            _free_from_deleter(<void*>self, ptr)
+        if rc == 2 or rc == 3:                  # needs Python (host memory ran out): it waits for no queue
+            _free_from_deleter(<void*>self, ptr, False)
 
     cdef uintptr_t c_malloc_nogil(self, size_t size, uintptr_t stream, char* error,
                                   size_t error_size) noexcept nogil:

@@ -25,6 +25,7 @@ cdef class Allocation:
             try:
                 if self.allocator._try_free(ptr, True, True) != 0:
                     raise ValueError(f"the block at {ptr:#x} was freed behind its Allocation's back")
+                _give_back_segment_at(self.allocator, ptr)     # with the cache off
             except BaseException as exc:
                 _report_unraisable(exc, "unimem Allocation finalizer")
 
@@ -40,6 +41,10 @@ cdef class Allocation:
                 raise
             if rc != 0:
                 raise ValueError(f"the block at {ptr:#x} was freed behind its Allocation's back")
+            # With the cache off the segment goes back, once the handle is
+            # empty: a backend free that raises (a Ctrl-C) comes after the
+            # free, which stays done.
+            _give_back_segment_at(self.allocator, ptr)
             self.allocator._after_free()    # a Ctrl-C here leaves the handle empty, as it should
 
     def __int__(self):

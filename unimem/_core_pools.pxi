@@ -387,13 +387,21 @@ cdef int _set_caching(CachingAllocator self, bint enabled) except -1:
         self.cache_off = not enabled
         self._update_unusual()
         if not enabled:
-            if self.expandable:
-                _unmap_free_pages(self, False, 0)
-            _release_segments(self, False, False, 0, 0)
-            self._drop_unused_streams()
+            _release_every_free_segment(self)
     finally:
         self._unlock()
     self._after_free()
+    return 0
+
+
+cdef int _release_every_free_segment(CachingAllocator self) except -1:
+    """What the cache holds goes back (the cache is off): every wholly free
+    segment of the device's own pools and of dead private pools, and with
+    expandable segments every free whole page. Lock held."""
+    if self.expandable:
+        _unmap_free_pages(self, False, 0)
+    _release_segments(self, False, False, 0, 0)
+    self._drop_unused_streams()
     return 0
 
 
@@ -454,26 +462,44 @@ cdef int _give_back_segment_at(CachingAllocator self, uintptr_t ptr) except -1:
     """With the cache off, after the free of the block at ``ptr``: its
     segment goes back to the backend if wholly free (not from inside another
     allocator call of this thread: then at the next empty_cache)."""
+    cdef vector[uintptr_t] freed
+    if _exiting or not self.cache_off:
+        return 0
+    freed.push_back(ptr)
+    self._lock()
+    try:
+        _give_back_segments_of(self, freed)
+    finally:
+        self._unlock()
+    return 0
+
+
+cdef int _give_back_segments_of(CachingAllocator self, vector[uintptr_t]& freed) except -1:
+    """With the cache off: the segments holding the blocks at ``freed``
+    (just freed: by a call, or once their stream events completed) go back
+    to the backend where wholly free, as every free gives its memory back
+    then. Lock held; only when held once (the backend is called with it let
+    go): from inside another allocator call of this thread the segments
+    wait for the next empty_cache."""
     cdef cmap[uintptr_t, Segment*].iterator it
     cdef Segment* seg
     cdef vector[Segment*] victims
-    if _exiting:
+    if freed.empty() or not self.cache_off or self.lock_depth != 1 or _exiting:
         return 0
-    self._lock()
-    try:
-        if self.lock_depth != 1:
-            return 0
-        if self.expandable:
-            _unmap_free_pages(self, False, 0)
-            return 0
+    if self.expandable:
+        _unmap_free_pages(self, False, 0)
+    for ptr in freed:               # plain segments (a private pool's, with expandable segments)
         it = self.segments_by_base.upper_bound(ptr)
         if it == self.segments_by_base.begin():
-            return 0
+            continue
         seg = deref(_map_prev(it)).second
         if ptr < seg.base + seg.size and _segment_is_free(self, seg) and _releasable(seg):
             victims.push_back(seg)
-            _release(self, victims)
-            self._drop_unused_streams()
-    finally:
-        self._unlock()
+    if victims.empty():
+        return 0
+    # one entry a segment: two blocks freed in one may name it twice
+    cpp_sort(victims.begin(), victims.end())
+    victims.erase(cpp_unique(victims.begin(), victims.end()), victims.end())
+    _release(self, victims)
+    self._drop_unused_streams()
     return 0

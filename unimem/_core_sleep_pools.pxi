@@ -187,13 +187,19 @@ cdef int _end_dead_pool_sleeps(CachingAllocator self, PrivatePool* only) except 
 cdef int _end_dead_sleep(CachingAllocator self, object tag) except -1:
     """The segments of the sleep with a block still in use wake up (restore,
     copy back): a pool's blocks outlive its MemPool, as in PyTorch. The
-    others, wholly free and about to be released, are not backed again:
-    their spans only count as reserved again, for the release to take off
-    (the peak stays: no memory was mapped). A restore that fails raises with
-    the pool still asleep and the statistics right: the next empty_cache
-    tries again."""
+    others, wholly free, are not backed again: their spans only count as
+    reserved again, for the release here to take off (the peak stays: no
+    memory was mapped). Released here, whatever the caller goes on to give
+    back: empty_cache(stream=...) gives back one stream's segments, and
+    those of the other streams stayed counted as reserved, unbacked, in the
+    free index (a debug fill wrote into them). A restore that fails raises
+    with the pool still asleep and the statistics right: the next
+    empty_cache tries again."""
     cdef size_t i
     cdef bint debug_on = self.debug_on
+    cdef vector[uintptr_t] unbacked          # the bases of the segments not backed again
+    cdef vector[Segment*] victims
+    cdef cmap[uintptr_t, Segment*].iterator it
     state = self.sleep_states[tag]
     held = {<uintptr_t>self.sleep_held[i] for i in range(self.sleep_held.size())}
     held.update(<uintptr_t>self.sleep_freed[i] for i in range(self.sleep_freed.size()))
@@ -208,6 +214,7 @@ cdef int _end_dead_sleep(CachingAllocator self, object tag) except -1:
         for span in state.spans:
             if span.released:
                 span.released = False
+                unbacked.push_back(<uintptr_t>span.address)    # a whole segment from malloc
                 self.total_allocated_memory += <size_t>span.size
                 pool_increase_without_peak(&self.stats, S_RESERVED_BYTES, span.is_small, <int64_t>span.size)
                 _trace_span(self, T_SEGMENT_MAP, span)      # for the release's segment_free that follows
@@ -223,6 +230,12 @@ cdef int _end_dead_sleep(CachingAllocator self, object tag) except -1:
     cdef PrivatePool* pool = _find_pool(self, tag[1])
     if pool != NULL:
         pool.sleeping = False
+    for base in unbacked:       # no Python object made since the sleep ended
+        it = self.segments_by_base.find(base)
+        if it != self.segments_by_base.end() and _segment_is_free(self, deref(it).second) \
+                and _releasable(deref(it).second):
+            victims.push_back(deref(it).second)
+    _release(self, victims)
     return 0
 
 

@@ -15,8 +15,9 @@ cdef extern from *:
 
 
 cdef int _defer_free(CachingAllocator self, uintptr_t ptr) noexcept nogil:
-    """Keep the free of ``ptr``, a live block used on other streams, for a
-    call from Python's side (_free_deferred); 0 when kept. Its deleter runs
+    """Keep the free of ``ptr``, a live block used on other streams (with
+    the cache off, any: _keep_uncached_free), for a call from Python's side
+    (_free_deferred); 0 when kept. Its deleter runs
     on a runtime's thread (a SYCL host task dropping the last reference to
     an array when its kernels are done), where recording an event submits
     work to a queue: a barrier submitted there waits for the SYCL scheduler
@@ -28,6 +29,29 @@ cdef int _defer_free(CachingAllocator self, uintptr_t ptr) noexcept nogil:
         return -1
     self.unusual = True
     return 0
+
+
+cdef int _keep_uncached_free(CachingAllocator self, uintptr_t ptr) noexcept nogil:
+    """c_free_detached on a runtime's thread with the cache off: the free of
+    ``ptr`` would give its segment back, and the backend's free may wait
+    for the segment's queue (the XPU backend waits, as PyTorch's does before
+    sycl::free): on a SYCL host task's thread that is a wait for the queue
+    the host task belongs to, and a wait behind any other thread waiting
+    for that queue (seen: the main thread freeing an array, waiting inside
+    DPCTLQueue_Wait for this host task, which waited for the same turn). So
+    the free is kept as one needing events is (_defer_free), and done, its
+    segment given back, by the next call from Python's side (_free_deferred),
+    where waiting is allowed. _free_fast's codes: 0 kept, or (no host memory
+    to keep it) freed now, its segment cached until empty_cache or
+    set_caching; 1 unknown; 2 or 3 needs Python; 4 an Allocation's. Lock held."""
+    cdef Block* b = <Block*>um_find(&self.active, ptr)
+    if b == NULL:
+        return 1
+    if b.by_handle:
+        return 4
+    if _defer_free(self, ptr) == 0:
+        return 0
+    return self._free_fast(ptr, False)
 
 
 cdef int _free_deferred(CachingAllocator self) except -1:
@@ -171,6 +195,7 @@ cdef int _process_events(CachingAllocator self) except -1:
     done = []
     error = None
     released = None
+    freed = None
     self.processing_events = True
     try:
         try:
@@ -179,9 +204,10 @@ cdef int _process_events(CachingAllocator self) except -1:
             error = exc                 # the events not asked about stay pending
         if done:
             released = []
+            freed = [] if self.cache_off else None
             kept = set()
             for entry in done:          # no new Python object in this loop
-                if _handle_done(self, entry, released):
+                if _handle_done(self, entry, released, freed):
                     kept.add(entry)     # asked about no more, handled next time
             _dequeue(self, done, kept)
         _queue_arrivals(self)
@@ -191,17 +217,30 @@ cdef int _process_events(CachingAllocator self) except -1:
         if released:
             _unmap_released(self, released)
     finally:
+        if freed:
+            _give_back_segments_listed(self, freed)
         if error is not None:
             raise error
     return 0
 
 
-cdef int _handle_done(CachingAllocator self, _PendingEvent entry, list released) except -1:
+cdef int _give_back_segments_listed(CachingAllocator self, list freed) except -1:
+    """_give_back_segments_of for the addresses _handle_done listed (a list,
+    None with the cache on: _process_events' pass pays nothing more then)."""
+    cdef vector[uintptr_t] addresses = freed
+    return _give_back_segments_of(self, addresses)
+
+
+cdef int _handle_done(CachingAllocator self, _PendingEvent entry, list released,
+                      list freed) except -1:
     """The block of an entry whose event is done: one event less to wait
     for, freed at the last; held pages go to ``released`` (unmapped by the
-    caller, _core_holes.pxi). The entry is marked handled (address 0). 1:
-    not handled, for want of host memory for the free index (next time).
-    Makes no Python object."""
+    caller, _core_holes.pxi). A block freed goes to ``freed`` (a list with
+    the cache off, else None): the caller gives its segment back, as every
+    free does then (_give_back_segments_of). The entry is marked handled
+    (address 0). 1: not handled, for want of host memory for the free index
+    (next time). Makes no Python object but ints (which start no garbage
+    collection)."""
     cdef uintptr_t address = entry.address
     cdef Block* b
     if address == 0:                    # handled, or held pages taken back (_take_back_held)
@@ -213,6 +252,8 @@ cdef int _handle_done(CachingAllocator self, _PendingEvent entry, list released)
         return 0
     if b.event_count == 1 and self._reserve_class(b) != 0:
         return 1
+    if b.event_count == 1 and freed is not None:
+        freed.append(b.ptr)             # before anything changes: it may raise MemoryError
     entry.address = 0
     b.event_count -= 1
     if b.event_count == 0:
@@ -241,6 +282,7 @@ cdef int _synchronize_and_free_events(CachingAllocator self, bint held_only=Fals
         return _process_events(self)
     taken = _take_pending(self, held_only)
     self.syncing_events = self.syncing_events + taken
+    freed = [] if self.cache_off else None
     self._unlock()
     synced = 0
     released = []
@@ -263,14 +305,23 @@ cdef int _synchronize_and_free_events(CachingAllocator self, bint held_only=Fals
                 # Marked handled: these entries stay in syncing_events until
                 # the list below is made, and a child forked meanwhile
                 # (another thread, in a finalizer) puts them back in its queues.
-                if _handle_done(self, entry, released):
+                if _handle_done(self, entry, released, freed):
                     back.append(entry)
         finally:
             taken_ids = {id(e) for e in taken}
             self.syncing_events = [e for e in self.syncing_events if id(e) not in taken_ids]
             _put_back_pending(self, back)
-            if released:
-                _unmap_released(self, released)
+            try:
+                if released:
+                    _unmap_released(self, released)
+            finally:
+                # With the cache off, every wholly free segment goes back
+                # once the events were waited for, these blocks' among them:
+                # a free that fails raises after all were tried, as the
+                # release that follows here (an allocation's last retry,
+                # empty_cache) would have done.
+                if freed and self.cache_off and self.lock_depth == 1:
+                    _release_every_free_segment(self)
     return 0
 
 

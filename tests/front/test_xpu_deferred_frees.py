@@ -113,3 +113,67 @@ def test_accelerator_synchronize_loads_no_dpnp(xpu):
             "print('loaded', sorted(m for m in ('dpnp', 'unimem.xpu') if m in sys.modules))")
     out = run_python(code, marker="loaded", timeout=150)
     assert out.split()[-1] == "[]", out
+
+
+UNCACHED_LOOP = """
+import faulthandler, time
+faulthandler.dump_traceback_later(90, exit=True)
+import dpnp
+import unimem.xpu as xpu
+{install}
+xpu.caching_allocator_enable(False)
+allocator = xpu.allocator_for("device")
+end, rounds = time.perf_counter() + 3.0, 0
+while rounds < 20 or time.perf_counter() < end:
+    a = {make}(65536)
+    b = dpnp.tanh(a)               # dpnp's keep-alive host task holds a and b ...
+    c = b + 1
+    del a                          # ... and lets go of a on a SYCL thread: its segment goes back
+    rounds += 1
+del b, c
+xpu.synchronize()                  # the frees kept for Python's side are done here
+allocator._check_invariants()
+stats = allocator.memory_stats()
+print("done", stats["allocated_bytes.all.current"], stats["reserved_bytes.all.current"],
+      stats["num_device_alloc"] - stats["num_device_free"])
+"""
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("install, make", [("", "xpu.ones"),
+                                           ("xpu.set_allocator()", "dpnp.ones")],
+                         ids=["unimem.xpu.ones", "dpnp.ones, allocator installed"])
+def test_dpnp_work_with_the_cache_off_does_not_hang(xpu, install, make):
+    """With the cache off, a free made by dpnp's keep-alive host task gave
+    its segment back on the SYCL thread, whose backend free waits for the
+    queue: the main thread, freeing an array, waited inside DPCTLQueue_Wait
+    (holding unimem's turn to wait) for that host task, which waited for
+    the same turn, and would have waited for its own queue even without it.
+    The process hung within the first few operations. Such a free is now
+    kept for the next call from Python's side; every segment goes back."""
+    out = run_python(textwrap.dedent(UNCACHED_LOOP.format(install=install, make=make)),
+                     marker="done", timeout=150)
+    assert out.split()[-4:] == ["done", "0", "0", "0"], out
+
+
+RECORDED_UNCACHED = """
+import dpctl
+import unimem.xpu as xpu
+xpu.caching_allocator_enable(False)
+other = dpctl.SyclQueue(xpu.default_queue().sycl_device, property="in_order")
+for i in range(5):
+    a = xpu.empty(1 << 20, dtype="f4")
+    xpu.record_stream(a, other)
+    del a                          # its segment waits for other's work ...
+    xpu.synchronize()              # ... which is done: it goes back
+stats = xpu.memory_stats()
+print("done", stats["segment.all.current"], stats["reserved_bytes.all.current"],
+      stats["allocated_bytes.all.current"])
+"""
+
+
+def test_with_the_cache_off_a_block_used_on_another_queue_gives_its_segment_back(xpu):
+    """The stream-ordered free only cached the block: 5 segments, 20 MiB
+    reserved and 0 allocated after the loop, and nothing reused them."""
+    out = run_python(textwrap.dedent(RECORDED_UNCACHED), marker="done", timeout=150)
+    assert out.split()[-4:] == ["done", "0", "0", "0"], out

@@ -6,14 +6,16 @@ segments; both over :class:`MisbehavingBackend`, a simulated device whose
 callbacks misbehave as planned (garbage collections that free blocks of the
 same allocator re-entrantly, interrupts, errors). :class:`AllocatorMachine`
 holds their common part: the bookkeeping of what was handed out, the plain
-rules (malloc, free, release, record_stream, stream work, empty_cache), the
-checks every step must pass and the final draining.
+rules (malloc, free, release, record_stream, stream work, empty_cache, the
+cache switch, frees made on other threads), the checks every step must pass
+and the final draining.
 
 Rules, invariants and the teardown are guarded (tests/helpers/crash_guard.py):
 a machine with ``guard_steps = True`` runs each example in a forked copy
 first, so that a crash of the compiled core is a shrunk, printed failure.
 """
 import sys
+import threading
 from contextlib import contextmanager
 
 import hypothesis
@@ -34,6 +36,17 @@ STREAMS = (0, 1, 2, 3)
 sizes = st.one_of(st.integers(1, 4096), st.integers(4097, MiB), st.integers(MiB + 1, 12 * MiB),
                   st.integers(12 * MiB, 80 * MiB))
 streams = st.sampled_from(STREAMS)
+
+
+#: The thread hypothesis runs the machines on: it records events there only.
+MACHINE_THREAD = threading.get_ident()
+
+
+def note(event):
+    """``hypothesis.event``, skipped on the threads a rule starts (a free on
+    another thread may run callbacks there)."""
+    if threading.get_ident() == MACHINE_THREAD:
+        hypothesis.event(event)
 
 
 class HookError(Exception):
@@ -79,6 +92,7 @@ class MisbehavingBackend(Backend):
         self.recorded = {}              # id -> every event recorded
         self.released = []              # events given back by the core
         self.violations = []            # misuse of the backend by the core
+        self.runtime_threads = set()    # threads freeing as a SYCL host task does: none may call us
 
     def disarm(self):
         for plan in self.plans.values():
@@ -119,10 +133,13 @@ class MisbehavingBackend(Backend):
             self.depth -= 1
 
     def _action(self, callback):
+        if threading.get_ident() in self.runtime_threads:
+            # a free there must wait for nothing: the XPU backend's free waits for a queue
+            self.violations.append(f"{callback} called on a runtime's thread")
         if self.depth or self.suspended or callback in self.paused or not self.plans[callback]:
             return ("ok",)
         action = self.plans[callback].pop(0)
-        hypothesis.event(f"{callback}: {action[0]}")
+        note(f"{callback}: {action[0]}")
         return action
 
     def _fire(self, exc):
@@ -280,6 +297,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.handles = {}           # address -> the only reference to its Allocation
         self.requests = {}          # address -> (requested size, stream)
         self.uses = {}              # address -> streams record_stream named
+        self.kept = set()           # freed on a runtime's thread: live until a call from Python's side
         self.pinned = set()         # blocks a garbage collection must not free now
         self.unraisable = []
         self._unraisablehook = sys.unraisablehook
@@ -300,6 +318,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         else:
             self.handles[ptr] = handle
         self.requests[ptr] = (size, stream)
+        self.kept.discard(ptr)      # handed out again: its kept free was done
 
     def forget(self, ptr):
         self.raw.discard(ptr)
@@ -324,7 +343,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         for p in chosen:
             self.forget(p)
         if chosen:
-            hypothesis.event(f"finalizers run inside {callback}")
+            note(f"finalizers run inside {callback}")
         del victims                                            # the finalizers run here
         for p in raw:
             try:
@@ -428,6 +447,55 @@ class AllocatorMachine(RuleBasedStateMachine):
     def empty_cache(self, stream):
         self.attempt(lambda: self.core.empty_cache(stream))
 
+    @rule(enabled=st.booleans())
+    @guarded
+    def cache_switch(self, enabled):
+        """caching_allocator_enable: off, what is cached goes back and every
+        free gives its segment back."""
+        self.attempt(lambda: self.core.set_caching(enabled))
+
+    @precondition(lambda self: self.raw)
+    @rule(data=st.data(), runtime=st.booleans())
+    @guarded
+    def free_on_another_thread(self, data, runtime):
+        """A block freed on a thread of its own: a Python thread's free, or
+        (``runtime``) one let go of as a SYCL host task does (c_free_detached
+        without the GIL): the backend is never called there (a violation
+        otherwise), and the free is done at once or kept for the next call
+        from Python's side."""
+        ptr = data.draw(st.sampled_from(sorted(self.raw)), label="address")
+        outcome = []
+
+        def run():
+            if not runtime:
+                try:
+                    outcome.append(self.attempt(lambda: self.core.free(ptr)))
+                except BaseException as exc:        # not injected: raised below, on the machine's thread
+                    outcome.append((None, exc))
+                    outcome.append(exc)
+                return
+            self.backend.runtime_threads.add(threading.get_ident())
+            try:
+                self.core._free_as_runtime_thread(ptr)
+            finally:
+                self.backend.runtime_threads.discard(threading.get_ident())
+
+        self.pinned.add(ptr)
+        try:
+            worker = threading.Thread(target=run, daemon=True)
+            worker.start()
+            worker.join(30)
+        finally:
+            self.pinned.discard(ptr)
+        assert not worker.is_alive(), "a free on another thread hung"
+        if len(outcome) > 1:
+            raise outcome[1]
+        if runtime:
+            self.forget(ptr)
+            self.kept.add(ptr)
+        elif outcome[0][1] is None or not self.core.owns(ptr):   # an interrupt: done, or not done
+            self.forget(ptr)
+
     # -- after every step -------------------------------------------------------------
     @invariant()
     @guarded_check
@@ -447,8 +515,11 @@ class AllocatorMachine(RuleBasedStateMachine):
         """No block handed out twice: the live blocks are those handed out and
         not freed, with the sizes and streams asked for, and disjoint."""
         live = self.core.live_allocations()
-        assert set(live) == self.live(), "the live blocks are not those handed out and not freed"
+        self.kept &= set(live)                          # the kept frees done since
+        assert set(live) - self.kept == self.live(), "the live blocks are not those handed out and not freed"
         for ptr, (size, requested, stream) in live.items():
+            if ptr in self.kept:
+                continue
             assert (requested, stream) == self.requests[ptr]
             assert size >= self.core.round_size(requested)
         spans = sorted((p, size) for p, (size, _, _) in live.items())
@@ -464,8 +535,10 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     def tolerated(self, reported):
         """Whether an unraisable error ``(type, text, where)`` is one the
-        machine's kind of allocator reports by design (none here)."""
-        return False
+        machine's kind of allocator reports by design: a kept free whose
+        event could not be recorded (kept for the next call)."""
+        exc_type, _, where = reported
+        return issubclass(exc_type, InjectedFault) and "a runtime's thread let go of" in where
 
     def drain(self):
         """Free everything and empty the cache: nothing may stay live or counted."""
@@ -475,6 +548,9 @@ class AllocatorMachine(RuleBasedStateMachine):
             handle.release()
         for ptr in list(self.raw):
             self.core.free(ptr)
+        for stream in STREAMS:
+            self.device.complete(stream)
+        self.core.empty_cache()                 # the kept frees first: their events are recorded
         for stream in STREAMS:
             self.device.complete(stream)
         self.core.empty_cache()

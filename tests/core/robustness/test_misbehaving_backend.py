@@ -107,10 +107,11 @@ class MisbehavingBackendMachine(AllocatorMachine):
         if kind in ("same", "inside", "straddle"):
             seg = data.draw(st.sampled_from(segments), label="clashing segment")
             base, size = seg["address"], seg["total_size"]
-            value = {"same": base, "straddle": base - 512,
-                     "inside": base + 512 * data.draw(st.integers(1, size // 512 - 1), label="offset")}[kind]
+            # a segment of the cache switched off is the request itself: 512 bytes at least
+            value = {"same": base, "straddle": base - 256,
+                     "inside": base + 256 * data.draw(st.integers(1, size // 256 - 1), label="offset")}[kind]
         else:
-            value = {"wraps": (1 << 64) - 4096, "float": 4096.5, "integral_float": float(1 << 40),
+            value = {"wraps": (1 << 64) - 256, "float": 4096.5, "integral_float": float(1 << 40),
                      "true": True, "negative": -4096, "huge": 1 << 64, "string": "0x1000"}[kind]
         return kind, value
 

@@ -178,3 +178,71 @@ def test_a_dead_pools_release_reads_the_segments_after_its_wake_ran_python():
     thread cache to keep it from being filled, a crash)."""
     run_python(DEAD_POOL_WOKEN_BY_A_RESTORE_THAT_EMPTIES_THE_CACHE,
                env={"MALLOC_PERTURB_": "165", "GLIBC_TUNABLES": "glibc.malloc.tcache_count=0"})
+
+
+def dead_asleep_on_two_streams(debug=False):
+    """A pool with a wholly free segment on stream 5 sleeps, and dies inside
+    another allocator call (a finalizer in the device's wake_up): its sleep
+    is ended at the next empty_cache."""
+    backend = Counting(PageAlignedBackend())
+    allocator = _core.CachingAllocator(backend, 0)
+    if debug:
+        allocator.enable_debug()
+    outside = allocator.malloc(MiB)                   # the device's own segment, on stream 0
+    allocator.create_pool(POOL)
+    allocator.begin_pool(POOL)
+    try:
+        blocks = [allocator.malloc(3 * MiB, 5), allocator.malloc(12 * MiB, 5)]
+    finally:
+        allocator.end_pool(POOL)
+    for ptr in blocks:
+        allocator.free(ptr)
+    allocator.sleep_pool(POOL)
+    allocator.sleep(tag="device")
+
+    def die():
+        backend.on_restore = lambda: None
+        allocator.release_pool(POOL)
+    backend.on_restore = die
+    allocator.wake_up("device")
+    assert allocator.is_sleeping(POOL)
+    return allocator, backend, outside
+
+
+def test_a_pool_that_died_asleep_gives_back_every_stream_at_an_empty_cache_of_one_stream():
+    """empty_cache(stream=...) (what unimem.cuda.MemoryPool.free_all_blocks
+    calls) ended the dead pool's sleep, which counts its wholly free segments
+    as reserved again for the release to take off, and then gave back only
+    that stream's segments: the pool's 20 MiB on stream 5 stayed reserved,
+    in the free index, with no memory behind them."""
+    allocator, backend, outside = dead_asleep_on_two_streams()
+    restores = backend.restores                       # the device's own segment's, at its wake_up
+    allocator.empty_cache(stream=0)
+    assert not allocator.is_sleeping(POOL) and backend.restores == restores   # nothing backed again
+    allocator._check_invariants()
+    assert allocator.memory_reserved() == 2 * MiB     # the device's own segment alone
+    assert [s["address"] for s in allocator.snapshot()] == [outside] and allocator.snapshot(POOL) == []
+    allocator.free(outside)
+    allocator.empty_cache()
+    assert baseline(allocator) == dict.fromkeys(baseline(allocator), 0)
+
+
+DEAD_POOL_THEN_A_DEBUG_FILL = """
+import sys
+sys.path.insert(0, "tests/core/sleep")
+from test_sleep_dead_pool import dead_asleep_on_two_streams
+allocator, backend, outside = dead_asleep_on_two_streams()
+allocator.empty_cache(stream=0)
+allocator.enable_debug()                     # fills every free block: none may be memory given back
+allocator.free(outside)
+allocator.empty_cache()
+assert allocator.memory_reserved() == 0
+print("PASSED")
+"""
+
+
+def test_a_debug_fill_after_a_dead_pools_sleep_ended_writes_only_to_memory():
+    """The unbacked segments left by the empty_cache above were free blocks
+    to debug mode's fill, which wrote into memory given back (PROT_NONE on
+    the host: the process died of SIGSEGV)."""
+    run_python(DEAD_POOL_THEN_A_DEBUG_FILL)
