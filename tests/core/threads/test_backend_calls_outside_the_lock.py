@@ -156,42 +156,58 @@ def test_a_cache_hit_on_another_thread_is_served_while_an_event_is_asked_about()
     assert probe.outcomes == [True]
 
 
+class MissOnAnotherThread:
+    """From inside the probed callback, start a request of ``size`` bytes on
+    another thread and give it half a second (it waits for the call in
+    flight, so it cannot finish then); ``result`` is the address or the
+    OutOfMemoryError it got."""
+
+    def __init__(self, size):
+        self.size = size
+        self.results = []
+        self.finished_inside = None
+        self.thread = None
+
+    def __call__(self, allocator):
+        def request():
+            try:
+                self.results.append(allocator.malloc(self.size))
+            except _core.OutOfMemoryError as exc:
+                self.results.append(exc)
+        self.thread = threading.Thread(target=request, daemon=True)
+        self.thread.start()
+        self.thread.join(0.5)
+        self.finished_inside = bool(self.results)
+
+    def result(self):
+        self.thread.join(WAIT_S)
+        assert len(self.results) == 1, self.results
+        return self.results[0]
+
+
 def test_a_miss_refused_for_bytes_in_flight_waits_for_them_and_takes_the_new_segment():
     """The first miss's segment counts against the fraction while the backend
     is asked for it with the lock let go. A second miss on another thread
     meanwhile, refused for those bytes alone, waits for the call and takes
     its block from the new segment, as it would have had it waited for the
     lock: no out-of-memory error, no cache emptied, no retry."""
-    results, threads = [], []
-
-    def second_miss():
-        try:
-            results.append(probe.allocator.malloc(5 * MiB))
-        except _core.OutOfMemoryError as exc:
-            results.append(exc)
-
-    def start_the_second():
-        threads.append(threading.Thread(target=second_miss, daemon=True))
-        threads[0].start()
-        threads[0].join(0.5)                    # it waits for this call: it cannot finish now
-        probe.outcomes.append(bool(results))
-
-    probe = Probe(start_the_second)
+    second = MissOnAnotherThread(5 * MiB)
+    probe = Probe(lambda: second(probe.allocator))
     allocator, backend = allocator_with_a_cached_small_block(probe)
     allocator.set_memory_fraction((2 * MiB + 20 * MiB + 10 * MiB) / (8 * GiB))
     backend.probe_in = {"malloc"}
     probe.armed = True
     p = allocator.malloc(5 * MiB)               # the first miss: a 20 MiB segment
-    threads[0].join(WAIT_S)
-    assert probe.outcomes == [False]
-    assert len(results) == 1 and isinstance(results[0], int), results
+    got = second.result()
+    assert second.finished_inside is False
+    assert isinstance(got, int), got
     stats = allocator.memory_stats()
     assert stats["reserved_bytes.all.current"] == 22 * MiB      # the small segment and the new one
     assert stats["segment.large_pool.current"] == 1
     assert stats["num_ooms"] == 0 and stats["num_alloc_retries"] == 0
-    assert results[0] == p + 5 * MiB            # the best fit in the new segment
+    assert got == p + 5 * MiB                   # the best fit in the new segment
     allocator.free(p)
-    allocator.free(results[0])
+    allocator.free(got)
     _core._check_invariants(allocator)
 
 
@@ -199,27 +215,14 @@ def test_two_misses_on_other_threads_cannot_pass_the_memory_fraction_together():
     """With the new segment as large as the fraction allows, the second miss
     cannot be served when the first's call returns: it is refused, once,
     after waiting for it."""
-    results, threads = [], []
-
-    def second_miss():
-        try:
-            results.append(probe.allocator.malloc(22 * MiB))
-        except _core.OutOfMemoryError as exc:
-            results.append(exc)
-
-    def start_the_second():
-        threads.append(threading.Thread(target=second_miss, daemon=True))
-        threads[0].start()
-        threads[0].join(0.5)
-
-    probe = Probe(start_the_second)
+    second = MissOnAnotherThread(22 * MiB)
+    probe = Probe(lambda: second(probe.allocator))
     allocator, backend = allocator_with_a_cached_small_block(probe)
     allocator.set_memory_fraction((2 * MiB + 22 * MiB + 10 * MiB) / (8 * GiB))
     backend.probe_in = {"malloc"}
     probe.armed = True
     p = allocator.malloc(22 * MiB)
-    threads[0].join(WAIT_S)
-    assert len(results) == 1 and isinstance(results[0], _core.OutOfMemoryError), results
+    assert isinstance(second.result(), _core.OutOfMemoryError)
     stats = allocator.memory_stats()
     assert stats["num_ooms"] == 1
     assert stats["reserved_bytes.all.current"] == 22 * MiB      # the small segment went in its retry
