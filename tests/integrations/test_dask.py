@@ -486,7 +486,11 @@ def test_the_summary_shows_the_pinned_host_pool():
     the summary's "host" row and "total (host)" read the device keys and
     showed 0 bytes and 0 raw allocations for a pool holding memory."""
     import unimem.host
-    block = unimem.host.caching_host_alloc(100_000)
+    # A miss whatever earlier tests left cached (num_host_alloc counts misses
+    # since the last reset): the free segments go back first, and the request
+    # is one no leftover holds.
+    unimem.host.empty_host_cache()
+    block = unimem.host.caching_host_alloc(24 << 20)
     try:
         report = unimem_dask.worker_report()
         stats = report["devices"]["host"]
