@@ -9,7 +9,7 @@ statistics::
     cc -shared -fPIC mylib.c -I"$(python -c 'import unimem.capi as c; print(c.get_include())')" \\
         -L<dir of library_path()> -l:<its file name> -Wl,-rpath,<that dir>
 
-The library is unimem's extension module ``unimem._capi``: it works in a
+The library is unimem's extension module ``unimem._integrations.capi``: it works in a
 process whose Python imported unimem (``import unimem`` sets it up); called
 before that, its functions return ``NULL`` and ``unimem_last_error()`` says
 why. :func:`pluggable_allocator` builds PyTorch's ``CUDAPluggableAllocator`` /
@@ -24,7 +24,7 @@ import os
 import threading
 from typing import Any, Callable, Dict
 
-from . import _capi
+from ._integrations import capi as _capi
 from ._runtime import devices as _devices
 
 __all__ = ["ABI_VERSION", "library_path", "get_include", "pluggable_allocator"]

@@ -28,7 +28,8 @@ import warnings
 import weakref
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from . import _core, _cupy_allocator
+from . import _core
+from ._integrations import cupy as _cupy_allocator
 from ._runtime.registry import DeviceRegistry
 from ._runtime import devices as _devices
 from ._runtime.config import settings_from_env
@@ -163,7 +164,7 @@ _device_types = _devices._types          # the device types made so far, by name
 
 
 # Every cupy.empty calls unimem.cuda.allocator: it is typed Cython
-# (unimem/_cupy_allocator.pyx), the same steps without Python frames.
+# (unimem/_integrations/cupy.pyx), the same steps without Python frames.
 _cupy_allocator.bind(_device_types, get_type, _memory_classes, _cupy_out_of_memory_class)
 allocator = _cupy_allocator.allocator
 allocator.__module__ = __name__          # pickled as unimem.cuda.allocator (Dask's client.run, spawn)

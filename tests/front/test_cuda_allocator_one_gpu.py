@@ -1,6 +1,6 @@
 """``unimem.cuda.allocator`` on a one-GPU machine wired as CuPy wires it.
 
-There the allocator takes its short way (``unimem/_cupy_allocator.pyx``):
+There the allocator takes its short way (``unimem/_integrations/cupy.pyx``):
 the stream key is read inline from CuPy's current stream instead of through
 the registry's stream function. These tests run that way without a GPU: a
 simulated one-GPU runtime whose type keeps unimem's default stream function
@@ -146,7 +146,7 @@ def test_the_allocator_unpickled_in_a_fresh_process_works(one_gpu):
     code = f"""
 import base64, pickle, sys, types
 allocator = pickle.loads(base64.b64decode({payload!r}))
-from unimem._cupy_allocator import allocator as direct
+from unimem._integrations.cupy import allocator as direct
 assert direct is allocator
 from tests.helpers.fake_cuda import FakeCudaRuntime, serving_cuda
 from unimem.backends import cuda as cuda_backend

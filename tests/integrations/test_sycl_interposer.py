@@ -1,4 +1,4 @@
-"""The SYCL interposer (``unimem._sycl_interposer``): dpnp's C++ scratch
+"""The SYCL interposer (``unimem._integrations.sycl_interposer``): dpnp's C++ scratch
 buffers from unimem's pools, on the real SYCL device.
 
 It must be installed before dpnp's extensions are loaded and cannot be taken
@@ -19,7 +19,7 @@ from tests.helpers import REPO_ROOT
 
 dpnp = pytest.importorskip("dpnp")
 
-from unimem import _sycl_interposer as si  # noqa: E402
+from unimem._integrations import sycl_interposer as si  # noqa: E402
 from unimem._runtime import devices  # noqa: E402
 
 if not devices.is_available("xpu"):
@@ -33,7 +33,7 @@ PREAMBLE = textwrap.dedent("""
     import gc, json, sys, time
     import numpy
     import unimem
-    from unimem import _sycl_interposer as si
+    from unimem._integrations import sycl_interposer as si
     si.install()
     import dpnp
     import unimem.xpu as xpu
@@ -161,7 +161,7 @@ def test_installing_after_dpnp_is_refused_and_changes_nothing():
     done = subprocess.run([sys.executable, "-c", textwrap.dedent("""
         import json
         import dpnp
-        from unimem import _sycl_interposer as si
+        from unimem._integrations import sycl_interposer as si
         try:
             si.install()
         except RuntimeError as exc:

@@ -12,9 +12,10 @@ included, and mapped to its layer:
 2     the core: ``unimem._core``, ``unimem._native.*``
 3     the runtime: ``unimem._runtime.*``
 4     the front and observability: ``unimem.accelerator.*``, ``unimem.cpu``,
-      ``unimem.cuda`` (and its ``unimem._cupy_allocator``), ``unimem.xpu`` (and its
-      ``unimem._xpu_pools``), ``unimem.host``, ``unimem._memory_api``,
-      ``unimem._observe.*``, ``unimem.capi`` (and its library ``unimem._capi``)
+      ``unimem.cuda``, ``unimem.xpu`` (and its ``unimem._xpu_pools``),
+      ``unimem.host``, ``unimem._memory_api``, ``unimem._observe.*``,
+      ``unimem.capi``, and the framework glue they use:
+      ``unimem._integrations.{cupy,dpnp,usm_memory,sycl_interposer,capi}``
 5     integrations and entry points: ``unimem._integrations.*``, ``unimem.dask``,
       ``unimem.prometheus``, ``unimem.cli.*``, ``unimem`` (its ``__init__``),
       ``unimem.__main__``
@@ -50,19 +51,17 @@ LAYER_OF_PREFIX = (                 # first match wins: more specific first
     ("unimem.accelerator", 4),
     ("unimem.cpu", 4),
     ("unimem.cuda", 4),
-    ("unimem._cupy_allocator", 4),
     ("unimem.xpu", 4),
     ("unimem._xpu_pools", 4),
     ("unimem.host", 4),
     ("unimem._memory_api", 4),
     ("unimem._memory", 4),
-    ("unimem._usm_memory", 4),
-    ("unimem._sycl_interposer", 4),
-    ("unimem._dpnp_allocator", 4),
     ("unimem._observe", 4),
     ("unimem.capi", 4),
-    ("unimem._capi", 4),
-    ("unimem._integrations", 5),
+    ("unimem._integrations.install", 5),
+    ("unimem._integrations.torch", 5),
+    ("unimem._integrations.numba", 5),
+    ("unimem._integrations", 4),
     ("unimem.dask", 5),
     ("unimem.prometheus", 5),
     ("unimem.cli", 5),

@@ -10,7 +10,7 @@ exactly ``sycl::aligned_alloc(align, size, device, context, usm::alloc, ...)``,
 ``sycl::aligned_alloc_device(align, size, device, context, ...)``,
 ``sycl::malloc_device/malloc_shared/malloc(size, queue, ...)`` and
 ``sycl::free(ptr, context | queue, ...)``. This module defines those symbols
-(``_sycl_interposer.hpp``); :func:`install` makes the dynamic linker bind
+(``sycl_interposer.hpp``); :func:`install` makes the dynamic linker bind
 dpnp's imports to them, and each request is then served from a pool or
 forwarded to libsycl.
 
@@ -60,7 +60,7 @@ from unimem.backends import _dpctl_api
 
 
 # The callbacks: all but the free are called with the GIL held.
-cdef extern from "_sycl_interposer.hpp":
+cdef extern from "sycl_interposer.hpp":
     ctypedef uintptr_t (*um_si_pool_malloc_fn "um_si::pool_malloc_fn")(void* pool, size_t size, int* status) noexcept
     ctypedef void (*um_si_pool_free_fn "um_si::pool_free_fn")(void* pool, uintptr_t ptr) noexcept nogil
     ctypedef void* (*um_si_pool_find_fn "um_si::pool_find_fn")(int device, int kind) noexcept
@@ -68,7 +68,7 @@ cdef extern from "_sycl_interposer.hpp":
     void um_si_set_callbacks(um_si_pool_malloc_fn m, um_si_pool_free_fn f, um_si_pool_find_fn p,
                              um_si_wait_fn w)
 
-cdef extern from "_sycl_interposer.hpp" nogil:
+cdef extern from "sycl_interposer.hpp" nogil:
     void* um_si_defined(int entry)
     const char* um_si_mangled(int entry)
     const char* um_si_entry_name(int entry)
@@ -116,7 +116,7 @@ DPCTL_FUNCTIONS = ("DPCTLDevice_AreEq", "DPCTLContext_AreEq", "DPCTLQueue_GetDev
                    "DPCTLDevice_Delete", "DPCTLContext_Delete", "DPCTLQueue_Wait")
 
 if len(REASONS) != um_si_n_reasons():
-    raise ImportError("unimem._sycl_interposer: REASONS does not match the C++ side's reasons")
+    raise ImportError("unimem._integrations.sycl_interposer: REASONS does not match the C++ side's reasons")
 
 _lock = threading.Lock()
 # Python's side of the callbacks, set by install(): (usm_type, index) -> pool
@@ -388,9 +388,10 @@ def install():
         # visible (its _memory module imports sycl::free: it needs no detour).
         import dpctl
         import dpctl.memory  # noqa: F401
-        from ._runtime.devices import get_type
-        from .backends import xpu as _backend
-        from . import _dpnp_allocator, xpu
+        from .._runtime.devices import get_type
+        from ..backends import xpu as _backend
+        from .. import xpu
+        from . import dpnp as _dpnp_allocator
         xpu_type = get_type("xpu")              # raises, saying why, when there is no SYCL device
         runtime = _backend._SyclRuntime.get()
         libsycl = _bind_libsycl()

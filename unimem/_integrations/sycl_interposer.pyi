@@ -1,4 +1,4 @@
-"""Type stubs for unimem/_sycl_interposer.pyx: dpnp's C++ scratch buffers from unimem's pools."""
+"""Type stubs for unimem/_integrations/sycl_interposer.pyx: dpnp's C++ scratch buffers from unimem's pools."""
 from typing import Dict, FrozenSet, List, Optional, Tuple
 
 REASONS: Tuple[str, ...]

@@ -1,4 +1,4 @@
-"""Type stubs for unimem/_cupy_allocator.pyx: unimem.cuda.allocator, typed."""
+"""Type stubs for unimem/_integrations/cupy.pyx: unimem.cuda.allocator, typed."""
 from typing import Any, Callable, Dict, Tuple
 
 def bind(device_types: Dict[str, Any], get_type: Callable[[str], Any],
