@@ -657,6 +657,6 @@ class XPUPluggableAllocator(SharedLibraryAllocator):
 
 
 # PyTorch's XPUPluggableAllocator over unimem's pools (the other way round from XPUPluggableAllocator above)
-from .capi import namespace_pluggable_allocator  # noqa: E402
+from ._integrations.torch import namespace_pluggable_allocator  # noqa: E402
 pluggable_allocator = namespace_pluggable_allocator("xpu")
 __all__.append("pluggable_allocator")

@@ -1,8 +1,5 @@
 """Type stubs for unimem/_integrations/cupy.pyx: unimem.cuda.allocator, typed."""
-from typing import Any, Callable, Dict, Tuple
+from typing import Any
 
-def bind(device_types: Dict[str, Any], get_type: Callable[[str], Any],
-         memory_classes: Callable[[], Tuple[type, type, type]],
-         out_of_memory_class: Callable[[], type]) -> None: ...
 def allocator(size: int) -> Any: ...
 def memory_pointer(registry: Any, size: int) -> Any: ...

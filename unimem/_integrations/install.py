@@ -121,7 +121,8 @@ def install_sycl_interposer() -> bool:
         raise RuntimeError(f"the SYCL interposer is not available here: {exc}") from None
     if _sycl_interposer.installed():
         return False
-    _sycl_interposer.install()
+    import unimem.xpu as pooled             # imports neither dpctl nor dpnp: the interposer's checks come first
+    _sycl_interposer.install(pooled._pool_for)
     return True
 
 

@@ -361,9 +361,11 @@ def _bind_dpctl(runtime):
     _queue_wait = <void*><uintptr_t>_dpctl_api.queue_wait_address()
 
 
-def install():
+def install(pool_for):
     """Serve dpnp's C++ scratch buffers from unimem's pools, for the rest of
     the process. Must run before dpnp is imported; a second call is a no-op.
+    ``pool_for(usm_type, index, queue)`` says which pool serves a request:
+    unimem.xpu's (``unimem.xpu._pool_for``), which the dpnp allocator routes by too.
 
     Raises ``RuntimeError``, changing nothing, when dpnp's extensions are
     already loaded, when there is no SYCL device, or when dpnp and libsycl
@@ -372,6 +374,8 @@ def install():
     or something in the global scope already defines them)."""
     global _find_pool, _wait_device
     cdef uintptr_t device_ref, context_ref
+    if not callable(pool_for):
+        raise TypeError(f"pool_for must be callable (unimem.xpu._pool_for), got {type(pool_for).__name__}")
     with _lock:
         if um_si_installed():
             return
@@ -390,7 +394,6 @@ def install():
         import dpctl.memory  # noqa: F401
         from .._runtime.devices import get_type
         from ..backends import xpu as _backend
-        from .. import xpu
         from . import dpnp as _dpnp_allocator
         xpu_type = get_type("xpu")              # raises, saying why, when there is no SYCL device
         runtime = _backend._SyclRuntime.get()
@@ -407,7 +410,7 @@ def install():
         # for a device's default queue (same SYCL context, host USM only when
         # the pinned pool is SYCL host memory of that context). No guard: the
         # real sycl::aligned_alloc never let the GIL go either.
-        routes = _dpnp_allocator._Routes(dpctl, xpu._pool_for, lambda index: None)
+        routes = _dpnp_allocator._Routes(dpctl, pool_for, lambda index: None)
 
         def find_pool(usm_type, index, routes=routes, queues=runtime.default_queues):
             routed = routes(usm_type, queues[index])
