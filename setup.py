@@ -20,13 +20,13 @@ BENCHMARK_PREFIX = "benchmarks."
 BENCHMARK_EXTENSIONS = [name for name in ["benchmarks._timing"]
                         if os.path.exists(os.path.join(HERE, name.replace(".", "/") + ".pyx"))]
 
-# The SYCL interposer (unimem/_sycl_interposer.pyx) defines SYCL's USM
+# The SYCL interposer (unimem/_integrations/sycl_interposer.pyx) defines SYCL's USM
 # functions under their mangled names and is promoted to the global symbol
 # scope at install: its link exports those names and its PyInit only, so
 # that nothing else of it (the C++ library's template instantiations) can
 # take the place of another library's definitions. ELF and dl_iterate_phdr: Linux only.
-SYCL_INTERPOSER = "unimem._sycl_interposer"
-SYCL_INTERPOSER_EXPORTS = "{ global: PyInit__sycl_interposer; _ZN4sycl3_V1*; local: *; };\n"
+SYCL_INTERPOSER = "unimem._integrations.sycl_interposer"
+SYCL_INTERPOSER_EXPORTS = "{ global: PyInit_sycl_interposer; _ZN4sycl3_V1*; local: *; };\n"
 
 
 def extension(name: str) -> Extension:
@@ -124,7 +124,8 @@ setup(
     ext_modules=cythonize(
         [extension("unimem._core"), extension("unimem._runtime.registry"),
          extension("unimem.backends._host"), extension("unimem.backends._dpctl_api"),
-         extension("unimem._usm_memory"), extension("unimem._cupy_allocator"), extension("unimem._capi"),
+         extension("unimem._integrations.usm_memory"), extension("unimem._integrations.cupy"),
+         extension("unimem._integrations.capi"),
          *([extension(SYCL_INTERPOSER)] if sys.platform.startswith("linux") else []),
          *[extension(name) for name in BENCHMARK_EXTENSIONS]],
         compiler_directives={"language_level": "3"},

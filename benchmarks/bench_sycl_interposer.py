@@ -48,12 +48,12 @@ def child(mode: str, seed: int, warmup: int, iterations: int, out_dir: str) -> D
     """Run every workload with ``set_allocator()`` (and the interposer when
     ``mode`` is ``"interposed"``); results go to ``out_dir``."""
     import unimem  # noqa: F401  (finds the OpenCL CPU runtime before dpctl looks for devices)
-    from unimem import _sycl_interposer as interposer
+    import unimem.xpu as xpu
+    from unimem._integrations import sycl_interposer as interposer
     if mode == "interposed":
-        interposer.install()                  # before dpnp is imported
+        interposer.install(xpu._pool_for)     # before dpnp is imported
     import dpnp as dp
 
-    import unimem.xpu as xpu
     from .bench_dpnp import WORKLOADS
     xpu.set_allocator()
     queue = dp.empty(1).sycl_queue
@@ -135,7 +135,7 @@ def run(quick: bool = False) -> Dict[str, Any]:
                 same = _identical(os.path.join(out_dir, f"alone-{name}.npz"),
                                   os.path.join(out_dir, f"interposed-{name}.npz"))
                 identical[name] = identical.get(name, True) and same
-    from unimem._sycl_interposer import REASONS
+    from unimem._integrations.sycl_interposer import REASONS
     rows = []
     for name, total in totals.items():
         calls = total["pooled.calls"] + total["bypassed.calls"] + total["refused.calls"]

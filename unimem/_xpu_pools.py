@@ -12,7 +12,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy
 
-from . import _core, _dpnp_allocator, _usm_memory, host
+from . import _core, host
+from ._integrations import dpnp as _dpnp_allocator, usm_memory as _usm_memory
 from ._runtime.devices import device_index, get_type, new_allocator
 from ._runtime.pools import Pool, PoolKind, register_named_pool
 from ._runtime.registry import DeviceRegistry

@@ -23,12 +23,12 @@ from __future__ import annotations
 import functools
 import operator
 import os
-import threading
 import warnings
 import weakref
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from . import _core, _cupy_allocator
+from . import _core
+from ._integrations import cupy as _cupy_allocator, cupy_memory as _cupy_memory
 from ._runtime.registry import DeviceRegistry
 from ._runtime import devices as _devices
 from ._runtime.config import settings_from_env
@@ -56,115 +56,19 @@ __all__ = list(PUBLIC_FUNCTIONS) + list(PUBLIC_CLASSES) + [
 ]
 
 
-def _cupy() -> Any:
-    import cupy
-    return cupy
-
-
-def _cupy_out_of_memory_class() -> type:
-    """unimem's OutOfMemoryError that is also CuPy's, so that code written
-    for CuPy's pool (``except cupy.cuda.memory.OutOfMemoryError``) keeps working."""
-    global _OOM
-    if _OOM is None:
-        cupy_oom = _cupy().cuda.memory.OutOfMemoryError
-
-        class OutOfMemoryError(_core.OutOfMemoryError, cupy_oom):  # type: ignore[misc, valid-type]
-            __doc__ = _core.OutOfMemoryError.__doc__
-
-            def __init__(self, error: _core.OutOfMemoryError) -> None:
-                MemoryError.__init__(self, str(error))
-                self.__dict__.update(error.__dict__)        # device, requested, capacity, ...
-                # what CuPy's OutOfMemoryError keeps (size, total, limit)
-                self._size, self._total, self._limit = error.requested, error.allocated, 0
-
-            def __reduce__(self) -> Any:
-                # Rebuilt by unimem.cuda, not by calling the class with its
-                # message, so that the class and every attribute survive.
-                return (_restore_out_of_memory_error, (self.args,), dict(self.__dict__))
-
-        OutOfMemoryError.__qualname__ = "OutOfMemoryError"
-        OutOfMemoryError.__module__ = __name__
-        _OOM = OutOfMemoryError
-    return _OOM
-
-
-_OOM: Optional[type] = None
-
-
-def _restore_out_of_memory_error(args: Tuple[Any, ...]) -> BaseException:
-    """Unpickle :class:`OutOfMemoryError` (pickle then restores its attributes)."""
-    cls = _cupy_out_of_memory_class()
-    error = cls.__new__(cls)
-    error.args = args
-    return error
-
-
 def __getattr__(name: str) -> Any:
     if name == "OutOfMemoryError":
-        return _cupy_out_of_memory_class()
+        return _cupy_memory.out_of_memory_class()
     if name == "PooledMemory":
-        return _memory_classes()[0]
+        return _cupy_memory.memory_classes()[0]
     raise AttributeError(f"module 'unimem.cuda' has no attribute '{name}'")
 
 
-def _memory_classes() -> Tuple[type, type, type]:
-    """CuPy's ``MemoryPointer`` and the ``Memory`` classes for pool blocks,
-    made once CuPy is imported."""
-    global _MEMORY_CLASSES
-    if _MEMORY_CLASSES is not None:
-        return _MEMORY_CLASSES
-    with _MEMORY_CLASSES_LOCK:            # threads' first allocations: one PooledMemory class
-        if _MEMORY_CLASSES is not None:
-            return _MEMORY_CLASSES
-        memory = _cupy().cuda.memory
-
-        class PooledMemory(memory.UnownedMemory):
-            """A block of a unimem pool, as CuPy's ``PooledMemory`` is one of
-            its pool: ``size`` is the block's (rounded) size, and the block
-            goes back to the pool when this object dies or at :meth:`free`.
-
-            Attributes: ``ptr``, ``size``, ``device_id`` (CuPy's), ``allocation``
-            (the unimem block it holds)."""
-
-            __slots__ = ()
-
-            @property
-            def allocation(self) -> _core.Allocation:
-                return self._owner
-
-            def free(self) -> None:
-                """Frees the memory buffer and returns it to the memory pool.
-
-                This function actually does not free the buffer. It just returns
-                the buffer to the memory pool for reuse. Later calls do nothing."""
-                self._owner.release()
-                self.ptr = 0
-
-        class EmptyMemory(memory.Memory):
-            """What a pool gives for 0 bytes: a CuPy ``Memory`` at address 0, as
-            CuPy's pool gives (``Memory(0)``, made here without a CUDA call)."""
-
-            __slots__ = ()
-
-            def __init__(self, device_id: int) -> None:      # Memory.__init__ would call CUDA
-                self.ptr = 0
-                self.size = 0
-                self.device_id = device_id
-
-        for cls in (PooledMemory, EmptyMemory):
-            cls.__module__, cls.__qualname__ = __name__, cls.__name__
-        _MEMORY_CLASSES = (PooledMemory, EmptyMemory, memory.MemoryPointer)
-    return _MEMORY_CLASSES
-
-
-_MEMORY_CLASSES: Optional[Tuple[type, type, type]] = None
-_MEMORY_CLASSES_LOCK = threading.Lock()
-_device_types = _devices._types          # the device types made so far, by name (mutated, never rebound)
-
+# pickles made before the classes moved to the CuPy glue name it here
+_restore_out_of_memory_error = _cupy_memory.restore_out_of_memory_error
 
 # Every cupy.empty calls unimem.cuda.allocator: it is typed Cython
-# (unimem/_cupy_allocator.pyx), the same steps without Python frames.
-_cupy_allocator.bind(_device_types, get_type, _memory_classes, _cupy_out_of_memory_class)
+# (unimem/_integrations/cupy.pyx), the same steps without Python frames.
 allocator = _cupy_allocator.allocator
 allocator.__module__ = __name__          # pickled as unimem.cuda.allocator (Dask's client.run, spawn)
 
@@ -461,6 +365,6 @@ list_gpu_processes = _telemetry.list_gpu_processes
 
 
 # PyTorch's CUDAPluggableAllocator over unimem's pools (the other way round from CUDAPluggableAllocator above)
-from .capi import namespace_pluggable_allocator  # noqa: E402
+from ._integrations.torch import namespace_pluggable_allocator  # noqa: E402
 pluggable_allocator = namespace_pluggable_allocator("cuda")
 __all__.append("pluggable_allocator")

@@ -27,7 +27,8 @@ from typing import Any, Dict, Iterator, NoReturn, Optional, Sequence, Tuple, Uni
 
 import numpy
 
-from . import _dpnp_allocator, _usm_memory, host
+from . import host
+from ._integrations import dpnp as _dpnp_allocator, usm_memory as _usm_memory
 from ._runtime.devices import get_type
 from ._memory_api import PUBLIC_CLASSES, PUBLIC_FUNCTIONS, DeviceLike, MemoryAPI, MemoryLike, record_stream_on_pools, numpy_dtype
 from ._core import OutOfMemoryError
@@ -462,7 +463,7 @@ def set_allocator() -> None:
     bytes, or of zero bytes go to dpctl, counted in :func:`allocator_counters`.
     Thread-safe; installing twice is a no-op. Raises ``RuntimeError``,
     changing nothing, when the installed dpctl or dpnp does not allocate the
-    way unimem relies on (:mod:`unimem._dpnp_allocator` says what that is)."""
+    way unimem relies on (:mod:`unimem._integrations.dpnp` says what that is)."""
     _set_up_pools()
     _dpnp_allocator.set_allocator(_pool_for, _keep_alive_guard)
 
@@ -656,6 +657,6 @@ class XPUPluggableAllocator(SharedLibraryAllocator):
 
 
 # PyTorch's XPUPluggableAllocator over unimem's pools (the other way round from XPUPluggableAllocator above)
-from .capi import namespace_pluggable_allocator  # noqa: E402
+from ._integrations.torch import namespace_pluggable_allocator  # noqa: E402
 pluggable_allocator = namespace_pluggable_allocator("xpu")
 __all__.append("pluggable_allocator")

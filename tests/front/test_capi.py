@@ -72,8 +72,8 @@ def test_the_header_the_library_and_python_agree_on_the_abi_version(lib, c_user)
 
 
 def test_the_library_is_unimems_extension_module():
-    import unimem._capi
-    assert unimem.capi.library_path() == os.path.abspath(unimem._capi.__file__)
+    import unimem._integrations.capi
+    assert unimem.capi.library_path() == os.path.abspath(unimem._integrations.capi.__file__)
     assert os.path.isfile(unimem.capi.library_path())
     assert unimem.capi.get_include() == os.path.join(os.path.dirname(os.path.abspath(unimem.__file__)), "include")
 

@@ -1,6 +1,6 @@
 """``unimem.cuda.allocator`` on a one-GPU machine wired as CuPy wires it.
 
-There the allocator takes its short way (``unimem/_cupy_allocator.pyx``):
+There the allocator takes its short way (``unimem/_integrations/cupy.pyx``):
 the stream key is read inline from CuPy's current stream instead of through
 the registry's stream function. These tests run that way without a GPU: a
 simulated one-GPU runtime whose type keeps unimem's default stream function
@@ -146,7 +146,7 @@ def test_the_allocator_unpickled_in_a_fresh_process_works(one_gpu):
     code = f"""
 import base64, pickle, sys, types
 allocator = pickle.loads(base64.b64decode({payload!r}))
-from unimem._cupy_allocator import allocator as direct
+from unimem._integrations.cupy import allocator as direct
 assert direct is allocator
 from tests.helpers.fake_cuda import FakeCudaRuntime, serving_cuda
 from unimem.backends import cuda as cuda_backend
@@ -159,26 +159,55 @@ print("PASSED")
     run_python(code)
 
 
+def test_the_cupy_glue_allocates_without_importing_unimem_cuda():
+    """The glue sits below the namespace that exports it: it allocates, wraps
+    the block in unimem.cuda's PooledMemory and raises unimem.cuda's
+    OutOfMemoryError (also CuPy's) in a process that never imports
+    unimem.cuda (it imported unimem.cuda to be bound by it: a cycle)."""
+    code = """
+import sys, types
+import cupy
+from unimem._integrations.cupy import allocator
+from tests.helpers.fake_cuda import FakeCudaRuntime, serving_cuda
+from unimem.backends import cuda as cuda_backend
+cuda_backend._get_current_stream = lambda device: types.SimpleNamespace(ptr=0)
+with serving_cuda(FakeCudaRuntime(devices=1, capacity=1 << 26), cupy_streams=True):
+    pointer = allocator(1000)
+    assert pointer.mem.size == 1024 and type(pointer.mem).__qualname__ == "PooledMemory", pointer.mem
+    assert type(pointer.mem).__module__ == "unimem.cuda"
+    try:
+        allocator(1 << 27)
+    except cupy.cuda.memory.OutOfMemoryError as error:
+        assert type(error).__module__ == "unimem.cuda" and error.requested == 1 << 27, error
+    else:
+        raise AssertionError("no out-of-memory error")
+    pointer.mem.free()
+assert "unimem.cuda" not in sys.modules, "the CuPy glue imported the namespace"
+print("PASSED")
+"""
+    run_python(code)
+
+
 def test_threads_first_allocations_share_one_pooled_memory_class(one_gpu, monkeypatch):
     """The classes are made at the first allocation; threads making their
     first ones at once got different PooledMemory classes (isinstance of
     unimem.cuda.PooledMemory then failed for some blocks)."""
     import time
 
-    import unimem.cuda as ucuda
-    monkeypatch.setattr(ucuda, "_MEMORY_CLASSES", None)
-    real_cupy = ucuda._cupy
+    from unimem._integrations import cupy_memory
+    monkeypatch.setattr(cupy_memory, "_MEMORY_CLASSES", None)
+    real_cupy = cupy_memory._cupy
 
     def slow_cupy():                    # the window in which another thread arrives
         time.sleep(0.05)
         return real_cupy()
-    monkeypatch.setattr(ucuda, "_cupy", slow_cupy)
+    monkeypatch.setattr(cupy_memory, "_cupy", slow_cupy)
     barrier = threading.Barrier(6)
     made = []
 
     def first():
         barrier.wait()
-        made.append(ucuda._memory_classes())
+        made.append(cupy_memory.memory_classes())
     threads = [threading.Thread(target=first) for _ in range(6)]
     for thread in threads:
         thread.start()

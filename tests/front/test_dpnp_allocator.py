@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import unimem
-from unimem import _dpnp_allocator, _usm_memory
+from unimem._integrations import dpnp as _dpnp_allocator, usm_memory as _usm_memory
 
 MiB = 1 << 20
 
@@ -346,7 +346,7 @@ def test_a_class_replaced_by_someone_else_is_not_replaced_again(xpu, dpm, monkey
 
 def test_a_dpnp_that_allocates_another_way_is_refused(xpu, dpnp, dpm, monkeypatch):
     import dpnp.tensor as dpt
-    import unimem._dpnp_allocator as hook
+    import unimem._integrations.dpnp as hook
     monkeypatch.setattr(hook, "_probed", False)      # the probe runs once per process
     monkeypatch.setattr(dpnp, "empty", lambda *args, **kwargs: dpt.usm_ndarray(
         1, dtype="u1", buffer=dpm._memory.MemoryUSMDevice(1)))

@@ -1,4 +1,4 @@
-"""The SYCL interposer (``unimem._sycl_interposer``): dpnp's C++ scratch
+"""The SYCL interposer (``unimem._integrations.sycl_interposer``): dpnp's C++ scratch
 buffers from unimem's pools, on the real SYCL device.
 
 It must be installed before dpnp's extensions are loaded and cannot be taken
@@ -19,7 +19,7 @@ from tests.helpers import REPO_ROOT
 
 dpnp = pytest.importorskip("dpnp")
 
-from unimem import _sycl_interposer as si  # noqa: E402
+from unimem._integrations import sycl_interposer as si  # noqa: E402
 from unimem._runtime import devices  # noqa: E402
 
 if not devices.is_available("xpu"):
@@ -33,10 +33,10 @@ PREAMBLE = textwrap.dedent("""
     import gc, json, sys, time
     import numpy
     import unimem
-    from unimem import _sycl_interposer as si
-    si.install()
-    import dpnp
+    from unimem._integrations import sycl_interposer as si
     import unimem.xpu as xpu
+    si.install(xpu._pool_for)
+    import dpnp
 
     def allocated():
         return xpu.memory_stats(0).get("allocated_bytes.all.current", 0)
@@ -161,9 +161,10 @@ def test_installing_after_dpnp_is_refused_and_changes_nothing():
     done = subprocess.run([sys.executable, "-c", textwrap.dedent("""
         import json
         import dpnp
-        from unimem import _sycl_interposer as si
+        import unimem.xpu as xpu
+        from unimem._integrations import sycl_interposer as si
         try:
-            si.install()
+            si.install(xpu._pool_for)
         except RuntimeError as exc:
             message = str(exc)
         else:
@@ -179,6 +180,15 @@ def test_installing_after_dpnp_is_refused_and_changes_nothing():
     assert all(value == 0 for value in report["counters"].values()), report["counters"]
     assert report["global"] == {}                   # nothing was put in the global scope
     assert report["sum"] == 0 + 3 + 6 + 9
+
+
+def test_installing_without_a_pool_lookup_is_refused_and_changes_nothing():
+    """The pools it serves from come from the caller (unimem.xpu's lookup):
+    anything but a callable is refused before anything is looked at."""
+    for bad in (None, "xpu", 0):
+        with pytest.raises(TypeError, match="pool_for must be callable"):
+            si.install(bad)
+    assert not si.installed() and si._global_definitions() == {}
 
 
 def test_other_pointers_and_other_callers_go_to_libsycl():

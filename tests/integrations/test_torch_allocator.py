@@ -41,7 +41,7 @@ def fresh_glue(monkeypatch):
     install_allocators leaves CuPy and dpnp alone (installing them while the
     simulated GPU is served would make it the pinned host pool's for the
     rest of the process)."""
-    monkeypatch.setattr(unimem.capi, "_made", {})
+    monkeypatch.setattr(torch_glue, "_made", {})
     monkeypatch.setattr(torch_glue, "_installed", set())
     monkeypatch.setattr(_install, "_install_cupy", lambda: None)
     monkeypatch.setattr(_install, "_install_dpnp", lambda: None)

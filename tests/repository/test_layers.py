@@ -11,14 +11,28 @@ included, and mapped to its layer:
 1     ``unimem.backends.*``: raw memory
 2     the core: ``unimem._core``, ``unimem._native.*``
 3     the runtime: ``unimem._runtime.*``
-4     the front and observability: ``unimem.accelerator.*``, ``unimem.cpu``,
-      ``unimem.cuda`` (and its ``unimem._cupy_allocator``), ``unimem.xpu`` (and its
-      ``unimem._xpu_pools``), ``unimem.host``, ``unimem._memory_api``,
-      ``unimem._observe.*``, ``unimem.capi`` (and its library ``unimem._capi``)
-5     integrations and entry points: ``unimem._integrations.*``, ``unimem.dask``,
+4     the framework glue, one module per framework over the core's and the
+      runtime's entry points: ``unimem._integrations.*`` (CuPy, dpnp and its
+      USM memory, the SYCL interposer, PyTorch, Numba, the C ABI), but
+      ``install``
+5     the front and observability: ``unimem.accelerator.*``, ``unimem.cpu``,
+      ``unimem.cuda``, ``unimem.xpu`` (and its ``unimem._xpu_pools``),
+      ``unimem.host``, ``unimem._memory_api``, ``unimem._memory.*``,
+      ``unimem._observe.*``, ``unimem.capi``
+6     entry points: ``unimem._integrations.install`` (it puts the namespaces'
+      allocators into the frameworks, so it imports them), ``unimem.dask``,
       ``unimem.prometheus``, ``unimem.cli.*``, ``unimem`` (its ``__init__``),
       ``unimem.__main__``
 ====  ==============================================================
+
+The glue imports the runtime and the core; a namespace imports its glue
+(``unimem.cuda`` exports ``unimem._integrations.cupy``'s allocator); the glue
+never imports a namespace. What a namespace decides, the glue is given:
+``unimem.xpu`` hands its pool lookup to the dpnp allocator and to the SYCL
+interposer. One call the table cannot see goes up by name, at call time: the
+C ABI's ``unimem_empty_cache(type)`` is ``unimem.<type>.empty_cache()``
+(``importlib``), the namespace's own emptying (its pools and the private
+pools beside them), which the glue does not repeat.
 
 A module may import its own layer and those below. ``from pkg import name``
 imports ``pkg.name`` when that is a module, else ``pkg`` itself (so a lower
@@ -47,30 +61,26 @@ LAYER_OF_PREFIX = (                 # first match wins: more specific first
     ("unimem._core", 2),
     ("unimem._native", 2),
     ("unimem._runtime", 3),
-    ("unimem.accelerator", 4),
-    ("unimem.cpu", 4),
-    ("unimem.cuda", 4),
-    ("unimem._cupy_allocator", 4),
-    ("unimem.xpu", 4),
-    ("unimem._xpu_pools", 4),
-    ("unimem.host", 4),
-    ("unimem._memory_api", 4),
-    ("unimem._memory", 4),
-    ("unimem._usm_memory", 4),
-    ("unimem._sycl_interposer", 4),
-    ("unimem._dpnp_allocator", 4),
-    ("unimem._observe", 4),
-    ("unimem.capi", 4),
-    ("unimem._capi", 4),
-    ("unimem._integrations", 5),
-    ("unimem.dask", 5),
-    ("unimem.prometheus", 5),
-    ("unimem.cli", 5),
-    ("unimem.__main__", 5),
-    ("unimem", 5),
+    ("unimem._integrations.install", 6),
+    ("unimem._integrations", 4),
+    ("unimem.accelerator", 5),
+    ("unimem.cpu", 5),
+    ("unimem.cuda", 5),
+    ("unimem.xpu", 5),
+    ("unimem._xpu_pools", 5),
+    ("unimem.host", 5),
+    ("unimem._memory_api", 5),
+    ("unimem._memory", 5),
+    ("unimem._observe", 5),
+    ("unimem.capi", 5),
+    ("unimem.dask", 6),
+    ("unimem.prometheus", 6),
+    ("unimem.cli", 6),
+    ("unimem.__main__", 6),
+    ("unimem", 6),
 )
-LAYER_NAMES = {0: "provider ABI", 1: "backends", 2: "core", 3: "runtime", 4: "front/observe",
-               5: "integrations/CLI"}
+LAYER_NAMES = {0: "provider ABI", 1: "backends", 2: "core", 3: "runtime", 4: "framework glue",
+               5: "front/observe", 6: "entry points/CLI"}
 
 
 def layer_of(module: str) -> int:
@@ -250,6 +260,22 @@ def test_the_checker_sees_an_upward_and_a_function_level_import(tmp_path):
     found = _cython_imports("unimem.backends.probe", str(cython))
     assert ("unimem._native.provider", 1, True) in found
     assert ("unimem._runtime.devices", 3, False) in found
+
+
+def test_the_framework_glue_sits_below_every_namespace_and_above_the_runtime():
+    """Every module of unimem/_integrations/ but the installer is glue (a
+    new one is too, without a line here), below each namespace and the
+    front, above the runtime and the core: so a glue module importing a
+    namespace, even inside a function, is an upward import (the CuPy glue
+    imported unimem.cuda to be bound by it)."""
+    glue = sorted(m for m in MODULES if m.startswith("unimem._integrations.") and m != "unimem._integrations.install")
+    assert {"unimem._integrations.cupy", "unimem._integrations.dpnp", "unimem._integrations.usm_memory",
+            "unimem._integrations.torch", "unimem._integrations.numba", "unimem._integrations.capi"} <= set(glue)
+    front = [m for m in MODULES if LAYER_NAMES[layer_of(m)] == "front/observe"]
+    assert {"unimem.cuda", "unimem.xpu", "unimem.capi"} <= set(front)
+    for module in glue:
+        assert layer_of("unimem._runtime.devices") < layer_of(module) < min(layer_of(m) for m in front), module
+    assert layer_of("unimem._integrations.install") > layer_of("unimem.xpu")
 
 
 def test_import_unimem_imports_neither_cupy_nor_dpctl():

@@ -147,7 +147,7 @@ def test_the_wheel_holds_every_file_of_the_package_and_a_compiled_module_for_eac
     compiled = {module_name(n.split(".cpython")[0] + ".so") for n in names if n.endswith(".so")}
     uncompiled = [p for p in package_files(built["files"])
                   if p.endswith(".pyx") and module_name(p) not in compiled
-                  and not (p == "unimem/_sycl_interposer.pyx" and not sys.platform.startswith("linux"))]
+                  and not (p == "unimem/_integrations/sycl_interposer.pyx" and not sys.platform.startswith("linux"))]
     assert not uncompiled, f"no compiled module in the wheel for {uncompiled}"
     assert {"_unimem_opencl.py", "unimem-opencl.pth"} <= names
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
@@ -170,7 +170,7 @@ def test_an_install_imports_every_module_and_allocates_outside_the_checkout(buil
     assert not report["file"].startswith(os.path.realpath(REPO_ROOT) + os.sep)
     expected = sorted({module_name(p) for p in package_files(built["files"])
                        if p.endswith((".py", ".pyx"))
-                       and not (p == "unimem/_sycl_interposer.pyx" and not sys.platform.startswith("linux"))})
+                       and not (p == "unimem/_integrations/sycl_interposer.pyx" and not sys.platform.startswith("linux"))})
     assert report["modules"] == [m for m in expected if m != "unimem"]
     assert report["allocated"] == 1024 and report["after_free"] == 0
 

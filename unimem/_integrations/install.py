@@ -8,7 +8,7 @@
   array allocated through Python, including the results of dpnp's
   operations, comes from unimem.
 * dpnp's C++ scratch buffers, opt-in (``sycl_interpose=True``): the SYCL
-  interposer (:mod:`unimem._sycl_interposer`), installed before dpnp is
+  interposer (:mod:`unimem._integrations.sycl_interposer`), installed before dpnp is
   imported, serves the USM requests of dpnp's compiled extensions too.
 * PyTorch, opt-in (``torch=True``, before PyTorch's first allocation on the
   device): unimem's pluggable allocator (:mod:`unimem._integrations.torch`)
@@ -114,21 +114,22 @@ def install_sycl_interposer() -> bool:
     Must run before dpnp is imported: raises ``RuntimeError``, changing
     nothing, when dpnp's extensions are already loaded, when there is no
     SYCL device, or when the installed dpnp imports SYCL functions the
-    interposer does not know (see :mod:`unimem._sycl_interposer`)."""
+    interposer does not know (see :mod:`unimem._integrations.sycl_interposer`)."""
     try:
-        from .. import _sycl_interposer
+        from . import sycl_interposer as _sycl_interposer
     except ImportError as exc:          # built on Linux only (ELF symbol binding)
         raise RuntimeError(f"the SYCL interposer is not available here: {exc}") from None
     if _sycl_interposer.installed():
         return False
-    _sycl_interposer.install()
+    import unimem.xpu as pooled             # imports neither dpctl nor dpnp: the interposer's checks come first
+    _sycl_interposer.install(pooled._pool_for)
     return True
 
 
 def sycl_interposer_installed() -> bool:
     """Whether :func:`install_sycl_interposer` is in effect."""
     try:
-        from .. import _sycl_interposer
+        from . import sycl_interposer as _sycl_interposer
     except ImportError:
         return False
     return _sycl_interposer.installed()

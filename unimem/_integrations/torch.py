@@ -1,6 +1,6 @@
 """unimem as PyTorch's allocator: ``torch.cuda`` / ``torch.xpu`` tensors from
 unimem's pools, through PyTorch's pluggable allocators over unimem's C ABI
-(:func:`unimem.capi.pluggable_allocator`).
+(:func:`pluggable_allocator`, exported as :func:`unimem.capi.pluggable_allocator`).
 
 PyTorch takes a pluggable allocator as its current one only before its first
 allocation on the device (``change_current_allocator`` refuses once its own
@@ -14,11 +14,13 @@ cannot be undone in the process: PyTorch swaps its allocator once.
 """
 from __future__ import annotations
 
+import importlib
+import os
 import threading
-from typing import Any, List, Set
+from typing import Any, Callable, Dict, List, Set
 
-from .. import capi
 from .._runtime import devices as _devices
+from . import capi as _c_abi          # the C ABI's library, which PyTorch's allocator loads
 
 #: The device types whose PyTorch allocator unimem can be.
 DEVICE_TYPES = ("cuda", "xpu")
@@ -66,7 +68,7 @@ def install(device_type: str) -> bool:
     with _lock:
         if device_type in _installed:
             return False
-        allocator = capi.pluggable_allocator(device_type)     # what PyTorch lacks, said first
+        allocator = pluggable_allocator(device_type)     # what PyTorch lacks, said first
         namespace = _torch_namespace(device_type)
         if namespace.is_initialized():
             raise _already_initialized(device_type)
@@ -81,3 +83,62 @@ def install(device_type: str) -> bool:
 def installed() -> List[str]:
     """The device types on which unimem is PyTorch's allocator (installed here)."""
     return [device_type for device_type in DEVICE_TYPES if device_type in _installed]
+
+
+# PyTorch's pluggable allocator class and the hook of its C extension it needs, by device type.
+_TORCH_ALLOCATORS = {"cuda": ("CUDAPluggableAllocator", "_cuda_customAllocator"),
+                     "xpu": ("XPUPluggableAllocator", "_xpu_customAllocator")}
+_made: Dict[str, Any] = {}
+_made_lock = threading.Lock()
+
+
+def pluggable_allocator(device_type: str) -> Any:
+    """PyTorch's pluggable allocator over unimem's pool of ``device_type``
+    (``"cuda"``: ``torch.cuda.memory.CUDAPluggableAllocator``; ``"xpu"``:
+    ``torch.xpu.memory.XPUPluggableAllocator``), over ``unimem_<type>_malloc``
+    and ``unimem_<type>_free``. One object per device type and process: pass it
+    to ``torch.<type>.memory.change_current_allocator`` (before PyTorch's
+    first allocation on the device) or to ``torch.<type>.MemPool``.
+
+    Raises ``ValueError`` for another device type, ``RuntimeError`` when unimem
+    has no such device here (saying why) or when PyTorch is missing or built
+    without that device (a CPU build has neither hook)."""
+    if device_type not in _TORCH_ALLOCATORS:
+        raise ValueError(f"PyTorch's pluggable allocators are for 'cuda' and 'xpu', not {device_type!r}")
+    with _made_lock:
+        made = _made.get(device_type)
+        if made is not None:
+            return made
+        _devices.get_type(device_type)       # raises, saying why, when unimem has no such device
+        class_name, hook = _TORCH_ALLOCATORS[device_type]
+        try:
+            import torch
+        except ImportError as exc:
+            raise RuntimeError(f"PyTorch is not installed ({exc}): there is no {class_name} to build") from None
+        if not hasattr(torch._C, hook):
+            raise RuntimeError(f"this PyTorch ({torch.__version__}) is built without {device_type.upper()}: it "
+                               f"has no torch._C.{hook}, which {class_name} needs")
+        memory = importlib.import_module(f"torch.{device_type}.memory")
+        library = os.path.abspath(_c_abi.__file__)     # unimem.capi.library_path()
+        made = getattr(memory, class_name)(library, f"unimem_{device_type}_malloc", f"unimem_{device_type}_free")
+        _made[device_type] = made
+        return made
+
+
+_ARRAYS_BESIDE = {"cuda": "CuPy's arrays", "xpu": "dpnp's arrays"}
+
+
+def namespace_pluggable_allocator(device_type: str) -> Callable[[], Any]:
+    """``pluggable_allocator()`` of the namespace ``unimem.<device_type>``."""
+    torch_class = _TORCH_ALLOCATORS[device_type][0]
+
+    def pluggable_allocator() -> Any:
+        return globals()["pluggable_allocator"](device_type)
+    pluggable_allocator.__module__ = f"unimem.{device_type}"
+    pluggable_allocator.__qualname__ = "pluggable_allocator"
+    pluggable_allocator.__doc__ = (
+        f"PyTorch's ``torch.{device_type}.memory.{torch_class}`` over unimem's {device_type.upper()} pools "
+        f"(:func:`unimem.capi.pluggable_allocator`): set as PyTorch's allocator, its tensors and "
+        f"{_ARRAYS_BESIDE[device_type]} come from one cache. The other way round from "
+        f":class:`{torch_class}`, which puts a library's functions under unimem.")
+    return pluggable_allocator

@@ -17,7 +17,7 @@ another queue.
 ``aligned_alloc_shared`` / ``aligned_alloc_host`` (by
 :data:`SEGMENT_ALIGNMENT`) and ``free``, published to the caching core as C
 functions (a cache miss calls them without Python and without the GIL). Pool
-blocks become dpctl memory objects in :mod:`unimem._usm_memory`.
+blocks become dpctl memory objects in :mod:`unimem._integrations.usm_memory`.
 """
 from cpython.pycapsule cimport PyCapsule_New, PyCapsule_GetPointer, PyCapsule_GetName
 from libc.stdint cimport uintptr_t, int64_t

@@ -386,7 +386,7 @@ def _served_line(what: str, counters: Dict[str, int], unit: str, reasons: Tuple[
 
 
 def _dpnp_counters_line() -> Optional[str]:
-    from .._usm_memory import BYPASS_REASONS
+    from .._integrations.usm_memory import BYPASS_REASONS
     counters = _dpnp_counters()
     return None if counters is None else _served_line("dpnp arrays", counters, "allocations", BYPASS_REASONS)
 
@@ -396,12 +396,12 @@ def _sycl_counters() -> Optional[Dict[str, int]]:
     from .._integrations.install import sycl_interposer_installed
     if not sycl_interposer_installed():
         return None
-    from .. import _sycl_interposer
+    from .._integrations import sycl_interposer as _sycl_interposer
     return _sycl_interposer.counters()
 
 
 def _sycl_counters_line() -> Optional[str]:
-    from .._sycl_interposer import REASONS
+    from .._integrations.sycl_interposer import REASONS
     counters = _sycl_counters()
     if counters is None:
         return None

@@ -6,8 +6,8 @@
  * unimem.cuda.memory_stats() and the like, and a block freed by one library
  * is reused by another.
  *
- * The library is unimem's extension module unimem._capi: its path is
- * unimem.capi.library_path() and this header's folder is
+ * The library is unimem's extension module unimem._integrations.capi: its
+ * path is unimem.capi.library_path() and this header's folder is
  * unimem.capi.get_include(). Link with
  *     -L<dir> -l:<file name> -Wl,-rpath,<dir>
  * (or dlopen the path). The functions work only in a process whose Python

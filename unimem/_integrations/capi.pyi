@@ -1,4 +1,4 @@
-"""Type stubs for unimem/_capi.pyx: the C ABI's library (unimem.h), from Python."""
+"""Type stubs for unimem/_integrations/capi.pyx: the C ABI's library (unimem.h), from Python."""
 from typing import Any, Tuple
 
 ABI_VERSION: int

@@ -1,12 +1,12 @@
 // unimem's C ABI (include/unimem.h): the exported functions, and the C state
-// their cache hits read without the GIL. Included by unimem/_capi.pyx, which
+// their cache hits read without the GIL. Included by unimem/_integrations/capi.pyx, which
 // fills in the entries (um_capi::Entries) when it is imported; the functions
 // defined here only check for them and pass the call on.
 //
 // The state read on a hit, each written only by a thread holding the GIL
 // (so one writer at a time) and read by any thread without it:
 //  * the allocator of each (device type, device index): a CachingAllocator
-//    that _capi.pyx keeps alive for the rest of the process once published;
+//    that capi.pyx keeps alive for the rest of the process once published;
 //  * for XPU, which allocator and stream key each sycl::queue* maps to, with
 //    the queue's identity (dpctl's DPCTLQueue_Hash: its sycl::queue_impl) to
 //    tell a queue from a later one at the same address;
@@ -20,7 +20,7 @@
 #include <new>
 #include <sys/types.h>
 
-#include "include/unimem.h"
+#include "../include/unimem.h"
 
 #define UM_CAPI_EXPORT extern "C" __attribute__((visibility("default")))
 
@@ -28,7 +28,7 @@ namespace um_capi {
 
 enum { N_TYPES = 3, MAX_DEVICES = 64, ERROR_SIZE = 1024 };
 
-// _capi.pyx's functions; NULL until unimem._capi is imported.
+// capi.pyx's functions; NULL until unimem._integrations.capi is imported.
 struct Entries {
     void* (*malloc)(int type, size_t size, int device, void* stream);
     void (*free)(int type, void* ptr, int device, void* stream);

@@ -1,5 +1,5 @@
 /* The SYCL USM functions dpnp's compiled extensions import, defined here so
-   that their scratch buffers come from unimem's pools (unimem/_sycl_interposer.pyx).
+   that their scratch buffers come from unimem's pools (unimem/_integrations/sycl_interposer.pyx).
 
    The definitions carry the exact mangled names of libsycl's functions (asm
    labels) and, once the module is promoted to the global scope before dpnp's
@@ -23,10 +23,10 @@
    device's queues).
 
    Its state and routing (what is served, what is forwarded and why) are in
-   _sycl_interposer_state.hpp. */
+   sycl_interposer_state.hpp. */
 #pragma once
 
-#include "_sycl_interposer_state.hpp"
+#include "sycl_interposer_state.hpp"
 
 /* ---- the definitions the dynamic linker binds dpnp's imports to ---------- */
 #define UM_SI_EXPORT __attribute__((visibility("default"), used))

@@ -3,7 +3,7 @@
 """unimem's C ABI (``include/unimem.h``): the library C code and PyTorch's
 pluggable allocators load is this extension module itself.
 
-``_capi.hpp`` defines the exported functions; they call the entries below,
+``capi.hpp`` defines the exported functions; they call the entries below,
 which this module hands to it when imported. A request finds its allocator
 (and, for XPU, the stream key of its queue) in C tables without the GIL,
 and goes to the core's GIL-free entry (``CachingAllocator.c_malloc_nogil``,
@@ -33,11 +33,11 @@ from unimem._runtime.devices import get_type, on_type_replaced
 
 ctypedef size_t (*identity_fn)(const void*) noexcept nogil
 
-cdef extern from "_capi.hpp":
+cdef extern from "capi.hpp":
     int UNIMEM_ABI_VERSION
     int UNIMEM_CPU, UNIMEM_CUDA, UNIMEM_XPU
 
-cdef extern from "_capi.hpp" namespace "um_capi" nogil:
+cdef extern from "capi.hpp" namespace "um_capi" nogil:
     ctypedef struct Entries "um_capi::Entries":
         void* (*malloc)(int, size_t, int, void*) noexcept nogil
         void (*free)(int, void*, int, void*) noexcept nogil
@@ -81,7 +81,7 @@ atexit.register(_mark_exiting)
 
 
 # ---------------------------------------------------------------------------
-# the entries (called by _capi.hpp's exported functions, on any thread)
+# the entries (called by capi.hpp's exported functions, on any thread)
 # ---------------------------------------------------------------------------
 cdef void* _malloc(int device_type, size_t size, int device, void* stream) noexcept nogil:
     cdef void* allocator = NULL

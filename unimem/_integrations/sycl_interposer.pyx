@@ -10,7 +10,7 @@ exactly ``sycl::aligned_alloc(align, size, device, context, usm::alloc, ...)``,
 ``sycl::aligned_alloc_device(align, size, device, context, ...)``,
 ``sycl::malloc_device/malloc_shared/malloc(size, queue, ...)`` and
 ``sycl::free(ptr, context | queue, ...)``. This module defines those symbols
-(``_sycl_interposer.hpp``); :func:`install` makes the dynamic linker bind
+(``sycl_interposer.hpp``); :func:`install` makes the dynamic linker bind
 dpnp's imports to them, and each request is then served from a pool or
 forwarded to libsycl.
 
@@ -60,7 +60,7 @@ from unimem.backends import _dpctl_api
 
 
 # The callbacks: all but the free are called with the GIL held.
-cdef extern from "_sycl_interposer.hpp":
+cdef extern from "sycl_interposer.hpp":
     ctypedef uintptr_t (*um_si_pool_malloc_fn "um_si::pool_malloc_fn")(void* pool, size_t size, int* status) noexcept
     ctypedef void (*um_si_pool_free_fn "um_si::pool_free_fn")(void* pool, uintptr_t ptr) noexcept nogil
     ctypedef void* (*um_si_pool_find_fn "um_si::pool_find_fn")(int device, int kind) noexcept
@@ -68,7 +68,7 @@ cdef extern from "_sycl_interposer.hpp":
     void um_si_set_callbacks(um_si_pool_malloc_fn m, um_si_pool_free_fn f, um_si_pool_find_fn p,
                              um_si_wait_fn w)
 
-cdef extern from "_sycl_interposer.hpp" nogil:
+cdef extern from "sycl_interposer.hpp" nogil:
     void* um_si_defined(int entry)
     const char* um_si_mangled(int entry)
     const char* um_si_entry_name(int entry)
@@ -116,7 +116,7 @@ DPCTL_FUNCTIONS = ("DPCTLDevice_AreEq", "DPCTLContext_AreEq", "DPCTLQueue_GetDev
                    "DPCTLDevice_Delete", "DPCTLContext_Delete", "DPCTLQueue_Wait")
 
 if len(REASONS) != um_si_n_reasons():
-    raise ImportError("unimem._sycl_interposer: REASONS does not match the C++ side's reasons")
+    raise ImportError("unimem._integrations.sycl_interposer: REASONS does not match the C++ side's reasons")
 
 _lock = threading.Lock()
 # Python's side of the callbacks, set by install(): (usm_type, index) -> pool
@@ -361,9 +361,11 @@ def _bind_dpctl(runtime):
     _queue_wait = <void*><uintptr_t>_dpctl_api.queue_wait_address()
 
 
-def install():
+def install(pool_for):
     """Serve dpnp's C++ scratch buffers from unimem's pools, for the rest of
     the process. Must run before dpnp is imported; a second call is a no-op.
+    ``pool_for(usm_type, index, queue)`` says which pool serves a request:
+    unimem.xpu's (``unimem.xpu._pool_for``), which the dpnp allocator routes by too.
 
     Raises ``RuntimeError``, changing nothing, when dpnp's extensions are
     already loaded, when there is no SYCL device, or when dpnp and libsycl
@@ -372,6 +374,8 @@ def install():
     or something in the global scope already defines them)."""
     global _find_pool, _wait_device
     cdef uintptr_t device_ref, context_ref
+    if not callable(pool_for):
+        raise TypeError(f"pool_for must be callable (unimem.xpu._pool_for), got {type(pool_for).__name__}")
     with _lock:
         if um_si_installed():
             return
@@ -388,9 +392,9 @@ def install():
         # visible (its _memory module imports sycl::free: it needs no detour).
         import dpctl
         import dpctl.memory  # noqa: F401
-        from ._runtime.devices import get_type
-        from .backends import xpu as _backend
-        from . import _dpnp_allocator, xpu
+        from .._runtime.devices import get_type
+        from ..backends import xpu as _backend
+        from . import dpnp as _dpnp_allocator
         xpu_type = get_type("xpu")              # raises, saying why, when there is no SYCL device
         runtime = _backend._SyclRuntime.get()
         libsycl = _bind_libsycl()
@@ -406,7 +410,7 @@ def install():
         # for a device's default queue (same SYCL context, host USM only when
         # the pinned pool is SYCL host memory of that context). No guard: the
         # real sycl::aligned_alloc never let the GIL go either.
-        routes = _dpnp_allocator._Routes(dpctl, xpu._pool_for, lambda index: None)
+        routes = _dpnp_allocator._Routes(dpctl, pool_for, lambda index: None)
 
         def find_pool(usm_type, index, routes=routes, queues=runtime.default_queues):
             routed = routes(usm_type, queues[index])

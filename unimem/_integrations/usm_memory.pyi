@@ -1,4 +1,4 @@
-"""Type stubs for unimem/_usm_memory.pyx: dpctl memory objects over pool blocks."""
+"""Type stubs for unimem/_integrations/usm_memory.pyx: dpctl memory objects over pool blocks."""
 from typing import Any, Callable, Dict, Tuple, Union
 
 from typing_extensions import disjoint_base

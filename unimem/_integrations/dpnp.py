@@ -12,14 +12,14 @@ which, and changes nothing):
 * dpctl (0.21 and later) lays out its memory objects as its public header
   ``dpctl/memory/_memory.h`` says, holding the memory with a
   ``std::shared_ptr<void>``. Checked against objects dpctl makes itself
-  (:func:`unimem._usm_memory.check_layout`).
+  (:func:`unimem._integrations.usm_memory.check_layout`).
 * ``dpnp.memory`` subclasses dpctl's classes when it is imported: it is
   imported before the names are replaced, so that its classes stay dpctl's.
 
 The stand-ins replacing the three names are subclasses of dpctl's classes
 whose metaclass makes ``isinstance(m, dpctl.memory.MemoryUSMDevice)`` true for
 every device memory object, pooled or not, and whose call serves integer
-requests on queues unimem serves from the pools (:mod:`unimem._usm_memory`).
+requests on queues unimem serves from the pools (:mod:`unimem._integrations.usm_memory`).
 Requests on a queue of another SYCL context, with an alignment above 512
 bytes, of zero bytes, or with other arguments go to dpctl, and are counted.
 """
@@ -30,10 +30,10 @@ import copyreg
 import threading
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
-from . import _usm_memory
-from ._core import CachingAllocator, OutOfMemoryError
-from ._runtime.devices import get_type
-from .backends import xpu as _xpu_backend
+from . import usm_memory as _usm_memory
+from .._core import CachingAllocator, OutOfMemoryError
+from .._runtime.devices import get_type
+from ..backends import xpu as _xpu_backend
 
 #: ``pool_for(usm_type, device_index, queue)``: the pool serving that memory
 #: and the stream its requests on that queue are cached under, or None when
@@ -175,7 +175,7 @@ def _make_allocators(dpctl: Any, dpctl_memory: Any, pool_for: PoolFor,
 
 def usm_kinds() -> Dict[str, _usm_memory.UsmKind]:
     """dpctl's three memory classes by USM type, each checked once against
-    an object dpctl made itself (:func:`unimem._usm_memory.check_layout`):
+    an object dpctl made itself (:func:`unimem._integrations.usm_memory.check_layout`):
     what pool blocks are wrapped as, by this hook and by ``unimem.xpu.empty``.
     Raises ``RuntimeError`` when dpctl or dpnp is too old or dpctl's layout
     is not the one unimem writes."""

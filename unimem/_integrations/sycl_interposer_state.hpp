@@ -1,4 +1,4 @@
-/* The SYCL interposer's state and routing (unimem/_sycl_interposer.hpp
+/* The SYCL interposer's state and routing (unimem/_integrations/sycl_interposer.hpp
    defines the exported functions on top of it): the installed real
    functions, dpctl's C functions and the devices served; which callers and
    requests the pools serve, why the others are forwarded (counted by
@@ -64,14 +64,14 @@ enum Reason {
     SERVE = -1
 };
 
-/* The pool's blocks start at multiples of 512 bytes (_usm_memory.POOL_ALIGNMENT). */
+/* The pool's blocks start at multiples of 512 bytes (usm_memory.POOL_ALIGNMENT). */
 static const size_t POOL_ALIGNMENT = 512;
 
 /* ---- what Python supplies --------------------------------------------- */
 typedef bool (*are_eq_fn)(const void*, const void*);
 typedef void* (*queue_get_fn)(const void*);
 typedef void (*delete_fn)(void*);
-/* The pool callbacks (Cython, unimem/_sycl_interposer.pyx). status: 0 served,
+/* The pool callbacks (Cython, unimem/_integrations/sycl_interposer.pyx). status: 0 served,
    1 out of memory, 2 another error (already reported). */
 typedef std::uintptr_t (*pool_malloc_fn)(void* pool, size_t size, int* status);
 typedef void (*pool_free_fn)(void* pool, std::uintptr_t ptr);

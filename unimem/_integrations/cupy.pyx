@@ -7,9 +7,10 @@ an H200 (2026-11-27, ``benchmarks/results/gpu/allocator_ab.json``),
 ``cupy.empty`` + free took 1.15-1.23x CuPy's own pool through the Python
 function and 1.04-1.09x through this one; a variant holding device 0's
 allocator, with no registry lookups, read 0.89-0.95x. What the function
-does is unimem.cuda's; this module only holds the hot path, bound by
-:func:`bind` when unimem.cuda is imported (which :func:`allocator` does
-itself if it was reached first: unpickled in a fresh process, say).
+does is unimem.cuda's; this module only holds the hot path, over the
+runtime's device types and the CuPy classes of
+:mod:`unimem._integrations.cupy_memory` (so it needs nothing of unimem.cuda,
+which exports it: reached first, unpickled in a fresh process say, it works).
 """
 from cpython.dict cimport PyDict_GetItem
 from cpython.object cimport PyObject
@@ -17,12 +18,15 @@ from cpython.object cimport PyObject
 from unimem._core cimport Allocation
 
 from unimem import _core
+from unimem._integrations import cupy_memory as _cupy_memory
+from unimem._runtime import devices as _devices
 from unimem.backends import cuda as _backend
 
-cdef object _device_types = None         # unimem._runtime.devices._types (mutated, never rebound)
-cdef object _get_type = None
-cdef object _make_memory_classes = None  # -> (PooledMemory, EmptyMemory, MemoryPointer)
-cdef object _out_of_memory_class = None  # -> unimem.cuda.OutOfMemoryError (also CuPy's)
+cdef object _device_types = _devices._types   # the device types made so far (mutated, never rebound)
+cdef object _get_type = _devices.get_type
+# -> (PooledMemory, EmptyMemory, MemoryPointer), and unimem.cuda.OutOfMemoryError (also CuPy's)
+cdef object _make_memory_classes = _cupy_memory.memory_classes
+cdef object _out_of_memory_class = _cupy_memory.out_of_memory_class
 cdef object _memory_classes = None
 # The stream function a CUDA registry has unless one was given: requests on
 # a one-GPU registry with it take the short way (same key, same allocator).
@@ -30,17 +34,6 @@ cdef object _cupy_stream_key = _backend.cupy_current_stream_key
 cdef object _OutOfMemoryError = _core.OutOfMemoryError
 cdef str _CUDA = "cuda"
 cdef long long _PER_THREAD = _backend.CUDA_STREAM_PER_THREAD
-
-
-def bind(device_types, get_type, memory_classes, out_of_memory_class):
-    """Give this module what it calls: the device types' table, the lookup
-    that makes a type, and the makers of CuPy's classes (made once CuPy is
-    imported). unimem.cuda calls this at import."""
-    global _device_types, _get_type, _make_memory_classes, _out_of_memory_class
-    _device_types = device_types
-    _get_type = get_type
-    _make_memory_classes = memory_classes
-    _out_of_memory_class = out_of_memory_class
 
 
 cdef inline object _current_stream_key():
@@ -64,8 +57,6 @@ def allocator(size):
     rounded size, ``free()`` to give it back early), as from CuPy's pool; for
     0 bytes, a CuPy ``Memory`` at address 0.
     """
-    if _device_types is None:           # unimem.cuda binds this module at import
-        import unimem.cuda
     cdef PyObject* found = PyDict_GetItem(_device_types, _CUDA)
     return memory_pointer((<object>found if found is not NULL else _get_type(_CUDA)).registry, size)
 
