@@ -14,7 +14,7 @@ from libcpp.vector cimport vector
 
 from unimem._core cimport CachingAllocator
 from unimem._native.arguments cimport check_size, check_stream
-from unimem._native.blocks cimport Block
+from unimem._native.blocks cimport Block, CLIENT_UNIMEM
 from unimem._native.provider cimport RawAllocatorAPI, RAW_OK, UM_PROVIDER_CAPSULE, um_now_ns
 
 cdef extern from *:
@@ -74,7 +74,7 @@ cdef int64_t _time_cached_pairs_nogil(CachingAllocator allocator, vector[size_t]
     cdef int64_t t0 = um_now_ns()
     for i in range(pairs):
         allocator.lock.lock()
-        b = allocator._malloc_cached(cycle[0][k], stream, False, &status)
+        b = allocator._malloc_cached(cycle[0][k], stream, False, CLIENT_UNIMEM, &status)
         if b == NULL:
             allocator.lock.unlock()
             return -1

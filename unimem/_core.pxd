@@ -151,10 +151,10 @@ cdef class CachingAllocator:
     cdef inline FreeIndex* _pool_of(self, Block* b) noexcept nogil
     cdef Block* _get_free_block(self, FreeIndex* fi, size_t size) noexcept nogil
     cdef Block* _alloc_found_block(self, Block* block, FreeIndex* fi, size_t size,
-                                   size_t orig_size, bint by_handle) noexcept nogil
+                                   size_t orig_size, bint by_handle, unsigned char client) noexcept nogil
     cdef inline int _reserve_for_alloc(self, FreeIndex* fi) noexcept nogil
     cdef inline Block* _malloc_cached(self, size_t orig_size, uintptr_t stream, bint by_handle,
-                               int* status) noexcept nogil
+                               unsigned char client, int* status) noexcept nogil
     cdef inline void _trace(self, int action, uintptr_t addr, size_t size, uintptr_t stream) noexcept nogil
     cdef inline void _link_segment(self, Segment* seg) noexcept nogil
     cdef inline void _unlink_segment(self, Segment* seg) noexcept nogil
@@ -162,7 +162,8 @@ cdef class CachingAllocator:
     cdef void _free_block(self, Block* b) noexcept nogil
     cdef inline int _reserve_class(self, Block* b) noexcept nogil
     cdef inline int _free_fast(self, uintptr_t ptr, bint by_handle) noexcept nogil
-    cdef inline Block* _hand_out(self, Block* block, size_t orig_size, bint by_handle) noexcept nogil
+    cdef inline Block* _hand_out(self, Block* block, size_t orig_size, bint by_handle,
+                                 unsigned char client) noexcept nogil
     cdef inline void _account_free_merge(self, bint is_small, int64_t net_blocks, int64_t net_bytes,
                                          size_t original_size, size_t requested) noexcept nogil
     cdef inline void _account_free_request(self, Block* b) noexcept nogil
@@ -170,7 +171,9 @@ cdef class CachingAllocator:
     cdef object _out_of_memory(self, object requested, object tried=*)
     cdef inline void _update_unusual(self) noexcept nogil
     cdef int _check_usable(self) except -1
-    cdef uintptr_t c_malloc(self, size_t size, uintptr_t stream, bint by_handle=*) except? 0
+    # client: who asks (a Client of _native/blocks.pxd; CLIENT_UNIMEM unless given)
+    cdef uintptr_t c_malloc(self, size_t size, uintptr_t stream, bint by_handle=*,
+                            unsigned char client=*) except? 0
     cdef int _try_free(self, uintptr_t ptr, bint by_handle, bint from_finalizer) except -1
     cdef int _after_free(self) except -1
     cdef int _free_slow(self, uintptr_t ptr, int rc) except -1
@@ -181,8 +184,10 @@ cdef class CachingAllocator:
     cdef int _refuse_huge(self, object n) except -1
     cdef bint _lock_for_fork(self)
     # Last, so that the methods above keep their places in the vtable.
-    cdef uintptr_t c_malloc_nogil(self, size_t size, uintptr_t stream, char* error,
+    cdef uintptr_t c_malloc_nogil(self, size_t size, uintptr_t stream, unsigned char client, char* error,
                                   size_t error_size) noexcept nogil
+    cdef inline void _trace_for(self, int action, uintptr_t addr, size_t size, uintptr_t stream,
+                                unsigned char client) noexcept nogil
 
 
 @cython.no_gc_clear

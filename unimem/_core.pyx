@@ -90,6 +90,7 @@ include "_core_free_index.pxi"
 include "_core_pair.pxi"
 include "_core_errors.pxi"
 include "_core_stats.pxi"
+include "_core_clients.pxi"
 include "_core_debug.pxi"
 include "_core_checks.pxi"
 include "_core_provider.pxi"
@@ -137,14 +138,14 @@ cdef void _free_from_deleter(void* allocator, uintptr_t ptr, bint may_wait) noex
         _report_unraisable(exc, "unimem: freeing a block from its deleter")
 
 
-cdef uintptr_t _malloc_taking_gil(CachingAllocator self, size_t size, uintptr_t stream, char* error,
-                                 size_t error_size) noexcept with gil:
+cdef uintptr_t _malloc_taking_gil(CachingAllocator self, size_t size, uintptr_t stream, unsigned char client,
+                                 char* error, size_t error_size) noexcept with gil:
     """c_malloc_nogil's way through Python: c_malloc, its exception's type
     and message written to ``error``. A Ctrl-C is raised again at Python's
     next check (this call has no Python caller to reach)."""
     try:
         self._refuse_huge(size)
-        return self.c_malloc(size, stream)
+        return self.c_malloc(size, stream, False, client)
     except BaseException as exc:
         _copy_error(error, error_size, f"{type(exc).__name__}: {exc}".encode("utf-8", "replace"))
         if isinstance(exc, KeyboardInterrupt):
@@ -412,7 +413,7 @@ cdef class CachingAllocator:
         return b
 
     cdef Block* _alloc_found_block(self, Block* block, FreeIndex* fi, size_t size,
-                                   size_t orig_size, bint by_handle) noexcept nogil:
+                                   size_t orig_size, bint by_handle, unsigned char client) noexcept nogil:
         """Hand out ``block`` (already taken off the free index) for a request
         of ``size`` rounded bytes. A split remainder takes the Block that
         _reserve_for_alloc kept in the slab."""
@@ -458,15 +459,17 @@ cdef class CachingAllocator:
             if already_split and not (self.expandable and block.segment.expandable):
                 pool_decrease(st, S_INACTIVE_SPLIT_BYTES, is_small, block.size)
                 pool_decrease(st, S_INACTIVE_SPLIT, is_small, 1)
-        return self._hand_out(block, orig_size, by_handle)
+        return self._hand_out(block, orig_size, by_handle, client)
 
-    cdef inline Block* _hand_out(self, Block* block, size_t orig_size, bint by_handle) noexcept nogil:
+    cdef inline Block* _hand_out(self, Block* block, size_t orig_size, bint by_handle,
+                                 unsigned char client) noexcept nogil:
         """The end of _alloc_found_block: ``block`` (its size final) becomes
         live, and the statistics count it. The active map has room (reserved)."""
         cdef DeviceStats* st = &self.stats
         cdef bint is_small = block.is_small
         block.allocated = True
         block.by_handle = by_handle
+        block.client = client
         block.requested_size = orig_size
         if self.debug_on:
             _debug_check(self, block)
@@ -479,7 +482,7 @@ cdef class CachingAllocator:
         if block.size >= self.max_split_size:
             stat_increase(&st.oversize_allocations, 1)
         if self.recording:                # PyTorch's trace records the request
-            self._trace(T_ALLOC, block.ptr, orig_size, block.stream)
+            self._trace_for(T_ALLOC, block.ptr, orig_size, block.stream, client)
         return block
 
 
@@ -499,7 +502,7 @@ cdef class CachingAllocator:
         return 0
 
     cdef inline Block* _malloc_cached(self, size_t orig_size, uintptr_t stream, bint by_handle,
-                               int* status) noexcept nogil:
+                               unsigned char client, int* status) noexcept nogil:
         """A cache hit, or NULL. ``status`` is set to -1 when host memory for the
         allocator's own bookkeeping ran out. Lock held."""
         cdef size_t size = self._round_size(orig_size)
@@ -508,7 +511,7 @@ cdef class CachingAllocator:
         status[0] = 0
         if self.unmerged != NULL:             # the pair of one size (_core_pair.pxi)
             if self.unmerged.size == size and self.unmerged.index == fi:
-                return _split_again(self, orig_size, by_handle, status)
+                return _split_again(self, orig_size, by_handle, client, status)
             _merge_deferred(self)
         if fi == NULL or self._reserve_for_alloc(fi) != 0:
             self.last_split = NULL
@@ -519,7 +522,7 @@ cdef class CachingAllocator:
             self.last_split = NULL
             return NULL
         cdef size_t whole = b.size
-        b = self._alloc_found_block(b, fi, size, orig_size, by_handle)
+        b = self._alloc_found_block(b, fi, size, orig_size, by_handle, client)
         # Only for a request of its own: one made by Python that a backend
         # call runs under the lock (depth 2) is followed by the outer miss,
         # which changes the index after it.
@@ -527,8 +530,14 @@ cdef class CachingAllocator:
         return b
 
     cdef inline void _trace(self, int action, uintptr_t addr, size_t size, uintptr_t stream) noexcept nogil:
+        self._trace_for(action, addr, size, stream, CLIENT_NONE)
+
+    cdef inline void _trace_for(self, int action, uintptr_t addr, size_t size, uintptr_t stream,
+                                unsigned char client) noexcept nogil:
+        """_trace of a block's event: ``client`` is the block's."""
         cdef TraceEvent ev
         ev.action = action
+        ev.client = client
         ev.addr = addr
         ev.size = size
         ev.stream = stream
@@ -593,7 +602,7 @@ cdef class CachingAllocator:
         if not self.sleep_marks.empty() and _hold_if_asleep(self, b):
             return                   # its segment sleeps: back at wake_up (_core_sleep.pxi)
         if self.recording:
-            self._trace(T_FREE_COMPLETED, b.ptr, b.requested_size, b.stream)
+            self._trace_for(T_FREE_COMPLETED, b.ptr, b.requested_size, b.stream, b.client)
         if self.debug_on:
             memset(<void*>b.ptr, DEBUG_FILL, b.size)
         subsumed = self._try_merge(b, b.prev, fi)
@@ -671,7 +680,7 @@ cdef class CachingAllocator:
         if b.size >= self.max_split_size:
             stat_decrease(&self.stats.oversize_allocations, 1)
         if self.recording:
-            self._trace(T_FREE_REQUESTED, b.ptr, b.requested_size, b.stream)
+            self._trace_for(T_FREE_REQUESTED, b.ptr, b.requested_size, b.stream, b.client)
 
 
     # ------------------------------------------------------------------
@@ -705,7 +714,8 @@ cdef class CachingAllocator:
             if hook is None or events.empty():
                 return 0
             try:
-                hook([(TRACE_ACTIONS[e.action], e.addr, e.size, e.stream, e.time_ns) for e in events])
+                hook([(TRACE_ACTIONS[e.action], e.addr, e.size, e.stream, e.time_ns, _CLIENT_NAMES[e.client])
+                      for e in events])
             except Exception as exc:
                 _report_unraisable(exc, "unimem history hook")
         return 0
@@ -731,9 +741,11 @@ cdef class CachingAllocator:
     # ------------------------------------------------------------------
     # the typed entry points (every Python-facing call ends here)
     # ------------------------------------------------------------------
-    cdef uintptr_t c_malloc(self, size_t size, uintptr_t stream, bint by_handle=False) except? 0:
+    cdef uintptr_t c_malloc(self, size_t size, uintptr_t stream, bint by_handle=False,
+                            unsigned char client=CLIENT_UNIMEM) except? 0:
         """Allocate ``size`` bytes on ``stream``; 0 for size 0. Raises on failure.
         ``by_handle``: the block goes into an Allocation, and only it frees it.
+        ``client``: who asks (the block remembers it).
         A cache hit stays in this function; the rest (unusual states, a miss)
         is out of line, so that the hit pays for none of its bookkeeping."""
         cdef Block* b
@@ -742,13 +754,13 @@ cdef class CachingAllocator:
         if size == 0:
             return 0
         if self.unusual:
-            routed = _before_unusual_malloc(self, size, stream, by_handle)
+            routed = _before_unusual_malloc(self, size, stream, by_handle, client)
             if routed != 0:
                 return routed
         self._lock_hot()
-        b = self._malloc_cached(size, stream, by_handle, &status)
+        b = self._malloc_cached(size, stream, by_handle, client, &status)
         if b == NULL:
-            return _malloc_miss(self, size, stream, by_handle, status)
+            return _malloc_miss(self, size, stream, by_handle, client, status)
         self._unlock()
         if self.unusual:          # history, debug mode (or a hook installed meanwhile)
             _after_malloc(self, b.ptr, size, by_handle)
@@ -866,9 +878,9 @@ cdef class CachingAllocator:
         if rc == 2 or rc == 3:                  # needs Python (host memory ran out): it waits for no queue
             _free_from_deleter(<void*>self, ptr, False)
 
-    cdef uintptr_t c_malloc_nogil(self, size_t size, uintptr_t stream, char* error,
+    cdef uintptr_t c_malloc_nogil(self, size_t size, uintptr_t stream, unsigned char client, char* error,
                                   size_t error_size) noexcept nogil:
-        """c_malloc for callers of C (unimem's C ABI, unimem/_capi.pyx), on
+        """c_malloc for callers of C (unimem's C ABI, unimem/_integrations/capi.pyx), on
         any thread, holding the GIL or not. Returns the address (0 for size
         0); on failure 0, with the reason written to ``error`` (``error_size``
         bytes, NUL-terminated). Nothing is raised: there is no Python caller.
@@ -900,9 +912,9 @@ cdef class CachingAllocator:
             if locked:
                 self.lock_depth += 1
                 if not self.unusual:       # read again under the lock
-                    b = self._malloc_cached(size, stream, False, &status)
+                    b = self._malloc_cached(size, stream, False, client, &status)
                     if b == NULL and status == 0 and not (holding_gil or _exiting):
-                        b = _malloc_miss_nogil(self, size, stream)     # a C provider's segment
+                        b = _malloc_miss_nogil(self, size, stream, client)     # a C provider's segment
                     if b != NULL:
                         self._unlock()
                         return b.ptr
@@ -910,7 +922,7 @@ cdef class CachingAllocator:
         if _exiting:
             _copy_error(error, error_size, b"the interpreter is exiting: only cached blocks are handed out")
             return 0
-        return _malloc_taking_gil(self, size, stream, error, error_size)
+        return _malloc_taking_gil(self, size, stream, client, error, error_size)
 
     cdef bint c_owns(self, uintptr_t ptr) noexcept:
         self._lock()
@@ -944,14 +956,18 @@ cdef class CachingAllocator:
         block of an :class:`Allocation` (which frees itself)."""
         self.c_free(check_pointer(ptr))
 
-    def allocate(self, size, stream=0):
+    def allocate(self, size, stream=0, client=None):
         """Allocate and return an :class:`Allocation` that frees its block when
         it is garbage collected (what array libraries hold on to). Only the
-        Allocation can free the block: :meth:`free` refuses its address."""
+        Allocation can free the block: :meth:`free` refuses its address.
+        ``client``: the name (in :data:`CLIENTS`) of the framework the block
+        is for, as snapshots and :meth:`memory_allocated_by_client` tell it;
+        None: unimem's own."""
+        cdef unsigned char who = CLIENT_UNIMEM if client is None else _client_code(client)
         cdef object n = check_size(size)
         cdef uintptr_t s = check_stream(stream)
         self._refuse_huge(n)
-        cdef uintptr_t p = self.c_malloc(n, s, True)
+        cdef uintptr_t p = self.c_malloc(n, s, True, who)
         return _make_allocation(self, p, n)
 
     def owns(self, ptr):
@@ -1150,6 +1166,13 @@ cdef class CachingAllocator:
 
     def max_memory_allocated(self):
         return self.stats.core[S_ALLOCATED_BYTES][POOL_ALL].peak
+
+    def memory_allocated_by_client(self):
+        """``{client: bytes}``: :meth:`memory_allocated` by the framework
+        each block was handed out to (names of :data:`CLIENTS`, in that
+        order; only those holding memory). The values add up to
+        :meth:`memory_allocated`."""
+        return _allocated_by_client(self)
 
     def memory_reserved(self):
         """Bytes held from the backend (``reserved_bytes.all.current``)."""

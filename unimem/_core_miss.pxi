@@ -127,7 +127,8 @@ cdef void _adopt_segment(CachingAllocator self, Segment* seg, Block* b, uintptr_
         self._trace(T_SEGMENT_ALLOC, ptr, alloc_size, stream)
 
 
-cdef Block* _malloc_miss_nogil(CachingAllocator self, size_t orig_size, uintptr_t stream) noexcept nogil:
+cdef Block* _malloc_miss_nogil(CachingAllocator self, size_t orig_size, uintptr_t stream,
+                               unsigned char client) noexcept nogil:
     """c_malloc_nogil's miss without the GIL (a thread that does not hold
     it), for the common case: a backend of the provider ABI, PyTorch's plain
     segments (not expandable; no garbage collection threshold, no reserved
@@ -194,7 +195,7 @@ cdef Block* _malloc_miss_nogil(CachingAllocator self, size_t orig_size, uintptr_
     if self._reserve_for_alloc(fi) != 0:
         fi_insert(fi, b)                 # a cached segment: the caller's c_malloc finds it
         return NULL
-    return self._alloc_found_block(b, fi, size, orig_size, False)
+    return self._alloc_found_block(b, fi, size, orig_size, False, client)
 
 
 cdef uint64_t _note_call_in_flight(CachingAllocator self, size_t alloc_size) noexcept nogil:
@@ -283,7 +284,8 @@ cdef inline size_t _segment_size(CachingAllocator self, size_t size) noexcept no
 
 
 cdef Block* _malloc_slow(CachingAllocator self, size_t orig_size, uintptr_t stream, bint by_handle,
-                         bint* oom, size_t* tried, PrivatePool* pool, bint uncached) except? NULL:
+                         unsigned char client, bint* oom, size_t* tried, PrivatePool* pool,
+                         bint uncached) except? NULL:
     """Everything after a cache miss, in PyTorch's order. Lock held.
     ``tried`` receives the segment size asked for (the OOM message names it).
     ``pool``: a private pool's request (NULL: the device's own pools);
@@ -364,10 +366,11 @@ cdef Block* _malloc_slow(CachingAllocator self, size_t orig_size, uintptr_t stre
     if self._reserve_for_alloc(fi) != 0:
         fi_insert(fi, b)
         raise MemoryError("host memory for the allocator's bookkeeping ran out")
-    return self._alloc_found_block(b, fi, _handed_size(b, size), orig_size, by_handle)
+    return self._alloc_found_block(b, fi, _handed_size(b, size), orig_size, by_handle, client)
 
 
-cdef uintptr_t _before_unusual_malloc(CachingAllocator self, size_t size, uintptr_t stream, bint by_handle) except? 0:
+cdef uintptr_t _before_unusual_malloc(CachingAllocator self, size_t size, uintptr_t stream, bint by_handle,
+                                      unsigned char client) except? 0:
     """What c_malloc does first in an unusual state (poisoned, asleep,
     events pending or frees deferred, routed requests): the address when a private pool or
     the cache switch served the request, else 0 (c_malloc goes on)."""
@@ -378,12 +381,12 @@ cdef uintptr_t _before_unusual_malloc(CachingAllocator self, size_t size, uintpt
     if self.n_pending_events or not self.deferred_frees.empty():
         _process_events_and_deferred(self)
     if self.cache_off or not self.routes.empty():
-        return _malloc_routed(self, size, stream, by_handle)   # 0: not routed
+        return _malloc_routed(self, size, stream, by_handle, client)   # 0: not routed
     return 0
 
 
 cdef uintptr_t _malloc_miss(CachingAllocator self, size_t size, uintptr_t stream, bint by_handle,
-                            int status) except? 0:
+                            unsigned char client, int status) except? 0:
     """c_malloc after a cache miss, the lock held (and let go here): a new
     segment, reclaiming, or out-of-memory."""
     cdef Block* b
@@ -392,7 +395,7 @@ cdef uintptr_t _malloc_miss(CachingAllocator self, size_t size, uintptr_t stream
     try:
         if status != 0:
             raise MemoryError("host memory for the allocator's bookkeeping ran out")
-        b = _malloc_slow(self, size, stream, by_handle, &oom, &tried, NULL, False)
+        b = _malloc_slow(self, size, stream, by_handle, client, &oom, &tried, NULL, False)
     finally:
         self._unlock()
     if oom:

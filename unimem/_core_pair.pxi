@@ -59,7 +59,7 @@ cdef inline void _free_unmerged(CachingAllocator self, Block* b) noexcept nogil:
 
 
 cdef inline Block* _split_again(CachingAllocator self, size_t orig_size, bint by_handle,
-                                int* status) noexcept nogil:
+                                unsigned char client, int* status) noexcept nogil:
     """Hand the unmerged block out again, for a request of its size on its
     stream and pool: what splitting the merged block would do, statistics
     included (_alloc_found_block). NULL with ``status`` -1 when host memory
@@ -75,7 +75,7 @@ cdef inline Block* _split_again(CachingAllocator self, size_t orig_size, bint by
     else:
         pool_increase(&self.stats, S_INACTIVE_SPLIT_BYTES, b.is_small, rest.size)
         pool_increase(&self.stats, S_INACTIVE_SPLIT, b.is_small, 1)
-    return self._hand_out(b, orig_size, by_handle)
+    return self._hand_out(b, orig_size, by_handle, client)
 
 
 cdef void _merge_deferred(CachingAllocator self) noexcept nogil:

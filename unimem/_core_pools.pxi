@@ -409,7 +409,7 @@ cdef int _release_every_free_segment(CachingAllocator self) except -1:
 # allocation and free while routing or with the cache off
 # ---------------------------------------------------------------------------
 cdef uintptr_t _malloc_routed(CachingAllocator self, size_t size, uintptr_t stream,
-                              bint by_handle) except? 0:
+                              bint by_handle, unsigned char client) except? 0:
     """c_malloc for this thread's pool (the innermost use_mem_pool), or with
     the cache off (a new segment, whatever pool is in use). 0: this thread
     allocates from the device's own pools: c_malloc goes on."""
@@ -440,9 +440,9 @@ cdef uintptr_t _malloc_routed(CachingAllocator self, size_t size, uintptr_t stre
                 raise MemoryError("host memory for the allocator's bookkeeping ran out")
             b = self._get_free_block(fi, rounded)
             if b != NULL:
-                b = self._alloc_found_block(b, fi, _handed_size(b, rounded), size, by_handle)
+                b = self._alloc_found_block(b, fi, _handed_size(b, rounded), size, by_handle, client)
         if b == NULL:
-            b = _malloc_slow(self, size, stream, by_handle, &oom, &tried, pool, self.cache_off)
+            b = _malloc_slow(self, size, stream, by_handle, client, &oom, &tried, pool, self.cache_off)
     finally:
         try:
             if pool != NULL:

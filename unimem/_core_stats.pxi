@@ -102,6 +102,7 @@ cdef struct SnapshotBlock:
     size_t size
     size_t requested_size
     int state                          # an index into _BLOCK_STATES
+    unsigned char client               # its Client (_core_clients.pxi)
 
 
 _BLOCK_STATES = ("inactive", "active_allocated", "active_pending_free")
@@ -128,6 +129,7 @@ cdef void _copy_blocks(vector[SnapshotSegment]* segments, vector[SnapshotBlock]*
         copy.size = b.size
         copy.requested_size = b.requested_size
         copy.state = _block_state(b)
+        copy.client = b.client
         blocks.push_back(copy)
         entry.n_blocks += 1
         b = b.next
@@ -183,8 +185,10 @@ cdef list _segments_of_copy(CachingAllocator self, vector[SnapshotSegment]* segm
         allocated_size = active_size = requested_size = 0
         for j in range(seg.first_block, seg.first_block + seg.n_blocks):
             b = blocks[0][j]
+            # (a free block has no client: what it last held is gone)
             listed.append({"address": b.address, "size": b.size, "requested_size": b.requested_size,
-                           "state": _BLOCK_STATES[b.state], "frames": []})
+                           "state": _BLOCK_STATES[b.state], "frames": [],
+                           "client": _CLIENT_NAMES[b.client] if b.state != 0 else None})
             if b.state == 1:
                 allocated_size += b.size
             if b.state != 0:                # as PyTorch: what waits on a stream counts

@@ -21,7 +21,8 @@ __all__ = [
     "MemPool", "use_mem_pool", "caching_allocator_enable", "caching_allocator_disabled",
     "empty_virt_addr_cache", "sleep", "wake_up", "is_sleeping", "memory_stats", "memory_stats_as_nested_dict",
     "reset_accumulated_memory_stats", "reset_peak_memory_stats", "reset_max_memory_allocated",
-    "reset_max_memory_cached", "memory_allocated", "max_memory_allocated", "memory_reserved",
+    "reset_max_memory_cached", "memory_allocated", "memory_allocated_by_client", "max_memory_allocated",
+    "memory_reserved",
     "max_memory_reserved", "memory_cached", "max_memory_cached", "get_memory_info", "mem_get_info",
     "memory_snapshot", "memory_summary", "caching_allocator", "_record_memory_history", "_snapshot",
     "_dump_snapshot",
@@ -63,6 +64,7 @@ reset_peak_memory_stats = _api.reset_peak_memory_stats
 reset_max_memory_allocated = _api.reset_max_memory_allocated
 reset_max_memory_cached = _api.reset_max_memory_cached
 memory_allocated = _api.memory_allocated
+memory_allocated_by_client = _api.memory_allocated_by_client
 max_memory_allocated = _api.max_memory_allocated
 memory_reserved = _api.memory_reserved
 max_memory_reserved = _api.max_memory_reserved

@@ -123,7 +123,7 @@ def pinned_allocator(size: int) -> Any:
     pool when CuPy lets go of it (after its asynchronous copies, which CuPy
     tracks itself)."""
     from cupy.cuda.pinned_memory import PinnedMemoryPointer
-    block = caching_allocator().allocate(size)
+    block = caching_allocator().allocate(size, 0, "cupy")
     return PinnedMemoryPointer(_PinnedBlock(block, size), 0)
 
 

@@ -110,6 +110,7 @@ CALLS = {
     "accelerator.memory_stats": (accelerator.memory_stats, 1),
     "accelerator.memory_stats_as_nested_dict": (accelerator.memory_stats_as_nested_dict, 1),
     "accelerator.memory_allocated": (accelerator.memory_allocated, 1),
+    "accelerator.memory_allocated_by_client": (accelerator.memory_allocated_by_client, 1),
     "accelerator.max_memory_allocated": (accelerator.max_memory_allocated, 1),
     "accelerator.memory_reserved": (accelerator.memory_reserved, 1),
     "accelerator.max_memory_reserved": (accelerator.max_memory_reserved, 1),
@@ -130,6 +131,7 @@ CALLS = {
     # the namespaces
     "cpu.caching_allocator_alloc": (cpu.caching_allocator_alloc, 3),
     "cpu.memory_stats": (cpu.memory_stats, 1),
+    "cpu.memory_allocated_by_client": (cpu.memory_allocated_by_client, 1),
     "cpu.empty": (cpu.empty, 2),
     "cpu.zeros": (cpu.zeros, 2),
     "cpu.set_device": (cpu.set_device, 1),
@@ -323,8 +325,10 @@ def test_a_dtype_numpy_cannot_parse_is_a_type_error(namespace):
     lambda: cpu.memory_stats(7), lambda: cpu.memory_allocated("cpu:3"), lambda: cpu.reset_peak_memory_stats(7),
     lambda: cpu.set_per_process_memory_fraction(0.5, 7), lambda: cpu.caching_allocator_alloc(64, 7),
     lambda: cpu.caching_allocator_alloc(64, -5), lambda: cpu.caching_allocator_alloc(64, 1 << 30),
-    lambda: accelerator.memory_stats(99),
-], ids=["memory_stats", "device string", "reset", "fraction", "alloc", "negative", "huge", "accelerator"])
+    lambda: accelerator.memory_stats(99), lambda: cpu.memory_allocated_by_client(7),
+    lambda: accelerator.memory_allocated_by_client(99),
+], ids=["memory_stats", "device string", "reset", "fraction", "alloc", "negative", "huge", "accelerator",
+        "by client", "accelerator by client"])
 def test_a_device_index_naming_no_device_is_a_runtime_error_as_in_pytorch(call):
     """PyTorch's "Invalid device argument" is a RuntimeError; unimem's stays a
     ValueError as well (InvalidDeviceError is both), and changes nothing."""
@@ -333,3 +337,25 @@ def test_a_device_index_naming_no_device_is_a_runtime_error_as_in_pytorch(call):
         call()
     assert isinstance(raised.value, RuntimeError) and isinstance(raised.value, ValueError)
     assert cpu.memory_stats() == before
+
+
+def _raised_by(function, device):
+    """The type of what ``function(device)`` raises (None: it answered)."""
+    try:
+        function(device)
+    except Exception as error:            # noqa: BLE001 (the type is the answer)
+        return type(error)
+    return None
+
+
+@pytest.mark.parametrize("namespace", [cpu, xpu, unimem.cuda, accelerator], ids=["cpu", "xpu", "cuda", "accelerator"])
+@pytest.mark.parametrize("device", [7, "cpu:3", "cuda:1", "xpu:0", -1, 1 << 70, 1.5, True, "gpu", object()],
+                         ids=lambda device: repr(device) if not type(device) is object else "object")
+def test_memory_allocated_by_client_refuses_a_device_as_memory_allocated_does(namespace, device):
+    """memory_allocated reads the registry's counter, memory_allocated_by_client
+    the allocator's blocks: a device argument either answers both or raises
+    the same error type from both (cuda here has no device: only its default
+    device reads as never used), and neither changes an allocator."""
+    before = state()
+    assert _raised_by(namespace.memory_allocated_by_client, device) is _raised_by(namespace.memory_allocated, device)
+    assert unchanged(before, state())

@@ -20,6 +20,7 @@ from unimem._runtime import devices as _devices
 from tests.helpers import REPO_ROOT
 from tests.helpers.capi import (CPU, CUDA, THREADS_SOURCE, XPU, bind_threads, build_c_user, last_error,
                                 library)
+from tests.helpers.clients import client_of
 
 MiB = 1 << 20
 PAIRS = 100_000
@@ -278,6 +279,38 @@ def test_a_block_from_c_is_the_pools(lib):
     assert not unimem.cpu.caching_allocator(0).owns(ptr)
     assert lib.unimem_cpu_malloc(0, 0, None) is None        # size 0: no block, no error
     lib.unimem_cpu_free(None, 0, 0, None)                   # NULL: ignored
+
+
+C_CLIENT_SOURCE = textwrap.dedent("""
+    #include <unimem.h>
+    void* c_block(size_t size) { return unimem_cpu_malloc(size, 0, NULL); }
+    void c_free(void* ptr, size_t size) { unimem_cpu_free(ptr, size, 0, NULL); }
+    /* PyTorch's pairs, declared by the header and exported by the library */
+    void* (*const torch_cuda_malloc)(ssize_t, int, void*) = unimem_torch_cuda_malloc;
+    void (*const torch_cuda_free)(void*, ssize_t, int, void*) = unimem_torch_cuda_free;
+    void* (*const torch_xpu_malloc)(size_t, int, void*) = unimem_torch_xpu_malloc;
+    void (*const torch_xpu_free)(void*, size_t, int, void*) = unimem_torch_xpu_free;
+""")
+
+
+def test_c_codes_blocks_are_cs(lib, tmp_path):
+    """A block C code built against unimem.h allocates says "c" (PyTorch's
+    pluggable allocator has functions of its own, whose blocks say "torch")."""
+    source = tmp_path / "c_client.c"
+    source.write_text(C_CLIENT_SOURCE)
+    user = ctypes.CDLL(build_c_user(str(source), tmp_path))
+    user.c_block.restype, user.c_block.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    user.c_free.restype, user.c_free.argtypes = None, [ctypes.c_void_p, ctypes.c_size_t]
+    allocator = unimem.cpu.caching_allocator(0)
+    ptr = user.c_block(1000)
+    try:
+        assert client_of(allocator, ptr) == "c"
+        assert unimem.cpu.memory_allocated_by_client(0).get("c", 0) >= 1024
+    finally:
+        user.c_free(ptr, 1000)
+    for name in ("torch_cuda_malloc", "torch_cuda_free", "torch_xpu_malloc", "torch_xpu_free"):
+        exported = ctypes.cast(getattr(lib, f"unimem_{name}"), ctypes.c_void_p).value
+        assert ctypes.c_void_p.in_dll(user, name).value == exported, name
 
 
 def test_streams_key_cpu_blocks_as_from_python(lib):

@@ -12,6 +12,7 @@ from unimem._runtime import devices as _devices
 from unimem.backends.cuda import per_thread_stream_key
 
 from tests.helpers.capi import CUDA, last_error, library
+from tests.helpers.clients import client_of
 from tests.helpers.fake_cuda import FakeCudaRuntime, fake, serving_cuda  # noqa: F401  (fixture)
 
 MiB = 1 << 20
@@ -62,6 +63,23 @@ def test_cupy_and_c_share_the_pool(lib, fake, ucuda):
     again = ucuda.allocator(4096)
     assert again.mem.ptr in (address, from_c)
     assert ucuda.memory_stats(0)["allocation.all.allocated"] == 4
+
+
+def test_c_and_pytorch_through_the_abi_are_told_apart(lib, fake, ucuda):
+    """unimem_cuda_malloc's blocks are C code's; unimem_torch_cuda_malloc's,
+    the same function for PyTorch's pluggable allocator, PyTorch's; CuPy's
+    allocator beside them is CuPy's."""
+    from_c = lib.unimem_cuda_malloc(1000, 0, None)
+    from_torch = lib.unimem_torch_cuda_malloc(3000, 0, None)
+    pointer = ucuda.allocator(5000)
+    allocator = ucuda.caching_allocator(0)
+    assert [client_of(allocator, p) for p in (from_c, from_torch, pointer.mem.ptr)] == ["c", "torch", "cupy"]
+    assert ucuda.memory_allocated_by_client(0) == {"torch": 3072, "cupy": 5120, "c": 1024}
+    assert sum(ucuda.memory_allocated_by_client(0).values()) == ucuda.memory_allocated(0)
+    lib.unimem_torch_cuda_free(from_torch, 3000, 0, None)
+    lib.unimem_cuda_free(from_c, 1000, 0, None)
+    assert ucuda.memory_allocated_by_client(0) == {"cupy": 5120}
+    assert lib.unimem_torch_cuda_malloc(-1, 0, None) is None and last_error(lib) == "ValueError: a negative size"
 
 
 def test_the_device_argument_picks_the_pool(lib, fake, ucuda):

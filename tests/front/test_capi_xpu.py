@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from tests.helpers.capi import XPU, last_error, library
+from tests.helpers.clients import client_of
 
 MiB = 1 << 20
 
@@ -60,6 +61,19 @@ def test_a_dpnp_array_views_writes_and_reads_the_block(lib, xpu, dpnp, dpctl):
     finally:
         lib.unimem_xpu_free(ptr, n * 4, 0, ref(queue))
     assert xpu.memory_stats(0)["allocation.all.current"] == before
+
+
+def test_c_and_pytorch_through_the_abi_are_told_apart(lib, xpu, dpctl):
+    queue = xpu.default_queue(0)
+    from_c = lib.unimem_xpu_malloc(4096, 0, ref(queue))
+    from_torch = lib.unimem_torch_xpu_malloc(4096, 0, ref(queue))
+    allocator = xpu.caching_allocator(0)
+    try:
+        assert [client_of(allocator, p) for p in (from_c, from_torch)] == ["c", "torch"]
+    finally:
+        lib.unimem_xpu_free(from_c, 4096, 0, ref(queue))
+        lib.unimem_torch_xpu_free(from_torch, 4096, 0, ref(queue))
+    assert not allocator.owns(from_c) and not allocator.owns(from_torch)
 
 
 def test_a_queue_is_keyed_as_unimem_xpu_keys_it(lib, xpu, dpctl):

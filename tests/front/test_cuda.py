@@ -15,6 +15,7 @@ from unimem import _core
 from unimem.backends.cuda import CUDABackend, CUDAPinnedBackend
 from unimem.backends.simulated import SimulatedBackend
 
+from tests.helpers.clients import client_of
 from tests.helpers.fake_cuda import CUDA_ERROR_INVALID_DEVICE, CUDARuntimeError, fake  # noqa: F401  (fixture)
 from tests.helpers.gpu import requires_gpu
 
@@ -321,6 +322,16 @@ def test_gpu_pinned_copies_both_ways():
     finally:
         cupy.cuda.set_pinned_memory_allocator(cupy.get_default_pinned_memory_pool().malloc)
         cupy.cuda.set_allocator(previous)
+
+
+def test_cupys_pinned_blocks_are_cupys():
+    """unimem.host.pinned_allocator (cupy.cuda.set_pinned_memory_allocator's)
+    hands out the pinned pool's blocks as CuPy's."""
+    pointer = unimem.host.pinned_allocator(5000)
+    pool = unimem.host.caching_allocator()
+    assert client_of(pool, pointer.ptr) == "cupy"
+    assert pool.memory_allocated_by_client()["cupy"] >= 5120
+    del pointer
 
 
 def test_host_memory_stats_has_every_key_zeroed_before_the_first_pinned_allocation():

@@ -16,6 +16,7 @@ import unimem
 from unimem._runtime import devices as _devices
 from unimem.backends import cuda as cuda_backend
 
+from tests.helpers.clients import client_of
 from tests.helpers.crash_guard import run_python
 from tests.helpers.fake_cuda import FakeCudaRuntime, serving_cuda
 
@@ -57,6 +58,15 @@ def test_blocks_are_reused_on_the_stream_that_freed_them(one_gpu):
     s = stats()
     assert s["allocation.all.current"] == 2 and s["num_device_alloc"] == 2   # a segment per stream
     del other, again
+
+
+def test_the_short_ways_blocks_are_cupys(one_gpu):
+    import unimem.cuda as ucuda
+    pointer = ucuda.allocator(1000)
+    assert client_of(ucuda.caching_allocator(0), pointer.ptr) == "cupy"
+    assert ucuda.memory_allocated_by_client(0) == {"cupy": 1024}
+    del pointer
+    assert ucuda.memory_allocated_by_client(0) == {}
 
 
 def test_per_thread_default_streams_are_keyed_per_thread(one_gpu):

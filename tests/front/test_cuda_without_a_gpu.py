@@ -77,6 +77,7 @@ def test_the_statistics_read_as_pytorchs_before_cuda_is_initialised(no_driver, d
     assert ucuda.memory_stats(device) == {} and ucuda.memory_stats_as_nested_dict(device) == {}
     assert (ucuda.memory_allocated(device), ucuda.max_memory_allocated(device),
             ucuda.memory_reserved(device), ucuda.max_memory_reserved(device)) == (0, 0, 0, 0)
+    assert ucuda.memory_allocated_by_client(device) == {}
     with pytest.warns(FutureWarning):
         assert ucuda.memory_cached(device) == ucuda.max_memory_cached(device) == 0
 
@@ -101,7 +102,8 @@ def test_memory_summary_is_the_table_of_zeros(no_driver, abbreviated):
     assert "device ID 0" in zeros and " 0 B " in zeros
 
 
-STATISTICS = ["memory_stats", "memory_stats_as_nested_dict", "memory_allocated", "max_memory_allocated",
+STATISTICS = ["memory_stats", "memory_stats_as_nested_dict", "memory_allocated", "memory_allocated_by_client",
+              "max_memory_allocated",
               "memory_reserved", "max_memory_reserved", "memory_summary", "reset_peak_memory_stats",
               "reset_accumulated_memory_stats"]
 

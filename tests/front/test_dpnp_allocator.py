@@ -10,6 +10,8 @@ import pytest
 import unimem
 from unimem._integrations import dpnp as _dpnp_allocator, usm_memory as _usm_memory
 
+from tests.helpers.clients import client_of
+
 MiB = 1 << 20
 
 
@@ -87,6 +89,18 @@ def test_the_memory_is_dpctls_own_kind_held_by_a_smart_pointer(hooked, dpnp, dpm
     assert isinstance(own, dpm.MemoryUSMDevice) and issubclass(type(own), dpm.MemoryUSMDevice)
     with pytest.raises(TypeError):
         _usm_memory.block_owner_use_count(object())
+
+
+def test_dpnps_arrays_are_dpnps_and_unimems_own_arrays_unimems(hooked, dpnp):
+    pool = hooked.allocator_for("device", 0)
+    theirs = dpnp.empty(1000, dtype="f4")
+    ours = hooked.empty(1000, dtype="f4")
+    assert client_of(pool, theirs.get_array().usm_data._pointer) == "dpnp"
+    assert client_of(pool, ours.get_array().usm_data._pointer) == "unimem"
+    by_client = hooked.memory_allocated_by_client(0)
+    assert by_client["dpnp"] >= 4096 and by_client["unimem"] >= 4096
+    assert sum(by_client.values()) == hooked.memory_allocated(0)
+    del theirs, ours
 
 
 @pytest.mark.parametrize("usm_type", ["shared", "host"])

@@ -33,6 +33,20 @@ def test_1000_bytes_count_1024_allocated_and_1000_requested():
     assert isinstance(acc.memory_stats(0), collections.OrderedDict)
 
 
+def test_memory_allocated_by_client_is_the_current_accelerators():
+    namespace = getattr(unimem, current_type())
+    before = acc.memory_allocated_by_client(0).get("unimem", 0)
+    p = acc.caching_allocator_alloc(5000)
+    try:
+        by_client = acc.memory_allocated_by_client(0)
+        assert by_client == namespace.memory_allocated_by_client(0)
+        assert by_client["unimem"] - before == 5120                     # unimem's own function
+        assert sum(by_client.values()) == acc.memory_allocated(0)
+    finally:
+        acc.caching_allocator_delete(p)
+    assert acc.memory_allocated_by_client(0).get("unimem", 0) == before
+
+
 def test_functions_agree_with_memory_stats():
     p = acc.caching_allocator_alloc(3 * MiB)
     s = acc.memory_stats()

@@ -373,9 +373,14 @@ def test_pytorchs_viewer_renders_a_unimem_snapshot(tmp_path, recording):
     from torch.cuda import _memory_viz as viz      # torch==2.13.0 is in the test extra
     keep = [allocate_here(n) for n in (100, 5000, 3 * MiB, 25 * MiB)]
     unimem.cpu.caching_allocator_delete(keep.pop(1))
+    numbas = unimem.cpu.caching_allocator(0).allocate(2 * MiB, 0, "numba")   # blocks of two clients
     with pytest.raises(unimem.OutOfMemoryError):
         allocate_here(1 << 52)
     s = recording._snapshot()
+    # unimem's "client" key on blocks and on the block events of the trace, which the viewer reads past
+    assert {b["client"] for seg in s["segments"] for b in seg["blocks"] if b["state"] == "active_allocated"} \
+        >= {"unimem", "numba"}
+    assert {e.get("client") for e in s["device_traces"][0] if e["action"] == "alloc"} == {"unimem", "numba"}
     plain = lambda lines: lines  # noqa: E731 - no flamegraph.pl download
     text = viz.segsum(s)
     assert f"segments: {len(s['segments'])}" in text
@@ -396,6 +401,7 @@ def test_pytorchs_viewer_renders_a_unimem_snapshot(tmp_path, recording):
         assert done.returncode == 0, done.stderr
     for p in keep:
         unimem.cpu.caching_allocator_delete(p)
+    numbas.release()
 
 
 # ---------------------------------------------------------------------------

@@ -12,10 +12,11 @@ from hypothesis import strategies as st
 
 import unimem
 import unimem.host
-from unimem._observe.summary import memory_summary_table
+from unimem._observe.summary import clients_section, memory_summary_table
 from unimem._runtime.devices import DISPLAY_NAMES
 from tests.helpers import REPO_ROOT
 from tests.helpers.pytorch_summary import pytorch_memory_summary
+from tests.helpers.fake_cuda import fake  # noqa: F401  (fixture)
 
 #: The names of the tables of every pool kind: the device types' pools (GPU,
 #: XPU, CPU), the pinned host pool, and the shared USM and host USM pools
@@ -217,3 +218,43 @@ def test_demo_prints_pytorchs_layout_and_no_empty_table(tmp_path):
     assert len(table) == len(reference), done.stdout
     for mine, pytorch in zip(table, reference):
         assert len(mine) == WIDTH and separators(mine) == separators(pytorch), f"{mine}\n{pytorch}"
+
+
+# ---------------------------------------------------------------------------
+# who holds the memory: unimem's section after PyTorch's table
+# ---------------------------------------------------------------------------
+def test_the_clients_section_is_framed_as_the_table():
+    section = clients_section({"unimem": 1024, "torch": 3 << 20, "cupy": 5 << 30}, 1)
+    lines = section.splitlines()
+    assert section.endswith("|\n") and all(len(line) == WIDTH for line in lines), section
+    assert lines[0].strip("| ") == "Allocated memory by client, device ID 1"
+    assert lines[-1] == "|" + "=" * (WIDTH - 2) + "|"
+    rows = {line[1:LABEL_END].strip(): line for line in lines[4:-1]}
+    assert list(rows) == ["unimem", "torch", "cupy"]          # the order given (CLIENTS')
+    assert all(separators(row)[:3] == [0, LABEL_END, LABEL_END + 13] for row in rows.values()), section
+    assert "   3072 KiB |   0.1%" in rows["torch"] and "   5120 MiB |  99.9%" in rows["cupy"], section
+
+
+def test_no_section_while_only_unimems_own_functions_hold_memory():
+    assert clients_section({}, 0) == ""
+    assert clients_section({"unimem": 4096}, 0) == ""
+    assert clients_section({"unimem": 4096, "cupy": 0}, 0) == ""
+    assert "| dpnp " in clients_section({"dpnp": 512}, 0)
+
+
+def test_memory_summary_is_pytorchs_table_then_the_clients(fake):
+    """PyTorch's table stays PyTorch's, byte for byte; the section follows it
+    while a client other than unimem's own functions holds memory."""
+    import unimem.cuda as ucuda
+    own = ucuda.caching_allocator_alloc(1000)
+    alone = ucuda.memory_summary(0)
+    assert alone == memory_summary_table(ucuda.memory_stats(0), "GPU", 0)
+    pointer = ucuda.allocator(4096)                  # CuPy's
+    summary = ucuda.memory_summary(0)
+    table = memory_summary_table(ucuda.memory_stats(0), "GPU", 0)
+    assert summary.startswith(table) and summary[len(table):] == clients_section({"unimem": 1024, "cupy": 4096}, 0)
+    assert_pytorch_layout(table, dict(ucuda.memory_stats(0)), "GPU", abbreviated=False)
+    assert "| cupy " in summary and "| unimem " in summary
+    del pointer
+    assert ucuda.memory_summary(0, abbreviated=True) == memory_summary_table(ucuda.memory_stats(0), "GPU", 0, True)
+    ucuda.caching_allocator_delete(own)

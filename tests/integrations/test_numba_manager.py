@@ -71,6 +71,7 @@ def test_device_allocations_are_unimem_blocks(fake):
     assert isinstance(pointer, cuda.MemoryPointer) and pointer.size == 3 * MiB
     assert unimem.cuda.caching_allocator(1).owns(address) and fake.live[address][0] == 1
     assert unimem.cuda.memory_stats(1)["requested_bytes.all.current"] == 3 * MiB
+    assert unimem.cuda.memory_allocated_by_client(1) == {"numba": 3 * MiB}       # Numba's, not unimem's
     pointer.free()                              # what Numba does when the array dies
     assert unimem.cuda.memory_allocated(1) == 0
     again = manager.memalloc(3 * MiB)

@@ -23,6 +23,7 @@ import textwrap
 import numpy
 import pytest
 from tests.helpers import REPO_ROOT
+from unimem._core import format_size
 
 MiB = float(1 << 20)
 SCREENSHOT = REPO_ROOT / "docs" / "memory-report.png"
@@ -246,6 +247,55 @@ def test_the_report_opens_offline_without_errors(opened):
     assert opened.console_errors == []
     assert "CPU memory summary" in opened.page.inner_text("#unimem-summary")
     assert opened.page.locator("table").count() == 2                     # per stream, per pool
+
+
+# Blocks of three clients on the cpu pool: unimem's own functions, and two
+# frameworks' (the names their entry points pass), one freed in the trace.
+CLIENTS = textwrap.dedent("""
+    import sys
+    import unimem
+    api = unimem.cpu
+    api._record_memory_history(max_entries=100_000)
+    pool = api.caching_allocator(0)
+    own = [api.caching_allocator_alloc(size) for size in (3 << 20, 1000)]
+    numba = [pool.allocate(size, 0, "numba") for size in (5 << 20, 2 << 20)]
+    cupy = pool.allocate(7 << 20, 0, "cupy")
+    numba.pop().release()
+    api._dump_snapshot(sys.argv[1])
+""")
+
+
+def test_the_report_shows_who_holds_the_memory(browser, tmp_path):
+    path, _, snapshot = make_snapshot(tmp_path, "clients", CLIENTS)
+    report = tmp_path / "memory.html"
+    done = unimem_cli("view", str(path), "-o", str(report))
+    assert done.returncode == 0, done.stderr
+    opened = OpenedReport(browser, report)
+    try:
+        assert opened.left_the_file == [] and opened.console_errors == []
+        tables = opened.page.locator("table")
+        assert tables.count() == 3                                     # per stream, per pool, per client
+        heading = opened.page.locator("h2", has_text="Per client").inner_text()
+        rows = opened.page.evaluate("""() => Array.from(document.querySelectorAll('table')[2].rows)
+            .map(r => Array.from(r.cells).map(c => c.textContent))""")
+    finally:
+        opened.close()
+    assert "who holds the memory" in heading
+    header, *body = rows
+    assert header[:4] == ["client", "allocated", "pending free", "live allocations"]
+    by_client = {row[0]: row for row in body}
+    assert list(by_client) == ["cupy", "numba", "unimem"]              # the most memory first
+    # against the snapshot, summed here
+    live = {}
+    for segment in snapshot["segments"]:
+        for block in segment["blocks"]:
+            if block["state"] == "active_allocated":
+                live[block["client"]] = live.get(block["client"], 0) + block["size"]
+    assert live == {"unimem": (3 << 20) + 1024, "numba": 5 << 20, "cupy": 7 << 20}
+    order = ("cupy", "numba", "unimem")
+    assert [by_client[c][1] for c in order] == [format_size(live[c]) for c in order]
+    assert [by_client[c][3] for c in order] == ["1", "1", "2"]
+    assert [by_client[c][4] for c in order] == ["1", "2", "2"]       # allocations in the trace
 
 
 def test_the_timeline_shows_the_snapshots_totals(opened, training):

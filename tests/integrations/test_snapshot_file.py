@@ -260,6 +260,9 @@ HOSTILE = {
                                  "segment 0 'segment_pool_id' is an int"),
     "a pool id that is negative": (_with(_set(("segments", 0, "segment_pool_id"), (0, -1))),
                                    "'segment_pool_id' item 1 is below 0"),
+    # unimem's "client" (who a block is for) is a name, or None for a free block
+    "a block's client that is an int": (_with(_set(BLOCK + ("client",), 3)), "'client' is an int"),
+    "an event's client that is a list": (_with(_set(EVENT + ("client",), ["cupy"])), "'client' is a list"),
     "a free_requested without size": (_with(_drop(("device_traces", 0, 3, "size"))), "event 3 has no 'size'"),
     "a pool nested 100,000 lists deep": (_pool_nested(100_000), "deep"),
     "a file of lists nested 200,000 deep": (_nested_list_pickle(200_000), "deep"),
@@ -307,7 +310,8 @@ def test_pytorch_and_unimem_snapshots_still_load_and_plot(tmp_path):
     """Optional keys stay optional: PyTorch's full format (every key of
     torch.cuda.memory._snapshot), a minimal one, and a memory_snapshot() list."""
     full = valid_snapshot()
-    full["device_traces"][0][1].update(compile_context="", user_metadata="")
+    full["device_traces"][0][1].update(compile_context="", user_metadata="", client="cupy")
+    full["segments"][0]["blocks"][0]["client"] = None                      # unimem's key on a free block
     full["segments"][0]["frames"].append({"filename": "/opt/torch/csrc/x.cpp", "line": 0, "name": "c10::alloc"})
     minimal = {"segments": [{"address": 0, "total_size": 512, "segment_type": "small",
                              "blocks": [{"size": 512, "state": "inactive"}]}]}

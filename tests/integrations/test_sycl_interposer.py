@@ -157,6 +157,20 @@ def test_frees_take_both_paths(interposed):
     assert returned == counters["pooled.calls"], counters
 
 
+def test_the_scratch_blocks_are_dpnps():
+    """The history names dpnp as the client of every block the interposer
+    served (dpnp's arrays are dpctl's here: only its C++ scratch is pooled)."""
+    report, _ = run_child("""
+        xpu._record_memory_history()
+        workload(dpnp)
+        settle(0)
+        trace = xpu._snapshot()["device_traces"][0]
+        report(clients=sorted({str(e.get("client")) for e in trace if e["action"] == "alloc"}),
+               served=si.counters()["pooled.calls"])
+    """)
+    assert report["served"] > 0 and report["clients"] == ["dpnp"], report
+
+
 def test_installing_after_dpnp_is_refused_and_changes_nothing():
     done = subprocess.run([sys.executable, "-c", textwrap.dedent("""
         import json

@@ -114,7 +114,7 @@ def test_pytorchs_cuda_allocator_calls_unimems_functions(fake, monkeypatch):
     assert isinstance(made, torch.cuda.memory.CUDAPluggableAllocator)
     assert unimem.cuda.pluggable_allocator() is made                      # one per process
     (_, alloc_address, free_address), = hooks.made
-    assert alloc_address == exported("unimem_cuda_malloc") and free_address == exported("unimem_cuda_free")
+    assert alloc_address == exported("unimem_torch_cuda_malloc") and free_address == exported("unimem_torch_cuda_free")
     # what PyTorch's C++ does with them: alloc(size, device, stream), free(ptr, size, device, stream)
     alloc, free = CUDA_ALLOC(alloc_address), CUDA_FREE(free_address)
     ptr = alloc(1 << 20, 1, ctypes.c_void_p(0x7000))
@@ -122,6 +122,7 @@ def test_pytorchs_cuda_allocator_calls_unimems_functions(fake, monkeypatch):
     stats = unimem.cuda.memory_stats(1)
     assert stats["allocated_bytes.all.current"] == 1 << 20 and stats["requested_bytes.all.current"] == 1 << 20
     assert unimem.cuda.caching_allocator(1).live_allocations()[ptr][2] == 0x7000
+    assert unimem.cuda.memory_allocated_by_client(1) == {"torch": 1 << 20}  # PyTorch's, not plain C's
     free(ptr, 1 << 20, 1, ctypes.c_void_p(0x7000))
     assert unimem.cuda.memory_allocated(1) == 0
     assert alloc(1 << 40, 0, None) is None                                # out of memory: NULL for PyTorch
@@ -175,11 +176,12 @@ def test_pytorchs_xpu_allocator_gives_usm_a_dpnp_array_uses(xpu_type, monkeypatc
     made = unimem.xpu.pluggable_allocator()
     assert isinstance(made, torch.xpu.memory.XPUPluggableAllocator)
     (_, alloc_address, free_address), = hooks.made
-    assert alloc_address == exported("unimem_xpu_malloc") and free_address == exported("unimem_xpu_free")
+    assert (alloc_address, free_address) == (exported("unimem_torch_xpu_malloc"), exported("unimem_torch_xpu_free"))
     alloc, free = XPU_ALLOC(alloc_address), XPU_FREE(free_address)
     queue = unimem.xpu.default_queue(0)
     ptr = alloc(4096, 0, ctypes.c_void_p(queue.addressof_ref()))
     assert unimem.xpu.caching_allocator(0).owns(ptr)
+    assert unimem.xpu.memory_allocated_by_client(0) == {"torch": 4096}      # PyTorch's, not plain C's
 
     class View:
         __sycl_usm_array_interface__ = {"data": (ptr, False), "shape": (1024,), "strides": None,
@@ -213,6 +215,7 @@ def test_torch_and_cupy_share_the_pool_on_a_gpu():
         stats = unimem.cuda.memory_stats()
         assert stats["allocation.all.current"] == 2, stats["allocation.all.current"]
         assert stats["allocated_bytes.all.current"] == 8 << 20
+        assert unimem.cuda.memory_allocated_by_client() == {"torch": 4 << 20, "cupy": 4 << 20}
         t.fill_(2); a.fill(3)
         assert float(t.sum()) == 2 * (1 << 20) and float(a.sum()) == 3 * (1 << 20)
         address = t.data_ptr()
@@ -220,6 +223,7 @@ def test_torch_and_cupy_share_the_pool_on_a_gpu():
         torch.cuda.synchronize()
         b = cupy.empty(1 << 20, dtype=cupy.float32)     # the tensor's block, reused by CuPy
         assert b.data.ptr == address, (hex(b.data.ptr), hex(address))
+        assert unimem.cuda.memory_allocated_by_client() == {"cupy": 8 << 20}   # the block says who holds it now
         u = torch.ones(10, device="cuda", dtype=torch.float64)
         assert unimem.cuda.caching_allocator(0).owns(u.data_ptr())
         print("ok")

@@ -29,8 +29,9 @@ namespace um_capi {
 enum { N_TYPES = 3, MAX_DEVICES = 64, ERROR_SIZE = 1024 };
 
 // capi.pyx's functions; NULL until unimem._integrations.capi is imported.
+// malloc's `for_torch`: the request is PyTorch's (unimem_torch_*), not plain C's.
 struct Entries {
-    void* (*malloc)(int type, size_t size, int device, void* stream);
+    void* (*malloc)(int type, size_t size, int device, void* stream, int for_torch);
     void (*free)(int type, void* ptr, int device, void* stream);
     int64_t (*stat)(int which, int type, int device);
     int (*empty_cache)(int type);
@@ -160,43 +161,70 @@ static inline const Entries* get_entries() {
 // ---- the exported functions (their declarations: include/unimem.h) --------
 UM_CAPI_EXPORT int unimem_abi_version(void) { return UNIMEM_ABI_VERSION; }
 
-UM_CAPI_EXPORT void* unimem_cuda_malloc(ssize_t size, int device, void* stream) {
-    const um_capi::Entries* e = um_capi::get_entries();
+namespace um_capi {
+static inline void* sized_malloc(int type, ssize_t size, int device, void* stream, int for_torch) {
+    const Entries* e = get_entries();
     if (e == nullptr)
         return nullptr;
     if (size < 0) {
-        um_capi::set_error("ValueError: a negative size");
+        set_error("ValueError: a negative size");
         return nullptr;
     }
-    return e->malloc(UNIMEM_CUDA, static_cast<size_t>(size), device, stream);
+    return e->malloc(type, static_cast<size_t>(size), device, stream, for_torch);
+}
+
+static inline void* unsigned_malloc(int type, size_t size, int device, void* stream, int for_torch) {
+    const Entries* e = get_entries();
+    return e == nullptr ? nullptr : e->malloc(type, size, device, stream, for_torch);
+}
+
+static inline void typed_free(int type, void* ptr, int device, void* stream) {
+    const Entries* e = get_entries();
+    if (e != nullptr && ptr != nullptr)
+        e->free(type, ptr, device, stream);
+}
+}  // namespace um_capi
+
+UM_CAPI_EXPORT void* unimem_cuda_malloc(ssize_t size, int device, void* stream) {
+    return um_capi::sized_malloc(UNIMEM_CUDA, size, device, stream, 0);
 }
 
 UM_CAPI_EXPORT void unimem_cuda_free(void* ptr, ssize_t, int device, void* stream) {
-    const um_capi::Entries* e = um_capi::get_entries();
-    if (e != nullptr && ptr != nullptr)
-        e->free(UNIMEM_CUDA, ptr, device, stream);
+    um_capi::typed_free(UNIMEM_CUDA, ptr, device, stream);
 }
 
 UM_CAPI_EXPORT void* unimem_xpu_malloc(size_t size, int device, void* queue) {
-    const um_capi::Entries* e = um_capi::get_entries();
-    return e == nullptr ? nullptr : e->malloc(UNIMEM_XPU, size, device, queue);
+    return um_capi::unsigned_malloc(UNIMEM_XPU, size, device, queue, 0);
 }
 
 UM_CAPI_EXPORT void unimem_xpu_free(void* ptr, size_t, int device, void* queue) {
-    const um_capi::Entries* e = um_capi::get_entries();
-    if (e != nullptr && ptr != nullptr)
-        e->free(UNIMEM_XPU, ptr, device, queue);
+    um_capi::typed_free(UNIMEM_XPU, ptr, device, queue);
+}
+
+// PyTorch's pluggable allocators' pairs: unimem_cuda_* / unimem_xpu_* whose
+// blocks say "torch" (unimem.capi.pluggable_allocator loads these).
+UM_CAPI_EXPORT void* unimem_torch_cuda_malloc(ssize_t size, int device, void* stream) {
+    return um_capi::sized_malloc(UNIMEM_CUDA, size, device, stream, 1);
+}
+
+UM_CAPI_EXPORT void unimem_torch_cuda_free(void* ptr, ssize_t, int device, void* stream) {
+    um_capi::typed_free(UNIMEM_CUDA, ptr, device, stream);
+}
+
+UM_CAPI_EXPORT void* unimem_torch_xpu_malloc(size_t size, int device, void* queue) {
+    return um_capi::unsigned_malloc(UNIMEM_XPU, size, device, queue, 1);
+}
+
+UM_CAPI_EXPORT void unimem_torch_xpu_free(void* ptr, size_t, int device, void* queue) {
+    um_capi::typed_free(UNIMEM_XPU, ptr, device, queue);
 }
 
 UM_CAPI_EXPORT void* unimem_cpu_malloc(size_t size, int device, void* stream) {
-    const um_capi::Entries* e = um_capi::get_entries();
-    return e == nullptr ? nullptr : e->malloc(UNIMEM_CPU, size, device, stream);
+    return um_capi::unsigned_malloc(UNIMEM_CPU, size, device, stream, 0);
 }
 
 UM_CAPI_EXPORT void unimem_cpu_free(void* ptr, size_t, int device, void* stream) {
-    const um_capi::Entries* e = um_capi::get_entries();
-    if (e != nullptr && ptr != nullptr)
-        e->free(UNIMEM_CPU, ptr, device, stream);
+    um_capi::typed_free(UNIMEM_CPU, ptr, device, stream);
 }
 
 UM_CAPI_EXPORT int64_t unimem_memory_allocated(unimem_device_type type, int device) {

@@ -23,6 +23,7 @@ from cpython.pycapsule cimport PyCapsule_New
 from libc.stdint cimport int64_t, uintptr_t
 
 from unimem._core cimport CachingAllocator
+from unimem._native.blocks cimport CLIENT_C, CLIENT_TORCH
 from unimem._native.stats cimport S_ALLOCATED_BYTES, S_RESERVED_BYTES, pool_current
 
 import atexit
@@ -39,7 +40,7 @@ cdef extern from "capi.hpp":
 
 cdef extern from "capi.hpp" namespace "um_capi" nogil:
     ctypedef struct Entries "um_capi::Entries":
-        void* (*malloc)(int, size_t, int, void*) noexcept nogil
+        void* (*malloc)(int, size_t, int, void*, int) noexcept nogil
         void (*free)(int, void*, int, void*) noexcept nogil
         int64_t (*stat)(int, int, int) noexcept nogil
         int (*empty_cache)(int) noexcept nogil
@@ -83,14 +84,17 @@ atexit.register(_mark_exiting)
 # ---------------------------------------------------------------------------
 # the entries (called by capi.hpp's exported functions, on any thread)
 # ---------------------------------------------------------------------------
-cdef void* _malloc(int device_type, size_t size, int device, void* stream) noexcept nogil:
+cdef void* _malloc(int device_type, size_t size, int device, void* stream, int for_torch) noexcept nogil:
+    """``for_torch``: PyTorch's pluggable allocator asks (unimem_torch_*),
+    not plain C: its blocks' client says so."""
     cdef void* allocator = NULL
     cdef uintptr_t key = <uintptr_t>stream
     if size == 0:
         return NULL
     if _route(device_type, device, stream, True, &allocator, &key) != 0:
         return NULL
-    return <void*>(<CachingAllocator>allocator).c_malloc_nogil(size, key, error_buffer(), ERROR_SIZE)
+    return <void*>(<CachingAllocator>allocator).c_malloc_nogil(size, key, CLIENT_TORCH if for_torch else CLIENT_C,
+                                                                error_buffer(), ERROR_SIZE)
 
 
 cdef void _free(int device_type, void* ptr, int device, void* stream) noexcept nogil:

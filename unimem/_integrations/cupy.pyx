@@ -69,9 +69,9 @@ cpdef object memory_pointer(object registry, object size):
     cdef object only = registry.only          # the allocator of a one-device registry, once made
     try:
         if only is not None and registry.current_stream_fn is _cupy_stream_key:
-            allocation = only.allocate(size, _current_stream_key())
+            allocation = only.allocate(size, _current_stream_key(), "cupy")
         else:
-            allocation = registry.allocate_current(size)
+            allocation = registry.allocate_current(size, "cupy")
     except _OutOfMemoryError as error:
         raise _out_of_memory_class()(error) from None
     if _memory_classes is None:

@@ -69,7 +69,7 @@ class UnimemNumbaManager(GetIpcHandleMixin, HostOnlyCUDAMemoryManager):  # type:
         if size == 0:
             return MemoryPointer(self.context, _device_pointer(0), 0)
         allocator = _devices.get_type("cuda").allocator(self.context.device.id)
-        allocation = allocator.allocate(size, _default_stream_key())
+        allocation = allocator.allocate(size, _default_stream_key(), "numba")
         # self.allocations (HostOnlyCUDAMemoryManager's) is cleared at the
         # context's reset, which frees every block still held.
         self.allocations[allocation.ptr] = allocation

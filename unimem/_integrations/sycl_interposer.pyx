@@ -49,6 +49,7 @@ from cpython.ref cimport Py_INCREF
 from libc.stdint cimport uintptr_t
 
 from unimem._core cimport CachingAllocator
+from unimem._native.blocks cimport CLIENT_DPNP
 
 import importlib.util
 import os
@@ -150,7 +151,7 @@ cdef void _unraisable(BaseException exc, str where) noexcept:
 cdef uintptr_t _pool_malloc(void* pool, size_t size, int* status) noexcept:
     status[0] = 0
     try:
-        return (<CachingAllocator>pool).c_malloc(size, 0)
+        return (<CachingAllocator>pool).c_malloc(size, 0, False, CLIENT_DPNP)     # dpnp's C++ scratch
     except MemoryError:                 # OutOfMemoryError included: SYCL answers nullptr
         status[0] = 1
     except BaseException as exc:

@@ -95,8 +95,9 @@ _made_lock = threading.Lock()
 def pluggable_allocator(device_type: str) -> Any:
     """PyTorch's pluggable allocator over unimem's pool of ``device_type``
     (``"cuda"``: ``torch.cuda.memory.CUDAPluggableAllocator``; ``"xpu"``:
-    ``torch.xpu.memory.XPUPluggableAllocator``), over ``unimem_<type>_malloc``
-    and ``unimem_<type>_free``. One object per device type and process: pass it
+    ``torch.xpu.memory.XPUPluggableAllocator``), over ``unimem_torch_<type>_malloc``
+    and ``unimem_torch_<type>_free`` (``unimem_<type>_*`` whose blocks' client
+    is ``"torch"``). One object per device type and process: pass it
     to ``torch.<type>.memory.change_current_allocator`` (before PyTorch's
     first allocation on the device) or to ``torch.<type>.MemPool``.
 
@@ -120,7 +121,8 @@ def pluggable_allocator(device_type: str) -> Any:
                                f"has no torch._C.{hook}, which {class_name} needs")
         memory = importlib.import_module(f"torch.{device_type}.memory")
         library = os.path.abspath(_c_abi.__file__)     # unimem.capi.library_path()
-        made = getattr(memory, class_name)(library, f"unimem_{device_type}_malloc", f"unimem_{device_type}_free")
+        made = getattr(memory, class_name)(library, f"unimem_torch_{device_type}_malloc",
+                                           f"unimem_torch_{device_type}_free")
         _made[device_type] = made
         return made
 

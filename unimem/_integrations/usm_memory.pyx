@@ -33,6 +33,7 @@ from libc.stdint cimport int64_t, uintptr_t
 from unimem._native.provider cimport um_now_ns
 
 from unimem._core cimport CachingAllocator
+from unimem._native.blocks cimport CLIENT_DPNP
 
 import numbers
 
@@ -294,7 +295,7 @@ cdef class UsmAllocator:
         if guard is not None:
             guard(queue)
         try:
-            ptr = allocator.c_malloc(<size_t>nbytes, stream)
+            ptr = allocator.c_malloc(<size_t>nbytes, stream, False, CLIENT_DPNP)
         except MemoryError as exc:
             raise self.out_of_memory_error(*exc.args) from None
         memory = self._wrap(ptr, nbytes, queue, allocator)

@@ -7,7 +7,7 @@ import warnings
 from typing import Any, Dict, Tuple
 
 from .. import _core
-from .._observe.summary import memory_summary_table
+from .._observe.summary import clients_section, memory_summary_table
 from .._runtime.devices import DeviceLike, device_index
 from .device_type import DeviceTypeAPI
 
@@ -169,6 +169,24 @@ class StatisticsAPI(DeviceTypeAPI):
             return 0
         return dtype.registry.memory_allocated(device_index(device, dtype))
 
+    def memory_allocated_by_client(self, device: DeviceLike = None) -> Dict[str, int]:
+        r"""Return :func:`memory_allocated` of a given device by the framework
+        each block was handed out to (unimem's own addition).
+
+        unimem is the one pool of a device for every framework in the process:
+        a block remembers whose entry point allocated it. The keys, in this
+        order, only those holding memory: ``"unimem"`` (unimem's own functions:
+        ``caching_allocator_alloc``, ``unimem.xpu.empty``, ...), ``"torch"``
+        (PyTorch's pluggable allocator, ``unimem.install_allocators(torch=True)``),
+        ``"cupy"`` (``unimem.cuda.allocator``), ``"dpnp"`` (dpnp's arrays and its
+        C++ scratch), ``"numba"`` (the EMM plugin) and ``"c"`` (C code through
+        ``unimem.h``). The values are bytes after rounding and add up to
+        :func:`memory_allocated`; memory freed while a stream may still use
+        it is no one's. An empty dict before the device's first allocation.
+        """
+        allocator = self._existing_if_available(device)
+        return {} if allocator is None else allocator.memory_allocated_by_client()
+
     def max_memory_allocated(self, device: DeviceLike = None) -> int:
         r"""Return the maximum memory occupied by tensors in bytes for a given device.
 
@@ -246,5 +264,7 @@ class StatisticsAPI(DeviceTypeAPI):
                 (default: False).
         """
         index = self._peek(device)[0]
-        return memory_summary_table(self.memory_stats(index), self.pool.display_name,
-                                    index, abbreviated)
+        # unimem's addition after PyTorch's table: who holds the allocated
+        # memory, once a framework other than unimem's own functions does
+        return (memory_summary_table(self.memory_stats(index), self.pool.display_name, index, abbreviated)
+                + clients_section(self.memory_allocated_by_client(index), index))

@@ -44,13 +44,30 @@ cdef struct Block:
     # it (never in the free index, never merged with a mapped block); lost:
     # its unmap failed, so it is neither memory nor reusable address space.
     bint unmapped
-    # (lost and releasing are bytes: with them the struct stays 120 bytes,
-    # as it was before releasing came; the typed core pair measured 6% slower at 128)
+    # (lost, releasing and client are bytes: with them the struct stays 120
+    # bytes, as it was before releasing came; the typed core pair measured 6%
+    # slower at 128; tests/core/history/test_block_clients.py checks the size)
     unsigned char lost
     # Whole free pages split off a hole to unmap (max_reserved_ratio), held
     # (event_count 1) until the work queued on their stream before the split
     # has completed: then unmapped without waiting (_core_holes.pxi).
     unsigned char releasing
+    # Who asked for it (a Client below), set when it is handed out and left
+    # as it was at the free: a free block's client means nothing.
+    unsigned char client
+
+# The framework whose entry point a block was handed out through
+# (Block.client); unimem._core.CLIENTS names them, in this order.
+cdef enum Client:
+    CLIENT_NONE = 0                # no one: never handed out
+    CLIENT_UNIMEM = 1              # unimem's own functions (caching_allocator_alloc, allocate, xpu.empty, ...)
+    CLIENT_TORCH = 2               # PyTorch's pluggable allocator (unimem_torch_* of the C ABI)
+    CLIENT_CUPY = 3                # unimem.cuda.allocator (cupy.cuda.set_allocator)
+    CLIENT_DPNP = 4                # dpnp's arrays (the dpctl.memory hook) and its C++ scratch (the SYCL interposer)
+    CLIENT_NUMBA = 5               # Numba's EMM plugin
+    CLIENT_C = 6                   # C code through unimem.h
+    N_CLIENTS = 7
+
 
 cdef struct Segment:
     uintptr_t base

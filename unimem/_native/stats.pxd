@@ -141,6 +141,7 @@ TRACE_ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc",
 
 cdef struct TraceEvent:
     int action
+    unsigned char client           # a block's event: its Client (blocks.pxd); else CLIENT_NONE
     uintptr_t addr
     size_t size
     uintptr_t stream

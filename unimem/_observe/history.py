@@ -215,7 +215,7 @@ class History:
                     trace = self.traces[device] = collections.deque(maxlen=self.max_entries)
                 blocks = self.block_frames.setdefault(device, {})
                 segments = self.segment_frames.setdefault(device, {})
-                for action, addr, size, stream, time_ns in events:
+                for action, addr, size, stream, time_ns, client in events:
                     entry_frames: List[Frame] = []
                     if action in ("alloc", "segment_alloc", "oom") or context == "all":
                         entry_frames = here or []
@@ -235,6 +235,8 @@ class History:
                     entry = {"action": action, "addr": addr, "size": size, "stream": stream,
                              "time_us": (time_ns + _MONOTONIC_TO_EPOCH_NS) // 1000,
                              "frames": entry_frames if on_entries else []}
+                    if client is not None:       # a block's event: whose block (unimem's addition)
+                        entry["client"] = client
                     if action == "oom":
                         del entry["addr"]
                         entry["device_free"] = device_free

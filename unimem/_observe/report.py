@@ -13,7 +13,9 @@ anything. It shows
 * the segments at the end of the trace, their blocks at their offsets, free
   space visible;
 * the largest allocations still live, their stacks on hover;
-* totals per stream and per pool, and the memory summary table.
+* totals per stream, per pool and per client (the framework each block was
+  handed out to: PyTorch, CuPy, dpnp, Numba, C, unimem), and the memory
+  summary table.
 
 A long trace is cut down to what a screen shows, and what each chart draws
 is bounded (see :mod:`unimem._observe.report_data`): beyond plotly.js, the
@@ -28,7 +30,7 @@ from typing import Any, Dict, List, Mapping, Optional
 
 from .._core import format_size
 from . import report_data as data
-from .summary import memory_summary_table
+from .summary import OWN_CLIENT, memory_summary_table
 from .timeline import MiB, Timeline, downsample, oom_marks, pick_device, shorten
 
 FREE_COLOUR = "#e3e3e3"
@@ -282,6 +284,12 @@ def report_html(snapshot: Dict[str, Any], device: Optional[int] = None, title: O
     tables = [totals_table("Per stream: the segments at the end, and the allocations of the trace",
                            data.totals_by_stream(tl.segments, events), "stream"),
               totals_table("Per pool: the segments at the end", data.totals_by_pool(tl.segments), "pool")]
+    # As memory_summary's section: once a framework other than unimem's own
+    # functions is named (PyTorch's snapshots name no client)
+    by_client = data.totals_by_client(tl.segments, events)
+    if any(row["key"] != OWN_CLIENT for row in by_client):
+        tables.append(totals_table("Per client: who holds the memory at the end, and who allocated in the trace",
+                                   by_client, "client"))
     divs = [plotly.io.to_html(fig, config=PLOTLY_CONFIG, include_plotlyjs=(k == 0), full_html=False,
                               div_id=f"unimem-{name}", post_script=POST_SCRIPT, default_height=None)
             for k, (name, fig) in enumerate(figures)]

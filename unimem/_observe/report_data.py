@@ -13,7 +13,7 @@ import heapq
 import html
 import pickle
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 
 from .._core import format_size
@@ -302,15 +302,54 @@ def totals_by_stream(segments: List[Dict[str, Any]], events: Iterable[Dict[str, 
     return _at_most_rows(rows, "streams")
 
 
-def _at_most_rows(rows: List[Dict[str, Any]], what: str) -> List[Dict[str, Any]]:
+def totals_by_client(segments: List[Dict[str, Any]], events: Iterable[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Per client (the framework a block was handed out to: unimem's
+    snapshots say it, PyTorch's do not): the bytes of its blocks at the end,
+    allocated and pending free, how many it holds, and over the trace how
+    many allocations it made and their bytes; [] when nothing in the
+    snapshot names a client."""
+    at_end: Dict[str, List[int]] = {}
+    for segment in segments:
+        for block in segment["blocks"]:
+            client = block.get("client")
+            if client is None or block["state"] == FREE:
+                continue
+            counted = at_end.setdefault(str(client), [0, 0, 0])
+            if block["state"] == PENDING_FREE:
+                counted[1] += block["size"]
+            else:
+                counted[0] += block["size"]
+                counted[2] += 1
+    made: Dict[str, List[int]] = {}
+    for e in events:
+        if e["action"] == "alloc" and e.get("client") is not None:
+            counted = made.setdefault(str(e["client"]), [0, 0])
+            counted[0] += 1
+            counted[1] += e["size"]
+    rows = [{"key": client, "allocated": at_end.get(client, [0, 0, 0])[0],
+             "pending free": at_end.get(client, [0, 0, 0])[1],
+             "live allocations": at_end.get(client, [0, 0, 0])[2],
+             "allocations in the trace": made.get(client, [0, 0])[0],
+             "bytes allocated in the trace": made.get(client, [0, 0])[1]}
+            for client in sorted(set(at_end) | set(made))]
+    rows.sort(key=lambda row: (-row["allocated"], -row["bytes allocated in the trace"], row["key"]))
+    # a snapshot's clients are any strings: as many rows as streams at most
+    return _at_most_rows(rows, "clients", lambda row: (row["allocated"], row["bytes allocated in the trace"]))
+
+
+def _reserved_weight(row: Dict[str, Any]) -> Tuple[int, int]:
+    return row["reserved"], row.get("bytes allocated in the trace", 0)
+
+
+def _at_most_rows(rows: List[Dict[str, Any]], what: str,
+                  weight: Callable[[Dict[str, Any]], Any] = _reserved_weight) -> List[Dict[str, Any]]:
     """``rows``, or where there are more than MAX_TABLE_ROWS, those of the
-    most memory (reserved, then allocated in the trace) in their order and
-    one row that sums the others (each of a snapshot's entries may name a
-    stream of its own)."""
+    most memory (by ``weight``: reserved, then allocated in the trace) in
+    their order and one row that sums the others (each of a snapshot's
+    entries may name a stream of its own)."""
     if len(rows) <= MAX_TABLE_ROWS:
         return rows
-    weight = lambda k: (rows[k]["reserved"], rows[k].get("bytes allocated in the trace", 0))  # noqa: E731
-    kept = set(sorted(range(len(rows)), key=weight, reverse=True)[:MAX_TABLE_ROWS - 1])
+    kept = set(sorted(range(len(rows)), key=lambda k: weight(rows[k]), reverse=True)[:MAX_TABLE_ROWS - 1])
     others = [row for k, row in enumerate(rows) if k not in kept]
     summed: Dict[str, Any] = {"key": f"{len(others):,} other {what}"}
     for column in rows[0]:

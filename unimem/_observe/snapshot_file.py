@@ -50,6 +50,7 @@ _I64_MIN = -(2**63)
 _SIZE = {"type": "integer", "minimum": 0, "maximum": _U64_MAX}           # sizes, addresses
 _SIGNED = {"type": "integer", "minimum": _I64_MIN, "maximum": _U64_MAX}  # a stream handle
 _STRING = {"type": "string"}
+_CLIENT = {"type": ["string", "null"]}        # unimem's: who a block is for (None: a free block's)
 FRAME_SCHEMA: Dict[str, Any] = {
     "type": "object", "required": ["filename", "line", "name"],
     "properties": {"filename": _STRING, "name": _STRING,
@@ -83,13 +84,13 @@ def _snapshot_schema(frames: Dict[str, Any]) -> Dict[str, Any]:
                         "type": "object",
                         "required": ["size", "state"],
                         "properties": {"address": _SIZE, "size": _SIZE, "requested_size": _SIZE,
-                                       "state": _STRING, "frames": frames}}}}}},
+                                       "state": _STRING, "frames": frames, "client": _CLIENT}}}}}},
             "device_traces": {"type": "array", "items": {"type": "array", "items": {
                 "type": "object",
                 "required": ["action"],
                 "properties": {"action": _STRING, "addr": _SIZE, "size": _SIZE, "stream": _SIGNED,
                                "time_us": {"type": "number", "minimum": _I64_MIN, "maximum": _U64_MAX},
-                               "frames": frames},
+                               "frames": frames, "client": _CLIENT},
                 "allOf": [
                     {"if": {"properties": {"action": {"enum": _SIZED_ACTIONS}}}, "then": {"required": ["size"]}},
                     {"if": {"properties": {"action": {"enum": _ADDRESSED_ACTIONS}}}, "then": {"required": ["addr"]}},

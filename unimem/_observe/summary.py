@@ -1,4 +1,5 @@
-"""``memory_summary``: PyTorch's 75-column statistics table, for any device."""
+"""``memory_summary``: PyTorch's 75-column statistics table, for any device,
+and unimem's section on who holds the memory after it."""
 from __future__ import annotations
 
 from typing import Callable, List, Mapping, Optional, Tuple
@@ -132,4 +133,29 @@ def memory_summary_table(stats: Mapping[str, int], device_name: str, device_inde
             lines.append(f" {title:<{LABEL_WIDTH}} | {cells(values, values, format_count)} ")
     lines.append("=" * WIDTH)
     # Padded, never cut: a line too long for the table shows, it does not lose its last column.
+    return "|" + "|\n|".join(line.ljust(WIDTH) for line in lines) + "|\n"
+
+
+#: The client of unimem's own functions: memory only it holds needs no section.
+OWN_CLIENT = "unimem"
+
+
+def clients_section(by_client: Mapping[str, int], device_index: int) -> str:
+    """The lines after the summary table that split its allocated memory by
+    the framework each block was handed out to (``by_client``: a
+    ``memory_allocated_by_client`` dict), in the table's frame; "" when no
+    client but unimem's own functions holds memory. PyTorch's table above it
+    stays as PyTorch prints it; a program that uses only unimem's functions
+    (or PyTorch through unimem alone, whose table it is) sees nothing new."""
+    held = {client: size for client, size in by_client.items() if size > 0}
+    if not any(client != OWN_CLIENT for client in held):
+        return ""
+    total = sum(held.values())
+    lines = [f"Allocated memory by client, device ID {device_index}".center(WIDTH),
+             "-" * WIDTH,
+             f" {'Client':^{LABEL_WIDTH}} | Cur Usage  | Share of allocated",
+             "-" * WIDTH]
+    lines += [f" {client:<{LABEL_WIDTH}} | {format_size(size, size)} | {100 * size / total:5.1f}%"
+              for client, size in held.items()]
+    lines.append("=" * WIDTH)
     return "|" + "|\n|".join(line.ljust(WIDTH) for line in lines) + "|\n"

@@ -192,12 +192,13 @@ cdef class DeviceRegistry:
             device = self.current_index()
         return self.stream_handle(stream, device)
 
-    def allocate_current(self, size):
+    def allocate_current(self, size, client=None):
         """An :class:`~unimem._core.Allocation` of ``size`` bytes on the
-        current device and its current stream (``CachingAllocator.allocate``):
-        what an array library's allocator hook asks for, in one call."""
+        current device and its current stream (``CachingAllocator.allocate``,
+        for ``client``): what an array library's allocator hook asks for, in
+        one call."""
         cdef int index = self._default_index()
-        return self.get(index).allocate(size, self.stream_handle(None, index))
+        return self.get(index).allocate(size, self.stream_handle(None, index), client)
 
     def alloc(self, size, device=None, stream=None):
         """Allocate ``size`` bytes on ``device`` (an index; None: the current

@@ -21,7 +21,7 @@ __all__ = [
     "empty_cache", "empty_virt_addr_cache", "sleep", "wake_up", "is_sleeping", "empty_host_cache", "get_memory_info", "mem_get_info",
     "get_allocator_backend",
     "max_memory_allocated",
-    "max_memory_reserved", "memory_allocated", "memory_reserved", "memory_stats",
+    "max_memory_reserved", "memory_allocated", "memory_allocated_by_client", "memory_reserved", "memory_stats",
     "reset_accumulated_memory_stats", "reset_peak_memory_stats",
     "memory_stats_as_nested_dict", "caching_allocator_alloc", "caching_allocator_delete",
     "set_per_process_memory_fraction", "get_per_process_memory_fraction",
@@ -149,6 +149,18 @@ def memory_allocated(device_index: DeviceLike = None, /) -> int:
     """
     dtype = current_type()
     return dtype.registry.memory_allocated(_device_index(device_index, dtype))
+
+
+def memory_allocated_by_client(device_index: DeviceLike = None, /) -> Dict[str, int]:
+    r"""Return :func:`memory_allocated` of the current accelerator's device
+    by the framework each block was handed out to (``{"torch": ..., "cupy":
+    ..., "dpnp": ..., "numba": ..., "c": ..., "unimem": ...}``, only those
+    holding memory; unimem's own addition).
+
+    Returns:
+        dict[str, int]: bytes by client, adding up to :func:`memory_allocated`.
+    """
+    return _current()[1].memory_allocated_by_client(device_index)
 
 
 def max_memory_allocated(device_index: DeviceLike = None, /) -> int:

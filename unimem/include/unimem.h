@@ -26,8 +26,11 @@
  *
  * The malloc/free pairs have the signatures PyTorch's pluggable allocators
  * load (torch.cuda.memory.CUDAPluggableAllocator, torch.xpu.memory.
- * XPUPluggableAllocator): unimem.cuda.pluggable_allocator() and
- * unimem.xpu.pluggable_allocator() build those objects over them.
+ * XPUPluggableAllocator). unimem.cuda.pluggable_allocator() and
+ * unimem.xpu.pluggable_allocator() build those objects over the
+ * unimem_torch_* pairs: the same functions, whose blocks say "torch" where
+ * the others' say "c" (unimem.cuda.memory_allocated_by_client(), the
+ * snapshots' "client").
  */
 #ifndef UNIMEM_H
 #define UNIMEM_H
@@ -71,6 +74,13 @@ void unimem_cuda_free(void* ptr, ssize_t size, int device, void* stream);
  * streams' queues. */
 void* unimem_xpu_malloc(size_t size, int device, void* queue);
 void unimem_xpu_free(void* ptr, size_t size, int device, void* queue);
+
+/* PyTorch's: unimem_cuda_* and unimem_xpu_* for its pluggable allocators
+ * (their blocks' client is "torch", not "c"). */
+void* unimem_torch_cuda_malloc(ssize_t size, int device, void* stream);
+void unimem_torch_cuda_free(void* ptr, ssize_t size, int device, void* stream);
+void* unimem_torch_xpu_malloc(size_t size, int device, void* queue);
+void unimem_torch_xpu_free(void* ptr, size_t size, int device, void* queue);
 
 /* CPU: unimem.cpu's pool; `stream` is an opaque key (NULL: the default). */
 void* unimem_cpu_malloc(size_t size, int device, void* stream);
