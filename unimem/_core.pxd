@@ -13,6 +13,7 @@ from unimem._native.blocks cimport Block, FreeIndex, Segment, BlockSlab, Private
 from unimem._native.policy cimport K_ROUNDUP_INTERVALS
 from unimem._native.provider cimport RawAllocatorAPI
 from unimem._native.stats cimport DeviceStats, TraceEvent
+from unimem._native.stream_events cimport UMStreamEvents
 
 cdef extern from "csupport.hpp" nogil:
     cppclass UMLock:
@@ -75,9 +76,7 @@ cdef class CachingAllocator:
     cdef int64_t lost_segment_count       # segments whose backend free failed (forgotten)
     cdef int64_t lost_segment_bytes
     cdef BlockSlab slab
-    cdef dict pending_events              # stream -> its events waited for, in order (_core_event_queue.pxi)
-    cdef list syncing_events              # taken from pending_events, waited on outside the lock
-    cdef size_t n_pending_events          # in all the queues
+    cdef size_t n_pending_events          # in all the queues: stream_events.count (_core_event_queue.pxi)
     cdef vector[uintptr_t] deferred_frees   # freed on a runtime's thread, needing Python: events, or the cache off (_core_streams.pxi)
 
     # private pools (MemPool) and the cache switch: _core_pools.pxi
@@ -127,9 +126,7 @@ cdef class CachingAllocator:
     # measured 6% slower with these two among them)
     cdef object _vm_unmap_idle              # unmap_idle_pages, or None
     cdef size_t releasing_bytes             # mapped bytes of holes waiting to be unmapped
-    cdef bint processing_events             # the event queues are being asked about or rearranged
-    cdef list pending_queues                # pending_events' queues (_core_event_queue.pxi)
-    cdef list pending_arrivals              # events recorded while the queues were busy
+    cdef UMStreamEvents stream_events       # each stream's events waited for, in order (_core_event_queue.pxi)
     # Segments being asked of the backend with the lock let go (_alloc_block):
     # counted against the limits meanwhile, so that two misses cannot pass
     # them together.

@@ -41,6 +41,7 @@ cdef extern from "Python.h":
     int PyGILState_Check() nogil
     void PyErr_SetInterrupt()
 from cpython.pycapsule cimport PyCapsule_IsValid, PyCapsule_GetPointer
+from cpython.ref cimport PyObject, Py_INCREF, Py_DECREF, Py_XDECREF
 from libc.stdint cimport uint64_t, int64_t, uintptr_t, INT64_MAX
 from libc.stdlib cimport malloc as sys_malloc, free as sys_free, calloc
 from libc.string cimport memset, memcmp, memcpy, strlen
@@ -57,6 +58,7 @@ from unimem._native.policy cimport *
 from unimem._native.provider cimport (RawAllocatorAPI, RAW_OK, RAW_OUT_OF_MEMORY,
                                       UM_PROVIDER_CAPSULE, UM_PROVIDER_VERSION, um_now_ns)
 from unimem._native.stats cimport *
+from unimem._native.stream_events cimport *
 
 import atexit
 import collections
@@ -230,10 +232,6 @@ cdef class CachingAllocator:
             self._raw_owner = getattr(backend, "_raw_owner", backend)
         self.fraction = 1.0
         self.exact_segments = exact_segments
-        self.pending_events = {}
-        self.pending_queues = []
-        self.pending_arrivals = []
-        self.syncing_events = []
         self.oom_observers = []
         self.debug_sites = {}
         self.debug_messages = []
@@ -269,6 +267,7 @@ cdef class CachingAllocator:
         self.streams.clear()
         self.last_pools = NULL
         _delete_private_pools(self)
+        _forget_every_event(self)
         um_destroy(&self.active)
         slab_destroy(&self.slab)
 
@@ -281,12 +280,17 @@ cdef class CachingAllocator:
     #      GIL never finds the lock taken by another thread, and a finalizer
     #      frees its block in one go, without giving the GIL up half-way).
     # Backend calls that may block run outside the lock: returning memory,
-    # and asking for a segment of the device's own pools (_alloc_block: its
-    # bytes count against the limits meanwhile). The history hook runs
+    # asking for a segment of the device's own pools (_alloc_block: its
+    # bytes count against the limits meanwhile), and every stream event call
+    # (record, ask, wait: _core_streams.pxi copies the queue heads out under
+    # the lock and commits the answers under it again). The history hook runs
     # outside it too, though one thread's delivery waits for another's (each
-    # thread's hook takes its own Python frames). Calls still made under it
-    # (events, virtual memory, private pools' allocators) are listed as
-    # strict xfails in tests/core/threads/test_backend_calls_outside_the_lock.py.
+    # thread's hook takes its own Python frames). A free that arrives while
+    # this thread's own call still holds the lock (a finalizer run by a
+    # backend call made under it) goes to the inbox, deferred_frees, done
+    # before that operation returns (_drain_inbox). Calls still made under
+    # the lock (virtual memory, release_stream, private pools' allocators)
+    # are listed in tests/core/threads/test_backend_calls_outside_the_lock.py.
     # ------------------------------------------------------------------
     cdef inline void _lock(self) noexcept:
         """Take the lock for anything but the pair of one size: a merge put
@@ -789,6 +793,8 @@ cdef class CachingAllocator:
         rc = self._free_fast(ptr, by_handle)
         if rc == 2 or rc == 3:
             rc = self._free_slow(ptr, rc)
+            if not from_finalizer:
+                _drain_inbox(self)      # frees a finalizer made while the events were recorded
         else:
             self._unlock()
         if not from_finalizer and (self.recording or not self.dropped_streams.empty()):
@@ -997,7 +1003,10 @@ cdef class CachingAllocator:
         queue, as cudaFree and cudaFreeHost synchronize). With expandable segments, every whole free page is
         unmapped, in the middle of a segment too; the address ranges stay
         reserved (:meth:`empty_virt_addr_cache` releases them)."""
-        return _empty_cache(self, stream, wait)
+        try:
+            return _empty_cache(self, stream, wait)
+        finally:
+            _drain_inbox(self)
 
     def sleep(self, offload=True, segments=None, tag=None):
         """Give the memory of every segment back while its addresses stay
@@ -1026,7 +1035,10 @@ cdef class CachingAllocator:
         the sleep for :meth:`wake_up` (segments sleep under one tag at a
         time). Asleep already under ``tag``: nothing is done. See
         ``_core_sleep.pxi`` for what a failure half way leaves."""
-        _sleep(self, offload, segments, tag)
+        try:
+            _sleep(self, offload, segments, tag)
+        finally:
+            _drain_inbox(self)
 
     def wake_up(self, tag=None):
         """End the sleep named ``tag``: back every address given back with
@@ -1035,7 +1047,10 @@ cdef class CachingAllocator:
         done. A failure (the device is full) raises with what was not woken
         still asleep: call it again. With the cache off (set_caching(False)),
         the free memory that comes back goes back to the backend at once."""
-        _wake_up(self, tag)
+        try:
+            _wake_up(self, tag)
+        finally:
+            _drain_inbox(self)
         if self.cache_off:
             self.empty_cache()
 
@@ -1048,7 +1063,10 @@ cdef class CachingAllocator:
         hold no mapped page (torch_npu's ``empty_virt_addr_cache``). Call
         :meth:`empty_cache` first to unmap the free pages. Nothing to do
         without expandable segments."""
-        return _empty_virt_addr_cache(self)
+        try:
+            return _empty_virt_addr_cache(self)
+        finally:
+            _drain_inbox(self)
 
     def reserved_address_space(self):
         """``{"ranges": n, "bytes": n}``: the address ranges expandable
@@ -1223,7 +1241,10 @@ cdef class CachingAllocator:
         """Drop one use of the pool (its MemPool died): at none left, its free
         segments go back, and the rest once their blocks are freed and
         :meth:`empty_cache` runs."""
-        _release_pool(self, pool_id)
+        try:
+            _release_pool(self, pool_id)
+        finally:
+            _drain_inbox(self)
 
     def begin_pool(self, pool_id):
         """Route this thread's allocations to the pool (one more use)."""
@@ -1231,7 +1252,10 @@ cdef class CachingAllocator:
 
     def end_pool(self, pool_id):
         """Stop routing this thread's allocations to the pool (one use less)."""
-        _end_pool(self, pool_id)
+        try:
+            _end_pool(self, pool_id)
+        finally:
+            _drain_inbox(self)
 
     def sleep_pool(self, pool_id, offload=True):
         """:meth:`sleep` for the segments of private pool ``pool_id`` (under
@@ -1239,11 +1263,17 @@ cdef class CachingAllocator:
         until :meth:`wake_up_pool`. A pool with its own allocator sleeps
         through it; ``NotImplementedError``, nothing changed, where that
         allocator cannot give memory back (or, with ``offload``, copy it)."""
-        _sleep_pool(self, pool_id, offload)
+        try:
+            _sleep_pool(self, pool_id, offload)
+        finally:
+            _drain_inbox(self)
 
     def wake_up_pool(self, pool_id):
         """:meth:`wake_up` of the pool's sleep; allocation from it works again."""
-        _wake_up_pool(self, pool_id)
+        try:
+            _wake_up_pool(self, pool_id)
+        finally:
+            _drain_inbox(self)
 
     def pool_use_count(self, pool_id):
         """The pool's use count (0 for a pool this allocator does not have)."""
@@ -1252,7 +1282,10 @@ cdef class CachingAllocator:
     def set_caching(self, bint enabled):
         """Turn the cache off (every allocation a segment of its own, given
         back at its free) or on again."""
-        _set_caching(self, enabled)
+        try:
+            _set_caching(self, enabled)
+        finally:
+            _drain_inbox(self)
 
     @property
     def caching(self):

@@ -54,7 +54,8 @@ def _check_invariants(CachingAllocator self):
         # asleep (_core_sleep.pxi): memory given back is not reserved, and
         # the held blocks that were free are free all the same
         given_back, held_free = _sleep_accounting(self)
-        waiting = {(<_PendingEvent>entry).address for entry in _pending_list(self) + self.syncing_events}
+        waiting = set(_pending_blocks(self))
+        recording = {<uintptr_t>self.stream_events.recording[k] for k in range(self.stream_events.recording.size())}
         releasing = 0
         seg = self.segments
         reserved = 0
@@ -122,7 +123,9 @@ def _check_invariants(CachingAllocator self):
                     assert seg.expandable and not b.allocated and b.event_count == 1, "held pages wait for one event"
                     assert <uintptr_t>b in waiting, "held pages wait for an event"
                     releasing += b.size
-                if b.allocated:
+                if b.allocated and <uintptr_t>b in recording:
+                    assert um_find(&self.active, b.ptr) == NULL, "a block whose events are recorded is not indexed"
+                elif b.allocated:
                     assert um_find(&self.active, b.ptr) == <void*>b, "allocated block is indexed"
                 elif b.event_count == 0:
                     n_free_blocks += 1

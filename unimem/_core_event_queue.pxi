@@ -1,204 +1,270 @@
 # Included by _core.pyx: the stream events the allocator waits for, one queue
-# per stream in the order they were recorded (PyTorch's cuda_events).
+# per stream in the order they were recorded (PyTorch's cuda_events), as
+# native data (_native/stream_events.hpp): no Python object lives in them
+# but the events themselves, whose references the entries own.
 #
 # Work on one stream completes in the order it was queued, so an event whose
-# work is not done means no later event of its stream is done either:
-# _process_events asks about each queue's oldest events only, until the first
-# that is not done. An allocation made while streams run behind then asks the
-# backend once per stream, not once per pending event (each a Python call:
-# with 100 events pending on one stream, the core's Python pair took 6.95 us
-# before and 284 ns after, python -m benchmarks compare's "core pair, 100
-# events pending"). A backend whose events complete out of order on one
+# work is not done means no later event of its stream is done either: each
+# stream's oldest event is asked about, and the next one only once it is
+# done. An allocation made while streams run behind then asks the backend
+# once per stream, not once per pending event (each a Python call: with 100
+# events pending on one stream, python -m benchmarks compare's "core pair,
+# 100 events pending"). A backend whose events complete out of order on one
 # stream only has blocks come back later, never too early.
 #
-# The queues are Python lists, and making any Python object may run a
-# garbage collection whose finalizers re-enter the allocator (free a block
-# used on another stream, allocate, process events). So while the queues
-# are asked about or rearranged (``processing_events``), a call re-entered
-# changes none of them: its events wait in ``pending_arrivals`` and are
-# queued once the outer call is done (_queue_arrivals), and a nested
-# _process_events returns at once. Only _take_back_held may run nested: it
-# writes an entry's address to 0, which every reader checks.
+# The backend is asked with the lock let go: under the lock the events to
+# ask about are copied out and marked taken (no other thread asks about a
+# taken one: the answer "done" destroys a CUDA event); outside it they are
+# asked about; under the lock again the answers are committed, by each
+# entry's number (an entry may have gone meanwhile: its held pages taken
+# back, its queue waited for by empty_cache). A reference an entry let go
+# of is dropped after the lock is (_drop_released_events), since dropping
+# the last one may run Python. A child forked while another thread asked
+# finds its entries untaken, asked about again.
 
 
-cdef class _PendingEvent:
-    """An event recorded on ``stream`` and the block waiting for it
-    (``address``: a Block*, 0 when held pages were taken back meanwhile,
-    _take_back_held). ``event`` is None once the backend said it is done:
-    a done CUDA event is destroyed by that answer and never asked about again."""
-    cdef object event
-    cdef uintptr_t address
+cdef int _add_pending(CachingAllocator self, object event, Block* b, uintptr_t stream) except -1:
+    """Queue ``event`` last on ``stream``, ``b`` waiting for it (its
+    reference is the queue's now). Lock held; makes no Python object."""
+    if um_events_add(self.stream_events, <PyObject*>event, <void*>b, stream) != 0:
+        raise MemoryError("host memory for the allocator's bookkeeping ran out")
+    Py_INCREF(event)
+    _count_pending(self)
+    return 0
+
+
+cdef inline void _count_pending(CachingAllocator self) noexcept nogil:
+    self.n_pending_events = self.stream_events.count
+    self._update_unusual()
+
+
+cdef int _take_asks(CachingAllocator self, vector[um_event_ask]& asks, bint every,
+                    bint held_only, vector[uintptr_t]* skip) noexcept nogil:
+    """Copy out and mark taken the events to ask about: each stream's oldest
+    one not taken (``every``: all of them; ``held_only``: only those of pages
+    held to unmap), none of the streams in ``skip`` (may be NULL). An entry already known done whose block could not be
+    handled before (no host memory then) is handled here. Lock held."""
+    cdef cmap[uintptr_t, um_event_queue].iterator it = self.stream_events.queues.begin()
+    cdef um_pending_event* e
+    cdef size_t i
     cdef uintptr_t stream
-
-    def __cinit__(self, event, uintptr_t address, uintptr_t stream):
-        self.event = event
-        self.address = address
-        self.stream = stream
-
-
-cdef int _add_pending(CachingAllocator self, object event, uintptr_t address, uintptr_t stream) except -1:
-    """Queue ``event`` last on its stream (in ``pending_arrivals`` while the
-    queues are busy)."""
-    entry = _PendingEvent(event, address, stream)
-    self.pending_arrivals.append(entry)
-    self.n_pending_events += 1
-    self._update_unusual()
-    if not self.processing_events:
-        self.processing_events = True
-        try:
-            _queue_arrivals(self)
-        finally:
-            self.processing_events = False
-    return 0
-
-
-cdef int _queue_arrivals(CachingAllocator self) except -1:
-    """Move ``pending_arrivals`` to the end of their streams' queues
-    (``processing_events`` set: what arrives meanwhile waits there too, and
-    is moved by the next turn of the loop)."""
-    cdef _PendingEvent entry
-    cdef bint new_stream = False
-    while self.pending_arrivals:
-        fresh = []
-        arrivals, self.pending_arrivals = self.pending_arrivals, fresh
-        for entry in arrivals:
-            queue = self.pending_events.get(entry.stream)
-            if queue is None:
-                self.pending_events[entry.stream] = [entry]
-                new_stream = True
-            else:
-                queue.append(entry)
-        if new_stream:
-            _list_queues(self)
-            new_stream = False
-    return 0
-
-
-cdef list _pending_list(CachingAllocator self):
-    """Every pending event, each stream's in order."""
-    every = []
-    for queue in self.pending_events.values():
-        every.extend(queue)
-    every.extend(self.pending_arrivals)
-    return every
-
-
-cdef list _take_pending(CachingAllocator self, bint held_only):
-    """Take every pending event out of the queues (``held_only``: those of
-    pages held to unmap) and return them, each stream's in order. Not for a
-    call re-entered while the queues are busy (see the top of this file)."""
-    cdef _PendingEvent entry
-    taken = []
-    self.processing_events = True
-    try:
-        for stream, queue in list(self.pending_events.items()):
-            kept = []
-            for entry in queue:
-                if held_only and not _is_held(entry.address):
-                    kept.append(entry)
-                else:
-                    taken.append(entry)
-            if kept:
-                self.pending_events[stream] = kept
-            else:
-                del self.pending_events[stream]
-        _list_queues(self)
-        _queue_arrivals(self)
-    finally:
-        self.processing_events = False
-    _count_pending(self)
-    return taken
-
-
-cdef int _put_back_pending(CachingAllocator self, list entries) except -1:
-    """Queue ``entries`` (taken, each stream's in order) before what their
-    streams recorded since: they are older."""
-    cdef _PendingEvent entry
-    if not entries:
-        return 0
-    self.processing_events = True
-    try:
-        by_stream = {}
-        for entry in entries:
-            by_stream.setdefault(entry.stream, []).append(entry)
-        for stream, older in by_stream.items():
-            queue = self.pending_events.get(stream)
-            if queue is not None:
-                older.extend(queue)         # no new object between reading and replacing it
-            self.pending_events[stream] = older
-        _list_queues(self)
-        _queue_arrivals(self)
-    finally:
-        self.processing_events = False
-    _count_pending(self)
-    return 0
-
-
-cdef int _list_queues(CachingAllocator self) except -1:
-    """A new list of the queues, after streams came or went: _query_pending
-    walks the list it found, which a call re-entered from a query may
-    replace but never changes (a dict would raise if a stream came then)."""
-    self.pending_queues = list(self.pending_events.values())
-    return 0
-
-
-cdef int _count_pending(CachingAllocator self) except -1:
-    cdef size_t n = len(self.pending_arrivals)
-    for queue in self.pending_events.values():
-        n += len(queue)
-    self.n_pending_events = n
-    self._update_unusual()
-    return 0
-
-
-cdef int _query_pending(CachingAllocator self, list done) except -1:
-    """Ask the backend about each stream's oldest events, until the first
-    that is not done, and append those done to ``done`` (their ``event``
-    set to None), still queued. Blocks are not touched: a query is Python
-    code, during which another thread may fork (the child must find no
-    event handled but still pending), and a call re-entered from it may
-    queue more events (in ``pending_arrivals``, asked about next time) or
-    take held pages back (read once the queries are over). When a query
-    raises, ``done`` holds what was found done before it."""
-    cdef _PendingEvent entry
-    query = self.backend.event_done
-    for queue in self.pending_queues:
-        for entry in queue:
-            if entry.event is not None:
-                if not query(entry.event):
-                    break
-                entry.event = None
-            done.append(entry)
-    return 0
-
-
-cdef int _dequeue(CachingAllocator self, list done, set kept) except -1:
-    """Take ``done`` (entries _query_pending found done: each stream's
-    oldest, in order), but for ``kept``, out of their queues (queues busy)."""
-    cdef _PendingEvent entry
-    cdef Py_ssize_t i, n
-    cdef bint dropped = False
-    by_stream = {}
-    for entry in done:
-        if entry not in kept:
-            by_stream.setdefault(entry.stream, []).append(entry)
-    for stream, finished in by_stream.items():
-        queue = self.pending_events.get(stream)
-        if queue is None:
+    while it != self.stream_events.queues.end():
+        stream = deref(it).first
+        if skip != NULL and _holds_address(deref(skip), stream):
+            inc(it)
             continue
-        n = len(finished)
         i = 0
-        while i < n and i < len(queue) and queue[i] is finished[i]:
+        while i < deref(it).second.size():
+            e = &deref(it).second[i]
             i += 1
-        if i == n:
-            del queue[:n]
-        else:                   # not the oldest ones (a kept entry before them)
-            gone = set(finished)
-            queue[:] = [entry for entry in queue if entry not in gone]
-        if not queue:
-            del self.pending_events[stream]
-            dropped = True
-    if dropped:
-        _list_queues(self)
+            if e.taken:
+                continue
+            if e.event == NULL:
+                continue                        # done; its block waits for host memory (_commit)
+            if held_only and not _is_held(<uintptr_t>e.block):
+                continue
+            if um_push_ask(asks, e.event, stream, e.seq) != 0:
+                return -1
+            e.taken = True
+            if not every:
+                break
+        inc(it)
+    return 0
+
+
+cdef inline bint _holds_address(vector[uintptr_t]& v, uintptr_t p) noexcept nogil:
+    cdef size_t i
+    for i in range(v.size()):
+        if v[i] == p:
+            return True
+    return False
+
+
+cdef int _commit_answers(CachingAllocator self, vector[um_event_ask]& asks, size_t n_done,
+                         vector[uintptr_t]& released, vector[uintptr_t]* freed) noexcept nogil:
+    """Under the lock again: asks[:n_done] were found done (their events
+    destroyed by that answer), the rest are asked about again another time.
+    Each entry done is handled (_handle_done) and leaves its queue; held
+    pages whose wait is over go to ``released`` (unmapped by the caller);
+    blocks freed to ``freed`` (with the cache off, else NULL). Returns how
+    many were done and still in their queues."""
+    cdef size_t k
+    cdef long i
+    cdef um_pending_event* e
+    cdef cmap[uintptr_t, um_event_queue].iterator it
+    cdef int handled = 0
+    for k in range(asks.size()):
+        it = self.stream_events.queues.find(asks[k].stream)
+        if it == self.stream_events.queues.end():
+            continue
+        i = um_events_index(deref(it).second, asks[k].seq)
+        if i < 0:
+            continue
+        e = &deref(it).second[i]
+        e.taken = False
+        if k >= n_done:
+            continue
+        _let_go_of_event(self, e)
+        handled += 1
+        if _handle_done(self, e, released, freed) == 0:
+            um_events_erase(self.stream_events, deref(it).second, i)
+            um_events_drop_if_empty(self.stream_events, asks[k].stream)
+        else:
+            self.stream_events.known_done += 1  # no host memory: _handle_known_done
+    _count_pending(self)
+    return handled
+
+
+cdef inline void _let_go_of_event(CachingAllocator self, um_pending_event* e) noexcept nogil:
+    """The backend said ``e``'s event is done (and destroyed it): its
+    reference goes to be dropped, the entry keeps no event."""
+    if e.event != NULL:
+        _push_reference(self, e.event)
+        e.event = NULL
+
+
+cdef extern from *:
+    """
+    #include <vector>
+    static inline void um_push_reference(std::vector<PyObject*>& v, PyObject* o) {
+        try { v.push_back(o); } catch (...) {}   // no memory: a leak of one small object
+    }
+    """
+    void um_push_reference(vector[PyObject*]& v, PyObject* o) nogil
+
+
+cdef inline void _push_reference(CachingAllocator self, PyObject* o) noexcept nogil:
+    um_push_reference(self.stream_events.to_release, o)
+
+
+cdef int _handle_done(CachingAllocator self, um_pending_event* e, vector[uintptr_t]& released,
+                      vector[uintptr_t]* freed) noexcept nogil:
+    """The block of an entry whose event is done: one event less to wait
+    for, freed at the last; held pages go to ``released`` (unmapped by the
+    caller, _core_holes.pxi). A block freed goes to ``freed`` (with the
+    cache off, else NULL): the caller gives its segment back, as every free
+    does then (_give_back_segments_of). 1: not handled, for want of host
+    memory for the free index (the entry stays, handled next time)."""
+    cdef Block* b = <Block*>e.block
+    if b == NULL:                       # held pages taken back (_take_back_held)
+        return 0
+    if b.releasing:
+        if _push_address(released, <uintptr_t>b) != 0:
+            return 1
+        e.block = NULL
+        return 0
+    if b.event_count == 1 and self._reserve_class(b) != 0:
+        return 1
+    if b.event_count == 1 and freed != NULL:
+        if _push_address(freed[0], b.ptr) != 0:
+            return 1
+    e.block = NULL
+    b.event_count -= 1
+    if b.event_count == 0:
+        self._free_block(b)
+    return 0
+
+
+cdef int _handle_known_done(CachingAllocator self, vector[uintptr_t]& released,
+                            vector[uintptr_t]* freed) noexcept nogil:
+    """Entries found done earlier whose block could not be handled then (no
+    host memory): handled now, where possible. Lock held."""
+    cdef cmap[uintptr_t, um_event_queue].iterator it = self.stream_events.queues.begin()
+    cdef cmap[uintptr_t, um_event_queue].iterator here
+    cdef size_t i
+    cdef size_t left = 0
+    cdef um_pending_event* e
+    if self.stream_events.known_done == 0:
+        return 0                        # the common case: no scan of every entry
+    while it != self.stream_events.queues.end():
+        here = it
+        inc(it)
+        i = 0
+        while i < deref(here).second.size():
+            e = &deref(here).second[i]
+            if e.event == NULL and not e.taken and _handle_done(self, e, released, freed) == 0:
+                um_events_erase(self.stream_events, deref(here).second, i)
+            else:
+                left += e.event == NULL
+                i += 1
+        if deref(here).second.empty():
+            self.stream_events.queues.erase(here)
+    self.stream_events.known_done = left
     _count_pending(self)
     return 0
+
+
+cdef int _drop_released_events(CachingAllocator self) except -1:
+    """Drop the references entries let go of: after the lock is let go
+    (the last one may run Python), here with it taken for the swap only."""
+    cdef vector[PyObject*] refs
+    cdef size_t i
+    if self.stream_events.to_release.empty():
+        return 0
+    self._lock()
+    refs.swap(self.stream_events.to_release)
+    self._unlock()
+    for i in range(refs.size()):
+        Py_DECREF(<object>refs[i])
+    return 0
+
+
+cdef int _forget_every_event(CachingAllocator self) noexcept:
+    """__dealloc__: every reference the queues hold goes (no lock: nobody
+    else can reach a dying allocator)."""
+    cdef cmap[uintptr_t, um_event_queue].iterator it = self.stream_events.queues.begin()
+    cdef size_t i
+    while it != self.stream_events.queues.end():
+        for i in range(deref(it).second.size()):
+            if deref(it).second[i].event != NULL:
+                Py_XDECREF(deref(it).second[i].event)
+        inc(it)
+    self.stream_events.queues.clear()
+    for i in range(self.stream_events.to_release.size()):
+        Py_XDECREF(self.stream_events.to_release[i])
+    self.stream_events.to_release.clear()
+    self.stream_events.count = 0
+    return 0
+
+
+cdef list _pending_blocks(CachingAllocator self):
+    """The address of every block an entry waits for (0: none), and of those
+    whose events are being recorded: for _check_invariants."""
+    cdef cmap[uintptr_t, um_event_queue].iterator it = self.stream_events.queues.begin()
+    cdef size_t i
+    waiting = []
+    while it != self.stream_events.queues.end():
+        for i in range(deref(it).second.size()):
+            waiting.append(<uintptr_t>deref(it).second[i].block)
+        inc(it)
+    return waiting
+
+
+cdef int _untake_after_fork(CachingAllocator self) noexcept nogil:
+    """In a forked child: the threads asking about events are gone, their
+    entries are asked about again; blocks whose events another thread was
+    recording are freed (that free was under way; nobody else can)."""
+    cdef cmap[uintptr_t, um_event_queue].iterator it = self.stream_events.queues.begin()
+    cdef size_t i
+    cdef Block* b
+    while it != self.stream_events.queues.end():
+        for i in range(deref(it).second.size()):
+            deref(it).second[i].taken = False
+        inc(it)
+    for i in range(self.stream_events.recording.size()):
+        b = <Block*>self.stream_events.recording[i]
+        _finish_free_without_events(self, b)
+    self.stream_events.recording.clear()
+    return 0
+
+
+cdef void _prune_empty_queues(CachingAllocator self) noexcept nogil:
+    """Drop the queues left empty, and count again. Lock held."""
+    cdef cmap[uintptr_t, um_event_queue].iterator it = self.stream_events.queues.begin()
+    cdef cmap[uintptr_t, um_event_queue].iterator here
+    while it != self.stream_events.queues.end():
+        here = it
+        inc(it)
+        if deref(here).second.empty():
+            self.stream_events.queues.erase(here)
+    _count_pending(self)

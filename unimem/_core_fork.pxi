@@ -40,17 +40,8 @@ cdef object _reset_after_fork(CachingAllocator self):
     # A sleep() or wake_up() another thread had under way stops where it
     # was: its state stays, and wake_up() in the child ends it.
     self.sleep_busy = False
-    self.processing_events = False          # another thread was asking about events
+    _untake_after_fork(self)                # another thread was asking about events, or recording them
     _forget_other_threads_routes(self)
     self.trace_buffer.clear()
     if self.trace_delivery is not None:     # another thread may have held it
         self.trace_delivery = threading.RLock()
-    if self.syncing_events:
-        syncing, self.syncing_events = self.syncing_events, []
-        _put_back_pending(self, syncing)
-    if self.pending_arrivals:               # recorded while the queues were busy
-        self.processing_events = True
-        try:
-            _queue_arrivals(self)
-        finally:
-            self.processing_events = False

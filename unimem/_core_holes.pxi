@@ -259,7 +259,7 @@ cdef int _release_hole(CachingAllocator self, Block* b) except -1:
         raise
     if done:
         return _unmap_held(self, held, self._vm_unmap_idle)
-    _add_pending(self, event, <uintptr_t>held, held.stream)
+    _add_pending(self, event, held, held.stream)
     return 0
 
 
@@ -276,18 +276,18 @@ cdef Block* _take_back_held(CachingAllocator self, FreeIndex* fi, size_t size) e
     behind: growing_generation 2.126 against 1.210 unbounded, 1.155 with
     this). Their events stay pending with no block (address 0), waited for
     and dropped as the others. No Python runs. NULL when nothing fits."""
-    cdef _PendingEvent entry
+    cdef cmap[uintptr_t, um_event_queue].iterator it = self.stream_events.queues.begin()
+    cdef size_t i
     cdef Block* c
     cdef bint taken = False
-    for queue in self.pending_events.values():
-        for entry in queue:
-            if entry.address == 0:
-                continue
-            c = <Block*>entry.address
-            if c.releasing and c.index == fi:
-                entry.address = 0
+    while it != self.stream_events.queues.end():
+        for i in range(deref(it).second.size()):
+            c = <Block*>deref(it).second[i].block
+            if c != NULL and c.releasing and c.index == fi:
+                deref(it).second[i].block = NULL
                 _unsplit(self, c)
                 taken = True
+        inc(it)
     return self._get_free_block(fi, size) if taken else NULL
 
 
@@ -331,20 +331,35 @@ cdef int _unmap_each(CachingAllocator self, list held, object unmap) except -1:
 
 cdef int _unmap_held_now(CachingAllocator self) except -1:
     """Unmap every held hole whose event is still pending with unmap_pages,
-    which waits for the device where it must (the allocator's teardown)."""
-    cdef _PendingEvent entry
-    held = _take_pending(self, True)
+    which waits for the device where it must (the allocator's teardown:
+    no other thread can reach it)."""
+    cdef cmap[uintptr_t, um_event_queue].iterator it = self.stream_events.queues.begin()
+    cdef size_t i
+    cdef um_pending_event* e
+    held = []
+    events = []
+    while it != self.stream_events.queues.end():
+        i = 0
+        while i < deref(it).second.size():
+            e = &deref(it).second[i]
+            if _is_held(<uintptr_t>e.block) and not e.taken:
+                held.append(<uintptr_t>e.block)
+                if e.event != NULL:
+                    events.append(<object>e.event)
+                um_events_erase(self.stream_events, deref(it).second, i)
+            else:
+                i += 1
+        inc(it)
+    _prune_empty_queues(self)
     if not held:
         return 0
-    events = []
-    for entry in held:
-        if entry.event is not None:
-            events.append(entry.event)
     _release_events(self, events)
-    return _unmap_each(self, [entry.address for entry in held], self._vm_unmap)
+    del events
+    _drop_released_events(self)
+    return _unmap_each(self, held, self._vm_unmap)
 
 
-cdef inline bint _is_held(uintptr_t address) noexcept:
+cdef inline bint _is_held(uintptr_t address) noexcept nogil:
     """Whether a pending event's block is pages held to unmap (0: taken back)."""
     return address != 0 and (<Block*>address).releasing
 

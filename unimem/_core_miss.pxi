@@ -379,10 +379,38 @@ cdef uintptr_t _before_unusual_malloc(CachingAllocator self, size_t size, uintpt
     if self.sleeping:
         _refuse_asleep(self)
     if self.n_pending_events or not self.deferred_frees.empty():
-        _process_events_and_deferred(self)
+        if not self.deferred_frees.empty():
+            _free_deferred(self)
+        self._lock()
+        try:
+            if self.n_pending_events:
+                _process_events(self)
+        except BaseException:
+            self._unlock()
+            raise
+        if self.cache_off or not self.routes.empty() or not self.trace_buffer.empty():
+            self._unlock()
+            self._flush_trace()
+        else:
+            # served under the lock the answers were committed with: one
+            # lock round less for every allocation while events are pending
+            return _malloc_locked(self, size, stream, by_handle, client)
     if self.cache_off or not self.routes.empty():
         return _malloc_routed(self, size, stream, by_handle, client)   # 0: not routed
     return 0
+
+
+cdef uintptr_t _malloc_locked(CachingAllocator self, size_t size, uintptr_t stream, bint by_handle,
+                              unsigned char client) except? 0:
+    """c_malloc's own steps, the lock held (and let go here)."""
+    cdef int status
+    cdef Block* b = self._malloc_cached(size, stream, by_handle, client, &status)
+    if b == NULL:
+        return _malloc_miss(self, size, stream, by_handle, client, status)
+    self._unlock()
+    if self.unusual:
+        _after_malloc(self, b.ptr, size, by_handle)
+    return b.ptr
 
 
 cdef uintptr_t _malloc_miss(CachingAllocator self, size_t size, uintptr_t stream, bint by_handle,
@@ -393,16 +421,21 @@ cdef uintptr_t _malloc_miss(CachingAllocator self, size_t size, uintptr_t stream
     cdef bint oom = False
     cdef size_t tried = 0
     try:
-        if status != 0:
-            raise MemoryError("host memory for the allocator's bookkeeping ran out")
-        b = _malloc_slow(self, size, stream, by_handle, client, &oom, &tried, NULL, False)
-    finally:
-        self._unlock()
+        try:
+            if status != 0:
+                raise MemoryError("host memory for the allocator's bookkeeping ran out")
+            b = _malloc_slow(self, size, stream, by_handle, client, &oom, &tried, NULL, False)
+        finally:
+            self._unlock()
+    except BaseException:
+        _drain_inbox(self)
+        raise
     if oom:
         if not self.dropped_streams.empty():
             _tell_backend_dropped_streams(self)
         if self.recording:
             self._flush_trace()
+        _drain_inbox(self)
         raise self._out_of_memory(size, tried)
     # lock_depth is the allocator's, not this thread's: while any thread
     # holds the lock (a re-entered call, a finalizer elsewhere) the
@@ -414,7 +447,21 @@ cdef uintptr_t _malloc_miss(CachingAllocator self, size_t size, uintptr_t stream
             self._try_free(b.ptr, by_handle, True)
             raise
     _after_malloc(self, b.ptr, size, by_handle)
+    if not self.deferred_frees.empty():
+        _drain_inbox_after_malloc(self, b.ptr, by_handle)
     return b.ptr
+
+
+cdef int _drain_inbox_after_malloc(CachingAllocator self, uintptr_t ptr, bint by_handle) except -1:
+    """The frees that went to the inbox during the miss (a finalizer run
+    by a backend call the lock was held for) are done before the caller
+    has the block. A Ctrl-C there gives the new block back first."""
+    try:
+        _drain_inbox(self)
+    except BaseException:
+        self._try_free(ptr, by_handle, True)
+        raise
+    return 0
 
 
 cdef int _after_malloc(CachingAllocator self, uintptr_t ptr, size_t size, bint by_handle) except -1:

@@ -432,29 +432,36 @@ cdef uintptr_t _malloc_routed(CachingAllocator self, size_t size, uintptr_t stre
         # and the MemPool itself; the pool must outlive the request.
         pool.use_count += 1
     try:
-        _refuse_if_asleep(self, pool)
-        if pool != NULL:
-            rounded = self._round_size(size)
-            fi = _pool_index(self, pool, stream, rounded <= K_SMALL_SIZE)
-            if fi == NULL or self._reserve_for_alloc(fi) != 0:
-                raise MemoryError("host memory for the allocator's bookkeeping ran out")
-            b = self._get_free_block(fi, rounded)
-            if b != NULL:
-                b = self._alloc_found_block(b, fi, _handed_size(b, rounded), size, by_handle, client)
-        if b == NULL:
-            b = _malloc_slow(self, size, stream, by_handle, client, &oom, &tried, pool, self.cache_off)
-    finally:
         try:
+            _refuse_if_asleep(self, pool)
             if pool != NULL:
-                if b == NULL:
-                    _drop_pool_stream_if_unused(pool, stream)    # made by _pool_index for this request
-                _drop_pool_use(self, pool)     # the last use, if the MemPool ended meanwhile
+                rounded = self._round_size(size)
+                fi = _pool_index(self, pool, stream, rounded <= K_SMALL_SIZE)
+                if fi == NULL or self._reserve_for_alloc(fi) != 0:
+                    raise MemoryError("host memory for the allocator's bookkeeping ran out")
+                b = self._get_free_block(fi, rounded)
+                if b != NULL:
+                    b = self._alloc_found_block(b, fi, _handed_size(b, rounded), size, by_handle, client)
+            if b == NULL:
+                b = _malloc_slow(self, size, stream, by_handle, client, &oom, &tried, pool, self.cache_off)
         finally:
-            self._unlock()
+            try:
+                if pool != NULL:
+                    if b == NULL:
+                        _drop_pool_stream_if_unused(pool, stream)    # made by _pool_index for this request
+                    _drop_pool_use(self, pool)     # the last use, if the MemPool ended meanwhile
+            finally:
+                self._unlock()
+    except BaseException:
+        _drain_inbox(self)
+        raise
     if oom:
         self._after_free()          # history, and the streams the retries dropped
+        _drain_inbox(self)
         raise self._out_of_memory(size, tried)
     _after_malloc(self, b.ptr, size, by_handle)
+    if not self.deferred_frees.empty():
+        _drain_inbox_after_malloc(self, b.ptr, by_handle)
     return b.ptr
 
 

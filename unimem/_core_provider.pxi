@@ -99,6 +99,7 @@ cdef int _tell_backend_dropped_streams(CachingAllocator self) except -1:
     sweep = getattr(self.backend, "sweep_released_streams", None)
     if sweep is not None and not still_out.empty():
         _tell_each(sweep, [()], "unimem: a backend's sweep_released_streams")
+    _drain_inbox(self)      # frees a finalizer made during release_stream
     return 0
 
 

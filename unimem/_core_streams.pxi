@@ -15,7 +15,8 @@ cdef extern from *:
 
 
 cdef int _defer_free(CachingAllocator self, uintptr_t ptr) noexcept nogil:
-    """Keep the free of ``ptr``, a live block used on other streams (with
+    """Keep the free of ``ptr`` (its low bit set for an Allocation's block:
+    blocks are aligned to 512 bytes), a live block used on other streams (with
     the cache off, any: _keep_uncached_free), for a call from Python's side
     (_free_deferred); 0 when kept. Its deleter runs
     on a runtime's thread (a SYCL host task dropping the last reference to
@@ -77,10 +78,10 @@ cdef int _free_deferred(CachingAllocator self) except -1:
     self._unlock()
     try:
         while i < kept.size():
-            ptr = kept[i]
+            ptr = kept[i] & ~<uintptr_t>1       # the low bit: an Allocation's block
             freed = False
             self._lock_hot()
-            rc = self._free_fast(ptr, False)
+            rc = self._free_fast(ptr, kept[i] & 1)
             try:
                 if rc == 2 or rc == 3:
                     self._free_slow(ptr, rc)       # lets the lock go
@@ -101,6 +102,15 @@ cdef int _free_deferred(CachingAllocator self) except -1:
     return 0
 
 
+cdef inline int _drain_inbox(CachingAllocator self) except -1:
+    """The end of an operation from Python's side: the frees that went to
+    the inbox meanwhile (a finalizer run by a backend call made with the
+    lock held, a runtime's thread) are done before it returns."""
+    if not self.deferred_frees.empty():
+        _free_deferred(self)
+    return 0
+
+
 cdef int _keep_for_later(CachingAllocator self, vector[uintptr_t]& kept, size_t start, size_t stop) except -1:
     """Put back kept[start:stop] for the next _free_deferred."""
     self._lock()
@@ -114,31 +124,85 @@ cdef int _keep_for_later(CachingAllocator self, vector[uintptr_t]& kept, size_t 
 
 cdef int _free_with_events(CachingAllocator self, uintptr_t ptr) except -1:
     """Free a block used on other streams: record an event on each, and
-    keep the block out of the pool until all of them have completed.
+    keep the block out of the pool until all of them have completed. Lock
+    held on entry and exit, let go while the backend records.
 
-    The block leaves the address index before the backend is called:
-    recording an event is Python code, whose garbage collection may run a
-    finalizer that frees the same address again, and that second free must
-    find nothing. If an event cannot be recorded, the events recorded so
-    far are given back and the block is live again, as before the call."""
-    cdef Block* b = <Block*>um_pop(&self.active, ptr)
+    The block leaves the address index first: a second free of the same
+    address meanwhile (another thread, a finalizer run by the backend's
+    Python) finds nothing. It waits in stream_events.recording, allocated,
+    until the events are queued; if one cannot be recorded, the events
+    recorded so far are given back and the block is live again, as before
+    the call. Re-entered with the lock held by an outer call of this thread
+    (a finalizer run by a backend call still made under the lock), the
+    lock cannot be let go: the free goes to the inbox (_defer_free), done by
+    the next call from Python's side."""
+    cdef Block* b
+    cdef vector[uintptr_t] streams
     cdef size_t i
+    b = <Block*>um_find(&self.active, ptr)
+    if self.lock_depth != 1:
+        if _defer_free(self, ptr | <uintptr_t>b.by_handle) != 0:
+            raise MemoryError("host memory for the allocator's bookkeeping ran out")
+        return 0
+    if _copy_addresses(streams, b.stream_uses[0]) != 0 or um_push_block(self.stream_events.recording, b) != 0:
+        raise MemoryError("host memory for the allocator's bookkeeping ran out")
+    um_pop(&self.active, ptr)
+    self._unlock()
     events = []
+    error = None
     try:
-        for i in range(b.stream_uses.size()):
-            events.append(self.backend.record_event(b.stream_uses[0][i], self.device))
-    except BaseException:
+        record = self.backend.record_event
+        for i in range(streams.size()):
+            events.append(record(streams[i], self.device))
+    except BaseException as exc:
+        error = exc
+    self._lock()
+    _stop_recording(self, b)
+    if error is not None:
         um_put(&self.active, ptr, b)      # count went down by one: no growth, cannot fail
-        _release_events(self, events)
-        raise
+        self._unlock()
+        try:
+            _release_events(self, events)
+        finally:
+            self._lock()
+        raise error
     self._account_free_request(b)
     b.event_count = len(events)
     for i in range(len(events)):
-        _add_pending(self, events[i], <uintptr_t>b, b.stream_uses[0][i])
+        _add_pending(self, events[i], b, streams[i])
     _forget_stream_uses(self, b)
     if b.event_count == 0:
         self._free_block(b)
     return 0
+
+
+cdef extern from *:
+    """
+    #include <vector>
+    static inline int um_copy_addresses(std::vector<uintptr_t>& to, const std::vector<uintptr_t>& from) {
+        try { to = from; return 0; } catch (...) { return -1; }
+    }
+    """
+    int _copy_addresses "um_copy_addresses"(vector[uintptr_t]& to, vector[uintptr_t]& src) nogil
+
+
+cdef void _stop_recording(CachingAllocator self, Block* b) noexcept nogil:
+    """``b``'s events are recorded (or failed to be): off the list a forked
+    child would finish. Lock held."""
+    cdef size_t i
+    for i in range(self.stream_events.recording.size()):
+        if self.stream_events.recording[i] == <void*>b:
+            self.stream_events.recording.erase(self.stream_events.recording.begin() + i)
+            return
+
+
+cdef void _finish_free_without_events(CachingAllocator self, Block* b) noexcept nogil:
+    """A forked child's end of a free another thread was recording events
+    for: freed at once (the child's device work is its own)."""
+    self._account_free_request(b)
+    _forget_stream_uses(self, b)
+    b.event_count = 0
+    self._free_block(b)
 
 
 cdef void _forget_stream_uses(CachingAllocator self, Block* b) noexcept nogil:
@@ -180,84 +244,98 @@ cdef int _process_events_and_deferred(CachingAllocator self) except -1:
 
 cdef int _process_events(CachingAllocator self) except -1:
     """Blocks whose recorded stream work has finished go back to the pool.
-
-    Each stream's oldest events are asked about first (_query_pending,
-    _core_event_queue.pxi), and only then is any block touched, each entry
-    marked handled (address 0) as it is. The queues stay busy until the
-    entries handled have left them: a call re-entered meanwhile (a finalizer
-    run by an event query or by a garbage collection, which any new Python
-    object may start) returns at once, since handling them again would free
-    a block twice (event_count -1, a block taken back and handed out freed
-    again); the events it recorded are queued after this pass."""
-    cdef _PendingEvent entry
-    if self.processing_events:
+    Lock held on entry and exit, let go while the backend is asked: each
+    stream's oldest event is copied out (_take_asks), asked about, and the
+    answers committed (_commit_answers); while one was done, the next ones
+    are asked about. Re-entered with the lock held by an outer call of this
+    thread, nothing is asked (the outer call's next pass does it)."""
+    cdef vector[um_event_ask] asks
+    cdef vector[uintptr_t] released
+    cdef vector[uintptr_t] freed
+    cdef vector[uintptr_t] waiting      # streams whose oldest event is not done: not asked again
+    cdef size_t n_done, k
+    cdef bint more = True
+    if self.lock_depth != 1 or not self.n_pending_events:
         return 0
-    done = []
+    _handle_known_done(self, released, &freed if self.cache_off else NULL)
+    asks.swap(self.stream_events.spare_asks)   # its room: no heap allocation per call
     error = None
-    released = None
-    freed = None
-    self.processing_events = True
-    try:
+    while more and error is None:
+        asks.clear()
+        if _take_asks(self, asks, False, False, &waiting) != 0:
+            _commit_answers(self, asks, 0, released, NULL)
+            raise MemoryError("host memory for the allocator's bookkeeping ran out")
+        if asks.empty():
+            break
+        self._unlock()
+        n_done = 0
         try:
-            _query_pending(self, done)
+            query = self.backend.event_done
+            while n_done < asks.size() and query(<object>asks[n_done].event):
+                n_done += 1
+            # the streams after the first not done are others: asked too
+            if n_done + 1 < asks.size():
+                n_done = _answers_in_order(self, asks, n_done, query)
         except BaseException as exc:
             error = exc                 # the events not asked about stay pending
-        if done:
-            released = []
-            freed = [] if self.cache_off else None
-            kept = set()
-            for entry in done:          # no new Python object in this loop
-                if _handle_done(self, entry, released, freed):
-                    kept.add(entry)     # asked about no more, handled next time
-            _dequeue(self, done, kept)
-        _queue_arrivals(self)
-    finally:
-        self.processing_events = False
-    try:
-        if released:
-            _unmap_released(self, released)
-    finally:
-        if freed:
-            _give_back_segments_listed(self, freed)
-        if error is not None:
-            raise error
+        self._lock()
+        # while a stream's oldest was done, its next one is asked about;
+        # the streams not done are not asked again in this call
+        more = _commit_answers(self, asks, n_done, released, &freed if self.cache_off else NULL) > 0
+        if more:
+            for k in range(n_done, asks.size()):
+                _push_address(waiting, asks[k].stream)     # no memory: asked again, no harm
+    if self.stream_events.spare_asks.capacity() < asks.capacity():
+        asks.swap(self.stream_events.spare_asks)
+    if not (self.stream_events.to_release.empty() and released.empty() and freed.empty()):
+        _after_events_handled(self, released, freed)
+    if error is not None:
+        raise error
     return 0
 
 
-cdef int _give_back_segments_listed(CachingAllocator self, list freed) except -1:
-    """_give_back_segments_of for the addresses _handle_done listed (a list,
-    None with the cache on: _process_events' pass pays nothing more then)."""
-    cdef vector[uintptr_t] addresses = freed
-    return _give_back_segments_of(self, addresses)
+cdef size_t _answers_in_order(CachingAllocator self, vector[um_event_ask]& asks, size_t n_done,
+                              object query) except? 0:
+    """asks[n_done] (one stream's oldest) is not done: ask about the other
+    streams' after it, moving those done before the not-done ones, so that
+    asks[:result] are all done. Lock let go."""
+    cdef size_t k
+    cdef um_event_ask keep
+    cdef size_t first_not_done = n_done
+    for k in range(n_done + 1, asks.size()):
+        if query(<object>asks[k].event):
+            keep = asks[k]
+            asks[k] = asks[first_not_done]
+            asks[first_not_done] = keep
+            first_not_done += 1
+    return first_not_done
 
 
-cdef int _handle_done(CachingAllocator self, _PendingEvent entry, list released,
-                      list freed) except -1:
-    """The block of an entry whose event is done: one event less to wait
-    for, freed at the last; held pages go to ``released`` (unmapped by the
-    caller, _core_holes.pxi). A block freed goes to ``freed`` (a list with
-    the cache off, else None): the caller gives its segment back, as every
-    free does then (_give_back_segments_of). The entry is marked handled
-    (address 0). 1: not handled, for want of host memory for the free index
-    (next time). Makes no Python object but ints (which start no garbage
-    collection)."""
-    cdef uintptr_t address = entry.address
-    cdef Block* b
-    if address == 0:                    # handled, or held pages taken back (_take_back_held)
+cdef int _after_events_handled(CachingAllocator self, vector[uintptr_t]& released,
+                               vector[uintptr_t]& freed, bint every_free_segment=False) except -1:
+    """What waits for the lock to be let go once events were handled: the
+    references dropped, held pages unmapped, with the cache off the freed
+    blocks' segments given back (``every_free_segment``: every wholly free
+    one). Lock held on entry and exit."""
+    if self.stream_events.to_release.empty() and released.empty() and freed.empty():
         return 0
-    b = <Block*>address
-    if b.releasing:
-        entry.address = 0
-        released.append(address)
-        return 0
-    if b.event_count == 1 and self._reserve_class(b) != 0:
-        return 1
-    if b.event_count == 1 and freed is not None:
-        freed.append(b.ptr)             # before anything changes: it may raise MemoryError
-    entry.address = 0
-    b.event_count -= 1
-    if b.event_count == 0:
-        self._free_block(b)
+    cdef vector[PyObject*] refs
+    refs.swap(self.stream_events.to_release)
+    try:
+        if not refs.empty():
+            self._unlock()
+            try:
+                for i in range(refs.size()):
+                    Py_DECREF(<object>refs[i])
+            finally:
+                self._lock()
+        if not released.empty():
+            _unmap_released(self, released)
+    finally:
+        if not freed.empty() and every_free_segment:
+            _release_every_free_segment(self)
+        elif not freed.empty():
+            _give_back_segments_of(self, freed)
     return 0
 
 
@@ -268,60 +346,41 @@ cdef int _synchronize_and_free_events(CachingAllocator self, bint held_only=Fals
     not counted: a map refused while they still count against the device.
 
     Lock held on entry and exit, but not while waiting: a wait on a SYCL
-    queue may need a host task that frees a pool block, and so this lock
-    (when the lock is held more than once by this thread, it cannot be let
-    go, and only the events already complete are processed). The events
-    waited on sit in ``syncing_events`` meanwhile, so that a child forked
-    during the wait finds them (see _after_fork_in_child)."""
-    cdef _PendingEvent entry
+    queue may need a host task that frees a pool block, and so this lock.
+    Events another thread is asking about meanwhile are that thread's to
+    commit. Re-entered with the lock held by an outer call of this thread,
+    nothing is waited for."""
+    cdef vector[um_event_ask] asks
+    cdef vector[uintptr_t] released
+    cdef vector[uintptr_t] freed
+    cdef size_t n_done = 0
     if not held_only:
         self.stats.num_sync_all_streams += 1
-    if not self.n_pending_events:
+    if not self.n_pending_events or self.lock_depth != 1:
         return 0
-    if self.lock_depth != 1:
-        return _process_events(self)
-    taken = _take_pending(self, held_only)
-    self.syncing_events = self.syncing_events + taken
-    freed = [] if self.cache_off else None
-    self._unlock()
-    synced = 0
-    released = []
-    try:
-        sync = self.backend.event_synchronize
-        for entry in taken:
-            if entry.event is not None:
-                sync(entry.event)
-                entry.event = None
-            synced += 1
-    finally:
-        self._lock()
+    _handle_known_done(self, released, &freed if self.cache_off else NULL)
+    if _take_asks(self, asks, True, held_only, NULL) != 0:
+        _commit_answers(self, asks, 0, released, NULL)
+        raise MemoryError("host memory for the allocator's bookkeeping ran out")
+    error = None
+    if not asks.empty():
+        self._unlock()
         try:
-            back = []
-            for i in range(len(taken)):
-                entry = taken[i]
-                if i >= synced:
-                    back.append(entry)          # wait again next time
-                    continue
-                # Marked handled: these entries stay in syncing_events until
-                # the list below is made, and a child forked meanwhile
-                # (another thread, in a finalizer) puts them back in its queues.
-                if _handle_done(self, entry, released, freed):
-                    back.append(entry)
-        finally:
-            taken_ids = {id(e) for e in taken}
-            self.syncing_events = [e for e in self.syncing_events if id(e) not in taken_ids]
-            _put_back_pending(self, back)
-            try:
-                if released:
-                    _unmap_released(self, released)
-            finally:
-                # With the cache off, every wholly free segment goes back
-                # once the events were waited for, these blocks' among them:
-                # a free that fails raises after all were tried, as the
-                # release that follows here (an allocation's last retry,
-                # empty_cache) would have done.
-                if freed and self.cache_off and self.lock_depth == 1:
-                    _release_every_free_segment(self)
+            sync = self.backend.event_synchronize
+            while n_done < asks.size():
+                sync(<object>asks[n_done].event)
+                n_done += 1
+        except BaseException as exc:
+            error = exc                 # the rest are waited for next time
+        self._lock()
+        _commit_answers(self, asks, n_done, released, &freed if self.cache_off else NULL)
+    # With the cache off, every wholly free segment goes back once the
+    # events were waited for, these blocks' among them: a free that fails
+    # raises after all were tried, as the release that follows here (an
+    # allocation's last retry, empty_cache) would have done.
+    _after_events_handled(self, released, freed, True)
+    if error is not None:
+        raise error
     return 0
 
 

@@ -345,6 +345,11 @@ class AllocatorMachine(RuleBasedStateMachine):
         if chosen:
             note(f"finalizers run inside {callback}")
         del victims                                            # the finalizers run here
+        # A finalizer run inside a backend call still made with the lock
+        # held: its free went to the inbox, done as the operation ends, or
+        # kept when its events cannot be recorded then (an injected fault).
+        live = self.core.live_allocations()
+        self.kept |= {p for p in chosen if p in live}
         for p in raw:
             try:
                 self.core.free(p)

@@ -1,6 +1,7 @@
-"""The event queues (_core_event_queue.pxi) are Python lists, and making any
-Python object may start a garbage collection whose finalizers re-enter the
-allocator. Each test here runs one operation over and over, a finalizer
+"""The event queues (_core_event_queue.pxi, native since the events are
+asked about outside the lock) are still around Python: recording, asking and
+waiting run Python, and making any Python object may start a garbage
+collection whose finalizers re-enter the allocator. Each test here runs one operation over and over, a finalizer
 re-entering at the 1st, 2nd, ... collection inside it, until the operation
 makes no more: every window is tried. After each run every stream completes
 and the cache is emptied, and the allocator must be whole: each block back

@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from unimem import _core
-from unimem.backends.simulated import SimulatedBackend
+from unimem.backends.simulated import SimulatedBackend, SimulatedGPU
 
 from tests.helpers.fresh import run_within_timeout
 
@@ -75,6 +75,15 @@ class ProbingBackend(SimulatedBackend):
             self.probe()
         return super().event_done(event)
 
+    def event_synchronize(self, event):
+        if "event_synchronize" in self.probe_in:
+            self.probe()
+        return super().event_synchronize(event)
+
+    def release_stream(self, stream, device):
+        if "release_stream" in self.probe_in:
+            self.probe()
+
 
 def allocator_with_a_cached_small_block(probe, **options):
     backend = ProbingBackend(probe, capacity=8 * GiB)
@@ -106,17 +115,6 @@ def test_a_cache_hit_on_another_thread_is_served_while_the_backend_allocates():
     assert stats["num_alloc_retries"] == 0
 
 
-def test_a_cache_hit_on_another_thread_is_served_while_the_backend_frees():
-    probe = Probe()
-    allocator, backend = allocator_with_a_cached_small_block(probe)
-    allocator.free(allocator.malloc(30 * MiB))
-    backend.probe_in = {"free"}
-    probe.armed = True
-    allocator.empty_cache()
-    finish(allocator, probe)
-    assert probe.outcomes == [True]
-
-
 @pytest.mark.xfail(strict=True, reason="a thread's history delivery waits for another's (each hook takes "
                                         "its own thread's Python frames)")
 def test_a_cache_hit_on_another_thread_is_served_while_the_history_hook_runs():
@@ -129,7 +127,6 @@ def test_a_cache_hit_on_another_thread_is_served_while_the_history_hook_runs():
     assert probe.outcomes and probe.outcomes[0] is True
 
 
-@pytest.mark.xfail(strict=True, reason="record_event still runs under the core's lock")
 def test_a_cache_hit_on_another_thread_is_served_while_an_event_is_recorded():
     probe = Probe()
     allocator, backend = allocator_with_a_cached_small_block(probe)
@@ -142,7 +139,6 @@ def test_a_cache_hit_on_another_thread_is_served_while_an_event_is_recorded():
     assert probe.outcomes == [True]
 
 
-@pytest.mark.xfail(strict=True, reason="event_done still runs under the core's lock")
 def test_a_cache_hit_on_another_thread_is_served_while_an_event_is_asked_about():
     probe = Probe()
     allocator, backend = allocator_with_a_cached_small_block(probe)
@@ -183,6 +179,88 @@ class MissOnAnotherThread:
         self.thread.join(WAIT_S)
         assert len(self.results) == 1, self.results
         return self.results[0]
+
+
+def test_a_cache_hit_on_another_thread_is_served_while_empty_cache_waits_for_an_event():
+    probe = Probe()
+    allocator, backend = allocator_with_a_cached_small_block(probe)
+    p = allocator.malloc(1 << 20)
+    allocator.record_stream(p, 7)
+    allocator.free(p)                           # its event pending: stream 7 never completes
+    backend.probe_in = {"event_synchronize"}
+    probe.armed = True
+    allocator.empty_cache()                     # waits for the event
+    finish(allocator, probe)
+    assert probe.outcomes == [True]
+    assert allocator.memory_stats()["active.all.current"] == 0
+
+
+class ProbingGPU(SimulatedGPU):
+    """The virtual memory calls, probed."""
+
+    def __init__(self, probe, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.probe = probe
+        self.probe_in = set()
+
+    def _probed(self, name):
+        if name in self.probe_in:
+            self.probe()
+
+    def reserve_address_range(self, size, device):
+        self._probed("reserve_address_range")
+        return super().reserve_address_range(size, device)
+
+    def map_pages(self, address, size, device):
+        self._probed("map_pages")
+        return super().map_pages(address, size, device)
+
+    def unmap_pages(self, address, size, device):
+        self._probed("unmap_pages")
+        return super().unmap_pages(address, size, device)
+
+
+def expandable_allocator_with_a_cached_small_block(probe):
+    gpu = ProbingGPU(probe, capacity=8 * GiB)
+    allocator = _core.CachingAllocator(gpu, 0, expandable_segments=True)
+    allocator.set_capacity(8 * GiB)
+    allocator.free(allocator.malloc(512))
+    probe.allocator = allocator
+    return allocator, gpu
+
+
+STILL_UNDER_THE_LOCK = pytest.mark.xfail(strict=True, reason="still called with the core's lock held")
+
+
+@STILL_UNDER_THE_LOCK
+@pytest.mark.parametrize("callback", ["reserve_address_range", "map_pages"])
+def test_a_cache_hit_on_another_thread_is_served_while_expandable_segments_grow(callback):
+    probe = Probe()
+    allocator, gpu = expandable_allocator_with_a_cached_small_block(probe)
+    gpu.probe_in = {callback}
+    probe.armed = True
+    allocator.free(allocator.malloc(64 * MiB, 3))      # stream 3: a new range, new pages
+    finish(allocator, probe)
+    assert probe.outcomes == [True]
+
+
+@pytest.mark.parametrize("callback, expandable, size, stream", [
+    pytest.param("free", False, 30 * MiB, 0, id="free"),
+    pytest.param("unmap_pages", True, 64 * MiB, 0, id="unmap_pages", marks=STILL_UNDER_THE_LOCK),
+    # stream 9 keeps nothing after empty_cache: the backend is told it is dropped
+    pytest.param("release_stream", False, 4096, 9, id="release_stream", marks=STILL_UNDER_THE_LOCK),
+])
+def test_a_cache_hit_on_another_thread_is_served_while_empty_cache_calls_the_backend(
+        callback, expandable, size, stream):
+    probe = Probe()
+    make = expandable_allocator_with_a_cached_small_block if expandable else allocator_with_a_cached_small_block
+    allocator, backend = make(probe)
+    allocator.free(allocator.malloc(size, stream))
+    backend.probe_in = {callback}
+    probe.armed = True
+    allocator.empty_cache()
+    finish(allocator, probe)
+    assert probe.outcomes == [True]
 
 
 def test_a_miss_refused_for_bytes_in_flight_waits_for_them_and_takes_the_new_segment():
