@@ -28,6 +28,15 @@ cdef extern from "csupport.hpp" nogil:
 # no_gc_clear: __dealloc__ needs the backend. When an allocator dies in a
 # reference cycle, the collector would otherwise clear its references first.
 # final: cdef methods are called directly (and inlined), not through a vtable.
+@cython.final
+cdef class HistoryDelivery:
+    cdef readonly object hook
+    cdef object committing                # threading.Lock, never waited for: who runs the commits
+    cdef dict ready                       # batch number -> its commit (or None), prepared
+    cdef uint64_t taken                   # batches taken from the buffer so far
+    cdef uint64_t committed               # the next batch whose commit runs
+
+
 @cython.no_gc_clear
 @cython.final
 cdef class CachingAllocator:
@@ -88,8 +97,7 @@ cdef class CachingAllocator:
     # history and observers
     cdef bint recording
     cdef vector[TraceEvent] trace_buffer
-    cdef object trace_hook
-    cdef object trace_delivery            # threading.RLock: batches reach the hook in the order taken
+    cdef HistoryDelivery history          # the hook and its batches (_core_history.pxi), or None
     cdef list oom_observers
     cdef bint poisoned
     cdef str poison_reason

@@ -92,6 +92,7 @@ include "_core_free_index.pxi"
 include "_core_pair.pxi"
 include "_core_errors.pxi"
 include "_core_stats.pxi"
+include "_core_history.pxi"
 include "_core_clients.pxi"
 include "_core_debug.pxi"
 include "_core_checks.pxi"
@@ -691,38 +692,16 @@ cdef class CachingAllocator:
     # after the lock: history and out-of-memory reporting
     # ------------------------------------------------------------------
     cdef int _flush_trace(self) except -1:
-        """Hand recorded events to the history hook, outside the lock. An
-        ordinary exception from the hook is reported as unraisable (the
-        allocation it describes succeeded); a KeyboardInterrupt or SystemExit
-        reaches the caller, as a Ctrl-C must.
-
-        Taking the buffer and calling the hook happen under trace_delivery
-        (waited for without the GIL): with several threads, batches reach the
-        hook in the order they were taken, so the history keeps the order of
-        the allocator's own operations. Nothing of it runs while no hook is
-        installed (recording is False).
+        """Hand recorded events to the history hook, outside the lock and
+        without waiting for another thread's hook (_core_history.pxi).
+        Nothing of it runs while no hook is installed (recording is False).
 
         Not while this thread holds the lock (a free or an allocation made
-        by Python that a backend call under the lock ran): the hook's
-        delivery is taken before the lock, never after it (a thread
-        delivering waits for the lock; one holding it must not wait for the
-        delivery). Those events go with the outer call's."""
+        by Python that a backend call under the lock ran): the hook never
+        runs under it. Those events go with the outer call's."""
         if self.trace_buffer.empty() or self.lock.held_here():
             return 0
-        cdef vector[TraceEvent] events
-        with self.trace_delivery:
-            self._lock()
-            events.swap(self.trace_buffer)
-            hook = self.trace_hook
-            self._unlock()
-            if hook is None or events.empty():
-                return 0
-            try:
-                hook([(TRACE_ACTIONS[e.action], e.addr, e.size, e.stream, e.time_ns, _CLIENT_NAMES[e.client])
-                      for e in events])
-            except Exception as exc:
-                _report_unraisable(exc, "unimem history hook")
-        return 0
+        return _deliver_history(self)
 
     cdef object _out_of_memory(self, object requested, object tried=None):
         """Build (and report) the OutOfMemoryError for a failed request of
@@ -1327,16 +1306,13 @@ cdef class CachingAllocator:
 
     def set_trace_hook(self, hook):
         """Install ``hook(events)`` to receive the allocator's actions as
-        ``(action, address, size, stream, time_ns)`` tuples, or None to stop."""
-        if hook is not None and self.trace_delivery is None:
-            self.trace_delivery = threading.RLock()
-        self._lock()
-        self.trace_hook = hook
-        self.recording = hook is not None
-        self._update_unusual()
-        if hook is None:
-            self.trace_buffer.clear()
-        self._unlock()
+        ``(action, address, size, stream, time_ns, client)`` tuples, or None
+        to stop. The hook runs on the thread whose operations made the
+        events, with the allocator's lock let go; batches of two threads
+        may reach it in either order. To keep the allocator's order, the
+        hook returns a callable, its commit: commits are called in the
+        order the batches were taken (perhaps on another thread)."""
+        _set_trace_hook(self, hook)
 
     def add_oom_observer(self, observer):
         """Call ``observer(device, requested, allocated, reserved, free)`` on

@@ -43,5 +43,4 @@ cdef object _reset_after_fork(CachingAllocator self):
     _untake_after_fork(self)                # another thread was asking about events, or recording them
     _forget_other_threads_routes(self)
     self.trace_buffer.clear()
-    if self.trace_delivery is not None:     # another thread may have held it
-        self.trace_delivery = threading.RLock()
+    _forget_deliveries_after_fork(self)

@@ -184,22 +184,22 @@ class History:
                 self.segment_frames.pop(device, None)
             self.paused_counters[device] = now
 
-    def hook_for(self, allocator: _core.CachingAllocator) -> Callable[[list], None]:
+    def hook_for(self, allocator: _core.CachingAllocator) -> Callable[[list], Callable[[], None]]:
         # The allocator holds the hook: the hook holds the allocator weakly
         # (a cycle would have the collector tear down its backend first).
         device = allocator.device
         allocator_ref = weakref.ref(allocator)
 
-        def hook(events: list) -> None:
+        def hook(events: list) -> Callable[[], None]:
+            # Runs on the thread whose operations made the events (its
+            # frames are the caller's); the returned commit runs in the
+            # allocator's order of batches (_core_history.pxi).
             # PyTorch's RecordContext: "state" keeps the allocating stack of
             # live blocks and segments only; "alloc" also puts it on the
             # trace entries (a free's entry carries the stack that allocated
             # the block); "all" gives frees the freeing stack.
             context = self.context
-            on_entries = context in ("alloc", "all")
             here: Optional[List[Frame]] = None
-            # What runs other code (the stack walk, a Python backend's
-            # memory_info) is done before the lock.
             if context is not None and any(e[0] in ("alloc", "segment_alloc", "oom") for e in events) \
                     or context == "all":
                 here = python_frames()
@@ -209,39 +209,45 @@ class History:
                     device_free = allocator_ref().backend.memory_info(device)[0]
                 except Exception:
                     device_free = 0
-            with self.lock:
-                trace = self.traces.get(device)
-                if trace is None:
-                    trace = self.traces[device] = collections.deque(maxlen=self.max_entries)
-                blocks = self.block_frames.setdefault(device, {})
-                segments = self.segment_frames.setdefault(device, {})
-                for action, addr, size, stream, time_ns, client in events:
-                    entry_frames: List[Frame] = []
-                    if action in ("alloc", "segment_alloc", "oom") or context == "all":
-                        entry_frames = here or []
-                    known = blocks if action in ("alloc", "free_requested", "free_completed") else segments
-                    if action in ("alloc", "segment_alloc"):
-                        if context is not None:
-                            known[addr] = entry_frames
-                        else:
-                            known.pop(addr, None)
-                    elif action in ("free_requested", "free_completed", "segment_free"):
-                        if context == "alloc":
-                            entry_frames = known.get(addr, [])
-                        if action != "free_requested":
-                            known.pop(addr, None)
-                    if action in self.skip_actions:
-                        continue
-                    entry = {"action": action, "addr": addr, "size": size, "stream": stream,
-                             "time_us": (time_ns + _MONOTONIC_TO_EPOCH_NS) // 1000,
-                             "frames": entry_frames if on_entries else []}
-                    if client is not None:       # a block's event: whose block (unimem's addition)
-                        entry["client"] = client
-                    if action == "oom":
-                        del entry["addr"]
-                        entry["device_free"] = device_free
-                    trace.append(entry)
+            return functools.partial(self._commit, device, events, context, here or [], device_free)
         return hook
+
+    def _commit(self, device: int, events: list, context: Optional[str], here: List[Frame],
+                device_free: int) -> None:
+        """Put one batch of ``device``'s events into the history, in turn."""
+        on_entries = context in ("alloc", "all")
+        with self.lock:
+            trace = self.traces.get(device)
+            if trace is None:
+                trace = self.traces[device] = collections.deque(maxlen=self.max_entries)
+            blocks = self.block_frames.setdefault(device, {})
+            segments = self.segment_frames.setdefault(device, {})
+            for action, addr, size, stream, time_ns, client in events:
+                entry_frames: List[Frame] = []
+                if action in ("alloc", "segment_alloc", "oom") or context == "all":
+                    entry_frames = here
+                known = blocks if action in ("alloc", "free_requested", "free_completed") else segments
+                if action in ("alloc", "segment_alloc"):
+                    if context is not None:
+                        known[addr] = entry_frames
+                    else:
+                        known.pop(addr, None)
+                elif action in ("free_requested", "free_completed", "segment_free"):
+                    if context == "alloc":
+                        entry_frames = known.get(addr, [])
+                    if action != "free_requested":
+                        known.pop(addr, None)
+                if action in self.skip_actions:
+                    continue
+                entry = {"action": action, "addr": addr, "size": size, "stream": stream,
+                         "time_us": (time_ns + _MONOTONIC_TO_EPOCH_NS) // 1000,
+                         "frames": entry_frames if on_entries else []}
+                if client is not None:       # a block's event: whose block (unimem's addition)
+                    entry["client"] = client
+                if action == "oom":
+                    del entry["addr"]
+                    entry["device_free"] = device_free
+                trace.append(entry)
 
     def segments(self, allocators: Dict[int, _core.CachingAllocator]) -> List[Dict[str, Any]]:
         for allocator in allocators.values():

@@ -115,8 +115,6 @@ def test_a_cache_hit_on_another_thread_is_served_while_the_backend_allocates():
     assert stats["num_alloc_retries"] == 0
 
 
-@pytest.mark.xfail(strict=True, reason="a thread's history delivery waits for another's (each hook takes "
-                                        "its own thread's Python frames)")
 def test_a_cache_hit_on_another_thread_is_served_while_the_history_hook_runs():
     probe = Probe()
     allocator, backend = allocator_with_a_cached_small_block(probe)

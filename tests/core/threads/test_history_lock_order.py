@@ -1,8 +1,8 @@
-"""The history hook's delivery and the allocator's lock are taken in one
-order: delivery first. A free (or an allocation) that Python run by a backend
-call makes while the lock is held leaves its events to the outer call, so
-that a thread holding the lock never waits for a delivery under way in
-another thread, whose hook waits for the lock."""
+"""The history hook never runs under the allocator's lock, and no thread
+waits for another's hook: a free (or an allocation) that Python run by a
+backend call makes while the lock is held leaves its events to the outer
+call, and a thread whose batch is not next in turn leaves its commit to the
+thread committing the batch before (_core_history.pxi)."""
 from tests.helpers.crash_guard import run_python
 
 # Thread B delivers history (holding the delivery) and its hook waits until
