@@ -1281,7 +1281,15 @@ cdef class CachingAllocator:
         """Debug mode: fill free memory with a known byte (DEBUG_FILL, 0xDB) and
         check it on reuse (the backend's memory must be readable by the host). A
         write after free is reported as a WriteAfterFreeWarning naming where the
-        memory was last allocated (``site_fn()`` gives the caller's frames)."""
+        memory was last allocated (``site_fn()`` gives the caller's frames).
+        Raises NotImplementedError, changing nothing, when the backend does
+        not say its memory is ``host_accessible``."""
+        if not getattr(self.backend, "host_accessible", False):
+            raise NotImplementedError(
+                f"debug mode fills free memory and reads it back from the host; the {self.device_name} "
+                f"backend ({type(self.backend).__name__}) does not say its memory is host_accessible")
+        if site_fn is not None and not callable(site_fn):
+            raise TypeError(f"site_fn must be callable or None, got {type(site_fn).__name__}")
         self._lock()
         self.debug_on = True
         self._update_unusual()
@@ -1343,6 +1351,11 @@ cdef class CachingAllocator:
         events another thread was waiting on are pending again, and the
         other threads' uses of pools are over."""
         return _reset_after_fork(self)
+
+    def _lock_held_here(self):
+        """Whether this thread holds the allocator's lock (for tests: a
+        backend call or a hook that finds it held breaks the core's rule)."""
+        return self.lock.held_here()
 
     def _check_invariants(self):
         """Verify the allocator's internal consistency (for tests): segments

@@ -2,7 +2,8 @@
 freeing by address a block an :class:`~unimem._core.Allocation` owns (the
 handle's finalizer would later free the next owner's block), integers that
 are not (bools, ``__index__`` returning a float), a second ``__init__`` and a
-``max_reserved_ratio`` the configuration refuses."""
+``max_reserved_ratio`` the configuration refuses, debug mode where the host
+cannot read the memory."""
 import gc
 
 import pytest
@@ -80,3 +81,25 @@ def test_the_core_refuses_the_max_reserved_ratios_the_configuration_refuses(rati
     """The core took inf, which UNIMEM_ALLOC_CONF refuses: one rule in both places."""
     with pytest.raises(ValueError, match="max_reserved_ratio"):
         _core.CachingAllocator(SimulatedBackend(), 0, max_reserved_ratio=ratio)
+
+
+def test_debug_mode_is_refused_where_the_host_cannot_read_the_memory():
+    """Debug mode fills free blocks from the host: on memory the host cannot
+    read (a device's, or the simulated backend's made-up addresses) it
+    crashed the process at the first fill."""
+    a = _core.CachingAllocator(SimulatedBackend(), 0)
+    p = a.malloc(4096)
+    a.free(p)
+    with pytest.raises(NotImplementedError, match="host_accessible"):
+        a.enable_debug()
+    assert not a.debug
+    a.free(a.malloc(4096))
+    assert a.memory_stats()["allocation.all.current"] == 0
+
+
+def test_debug_mode_refuses_a_site_function_that_cannot_be_called():
+    from tests.helpers.pool_allocators import PageAllocator
+    a = _core.CachingAllocator(PageAllocator(), 0)
+    with pytest.raises(TypeError, match="site_fn"):
+        a.enable_debug(site_fn=42)
+    assert not a.debug
