@@ -310,19 +310,34 @@ def test_a_block_comes_back_from_a_thread_python_has_never_seen(hooked, dpnp):
 
 
 def test_threads_allocate_while_the_allocator_comes_and_goes(xpu, dpnp):
+    dpctl = pytest.importorskip("dpctl")
     baseline = settle(xpu, allocated(xpu))
     errors = []
     stop = threading.Event()
 
-    def allocate():
+    # A queue per thread: the OpenCL CPU runtime itself crashes when two
+    # threads finish one queue at once (float(x.sum()) waits on it), which
+    # plain dpnp does too (see _dpctl_api.um_wait_queue); the pools are the
+    # device's, shared by the three queues as by one.
+    # Each queue is used here first: dpctl's order keeper (dpctl.utils)
+    # initializes a C++ static at its first use and lets the GIL go inside
+    # it, so that two threads' first uses at once deadlock (seen with gdb:
+    # one thread in __cxa_guard_acquire holding the GIL, the other inside
+    # the guard waiting for the GIL; dpctl's own, without unimem).
+    device = xpu.default_queue().sycl_device
+    queues = [dpctl.SyclQueue(device) for _ in range(3)]
+    for queue in queues:
+        assert float(dpnp.full(10, 2.0, dtype="f4", sycl_queue=queue).sum()) == 20.0
+
+    def allocate(queue):
         try:
             while not stop.is_set():
-                x = dpnp.full(1000, 2.0, dtype="f4")
+                x = dpnp.full(1000, 2.0, dtype="f4", sycl_queue=queue)
                 assert float(x.sum()) == 2000.0
         except BaseException as exc:       # pragma: no cover - reported below
             errors.append(exc)
 
-    threads = [threading.Thread(target=allocate) for _ in range(3)]
+    threads = [threading.Thread(target=allocate, args=(queue,)) for queue in queues]
     for t in threads:
         t.start()
     for _ in range(30):
