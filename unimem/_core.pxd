@@ -10,7 +10,7 @@ from libcpp.vector cimport vector
 
 from unimem._native.addr_map cimport U64Map
 from unimem._native.blocks cimport Block, FreeIndex, Segment, BlockSlab, PrivatePool, StreamPools, StreamTable
-from unimem._native.policy cimport K_ROUNDUP_INTERVALS
+from unimem._native.policy cimport K_ROUNDUP_INTERVALS, Policy
 from unimem._native.provider cimport RawAllocatorAPI
 from unimem._native.stats cimport DeviceStats, TraceEvent
 from unimem._native.stream_events cimport UMStreamEvents
@@ -37,6 +37,15 @@ cdef class HistoryDelivery:
     cdef uint64_t committed               # the next batch whose commit runs
 
 
+@cython.final
+cdef class DebugMode:
+    cdef object site_fn                   # () -> frames of the caller
+    cdef dict sites                       # block address -> (sequence, size, frames)
+    cdef int64_t sequence
+    cdef vector[pair[uintptr_t, uintptr_t]] damage   # (block, first changed byte), found under the lock
+    cdef list messages
+
+
 @cython.no_gc_clear
 @cython.final
 cdef class CachingAllocator:
@@ -49,13 +58,7 @@ cdef class CachingAllocator:
     cdef bint _has_raw
     cdef object _raw_owner            # keeps the C context behind _raw alive
 
-    # policy
-    cdef size_t max_split_size
-    cdef size_t max_non_split_rounding
-    cdef size_t roundup_divisions[K_ROUNDUP_INTERVALS]
-    cdef double gc_threshold
-    cdef double max_reserved_ratio        # 0: off (PyTorch's policy)
-    cdef size_t small_request_max         # the largest request of the small pool (_core_holes.pxi)
+    cdef Policy policy                    # the allocation policy's settings (_native/policy.pxd)
     cdef double fraction
     cdef bint set_fraction
     cdef size_t allowed_memory_maximum
@@ -73,7 +76,6 @@ cdef class CachingAllocator:
     cdef bint streams_added               # a stream came in: ask which others are abandoned
     cdef Segment* segments                # doubly linked list of all segments
     cdef cmap[uintptr_t, Segment*] segments_by_base   # to refuse overlapping memory
-    cdef bint exact_segments              # CuPy's policy: a segment is the rounded request
     cdef bint expandable                  # expandable_segments:True (_core_expandable.pxi)
     cdef size_t vm_granularity            # the backend's mapping granularity then
     cdef size_t in_use_high_water         # what max_reserved_ratio bounds then (_core_holes.pxi)
@@ -113,13 +115,9 @@ cdef class CachingAllocator:
     cdef Block* last_split
     cdef Block* unmerged
 
-    # debug mode: free memory is filled and checked on reuse
+    # debug mode: free memory is filled and checked on reuse (_core_debug.pxi)
     cdef bint debug_on
-    cdef object debug_site_fn           # () -> frames of the caller
-    cdef dict debug_sites               # block address -> (sequence, size, frames)
-    cdef int64_t debug_sequence
-    cdef vector[pair[uintptr_t, uintptr_t]] debug_damage   # (block, first changed byte)
-    cdef list debug_messages
+    cdef DebugMode debug_mode           # its sites and reports, made at enable_debug
 
     # sleep mode (_core_sleep.pxi)
     cdef bint sleeping                      # the whole device asleep: allocation refused

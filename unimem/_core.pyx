@@ -215,7 +215,7 @@ cdef class CachingAllocator:
                 raise ValueError("exact_segments and expandable_segments exclude each other "
                                  "(a segment is either the request or a growing range)")
             _setup_expandable(self, backend, device, name)
-        self.small_request_max = 0 if self.expandable and max_reserved_ratio else K_SMALL_SIZE
+        self.policy.small_request_max = 0 if self.expandable and max_reserved_ratio else K_SMALL_SIZE
         if um_init(&self.active, 10) != 0:
             raise MemoryError("cannot allocate the allocator's tables")
         self.backend = backend
@@ -232,10 +232,8 @@ cdef class CachingAllocator:
             # The struct lives in this object (the backend itself by default).
             self._raw_owner = getattr(backend, "_raw_owner", backend)
         self.fraction = 1.0
-        self.exact_segments = exact_segments
+        self.policy.exact_segments = exact_segments
         self.oom_observers = []
-        self.debug_sites = {}
-        self.debug_messages = []
         self.pool_backends = {}
         self.sleep_states = {}
         _live_allocators.add(self)
@@ -324,7 +322,7 @@ cdef class CachingAllocator:
         cdef int index = log_size - 20 if log_size > 20 else 0
         if index > K_ROUNDUP_INTERVALS - 1:
             index = K_ROUNDUP_INTERVALS - 1
-        cdef size_t divisions = self.roundup_divisions[index]
+        cdef size_t divisions = self.policy.roundup_divisions[index]
         if divisions > 1 and size > K_MIN_BLOCK * divisions:
             return roundup_power2_next_division(size, divisions)
         return (size + K_MIN_BLOCK - 1) & ~(<size_t>(K_MIN_BLOCK - 1))
@@ -335,10 +333,10 @@ cdef class CachingAllocator:
             return remaining >= K_MIN_BLOCK
         if self.expandable:                   # PyTorch: expandable blocks always split
             return remaining >= K_MIN_BLOCK
-        return size < self.max_split_size and remaining > K_SMALL_SIZE
+        return size < self.policy.max_split_size and remaining > K_SMALL_SIZE
 
     cdef inline bint _gc_enabled(self) noexcept nogil:
-        return self.set_fraction and self.gc_threshold > 0.0
+        return self.set_fraction and self.policy.gc_threshold > 0.0
 
     # ------------------------------------------------------------------
     # stream pools
@@ -410,9 +408,9 @@ cdef class CachingAllocator:
             b = _prefer_unexpandable(fi, b, &sc)
         # An oversize block is never handed to a normal request, and an
         # oversize request takes a cached block only if it wastes little.
-        if size < self.max_split_size and b.size >= self.max_split_size:
+        if size < self.policy.max_split_size and b.size >= self.policy.max_split_size:
             return NULL
-        if size >= self.max_split_size and b.size >= size + self.max_non_split_rounding:
+        if size >= self.policy.max_split_size and b.size >= size + self.policy.max_non_split_rounding:
             return NULL
         fi_remove_from(fi, sc, b)
         return b
@@ -484,7 +482,7 @@ cdef class CachingAllocator:
         pool_increase(st, S_ACTIVE, is_small, 1)
         pool_increase(st, S_ACTIVE_BYTES, is_small, block.size)
         pool_increase(st, S_REQUESTED_BYTES, is_small, orig_size)
-        if block.size >= self.max_split_size:
+        if block.size >= self.policy.max_split_size:
             stat_increase(&st.oversize_allocations, 1)
         if self.recording:                # PyTorch's trace records the request
             self._trace_for(T_ALLOC, block.ptr, orig_size, block.stream, client)
@@ -511,7 +509,7 @@ cdef class CachingAllocator:
         """A cache hit, or NULL. ``status`` is set to -1 when host memory for the
         allocator's own bookkeeping ran out. Lock held."""
         cdef size_t size = self._round_size(orig_size)
-        cdef bint is_small = size <= self.small_request_max
+        cdef bint is_small = size <= self.policy.small_request_max
         cdef FreeIndex* fi = self._pool(stream, is_small)
         status[0] = 0
         if self.unmerged != NULL:             # the pair of one size (_core_pair.pxi)
@@ -682,7 +680,7 @@ cdef class CachingAllocator:
         b.allocated = False
         pool_decrease(&self.stats, S_ALLOCATION, b.is_small, 1)
         pool_decrease(&self.stats, S_ALLOCATED_BYTES, b.is_small, b.size)
-        if b.size >= self.max_split_size:
+        if b.size >= self.policy.max_split_size:
             stat_decrease(&self.stats.oversize_allocations, 1)
         if self.recording:
             self._trace_for(T_FREE_REQUESTED, b.ptr, b.requested_size, b.stream, b.client)
@@ -1290,12 +1288,7 @@ cdef class CachingAllocator:
                 f"backend ({type(self.backend).__name__}) does not say its memory is host_accessible")
         if site_fn is not None and not callable(site_fn):
             raise TypeError(f"site_fn must be callable or None, got {type(site_fn).__name__}")
-        self._lock()
-        self.debug_on = True
-        self._update_unusual()
-        self.debug_site_fn = site_fn
-        _fill_free_blocks(self)
-        self._unlock()
+        _enable_debug(self, site_fn)
 
     @property
     def debug(self):
@@ -1304,7 +1297,7 @@ cdef class CachingAllocator:
 
     def debug_reports(self):
         """The write-after-free reports of debug mode, oldest first."""
-        return list(self.debug_messages)
+        return list(self.debug_mode.messages) if self.debug_mode is not None else []
 
     def flush_history(self):
         """Hand the recorded actions still buffered (frees done by finalizers)

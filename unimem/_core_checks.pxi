@@ -202,12 +202,12 @@ cdef int _set_policy(CachingAllocator self, object max_split_size, object max_no
     if max_reserved_ratio != 0.0 and not (1.0 <= max_reserved_ratio < float("inf")):
         raise ValueError(f"max_reserved_ratio must be a finite number of at least 1.0 (or 0: off), "
                          f"got {max_reserved_ratio}")
-    self.max_split_size = SIZE_UNSET if max_split_size is None else max_split_size
-    self.max_non_split_rounding = max_non_split_rounding
+    self.policy.max_split_size = SIZE_UNSET if max_split_size is None else max_split_size
+    self.policy.max_non_split_rounding = max_non_split_rounding
     for i in range(K_ROUNDUP_INTERVALS):
-        self.roundup_divisions[i] = divisions[i]
-    self.gc_threshold = garbage_collection_threshold
-    self.max_reserved_ratio = max_reserved_ratio
+        self.policy.roundup_divisions[i] = divisions[i]
+    self.policy.gc_threshold = garbage_collection_threshold
+    self.policy.max_reserved_ratio = max_reserved_ratio
     return 0
 
 

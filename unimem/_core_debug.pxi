@@ -2,6 +2,35 @@
 # with DEBUG_FILL and checked when it is handed out again; damage is reported
 # with the site of the allocation that last owned the changed byte.
 
+
+cdef class DebugMode:
+    """Debug mode's state beside the core's debug_on: where each block was
+    last allocated, the damage found under the lock, and the reports."""
+
+    def __cinit__(self, site_fn):
+        self.site_fn = site_fn
+        self.sites = {}
+        self.sequence = 0
+        self.messages = []
+
+
+cdef int _enable_debug(CachingAllocator self, object site_fn) except -1:
+    """CachingAllocator.enable_debug, its arguments checked: the state is
+    made (or its site function replaced) before the lock, the free blocks
+    filled under it."""
+    cdef DebugMode mode = self.debug_mode
+    if mode is None:
+        mode = DebugMode(site_fn)
+    else:
+        mode.site_fn = site_fn
+    self._lock()
+    self.debug_mode = mode          # None before, or this very object: nothing freed here
+    self.debug_on = True
+    self._update_unusual()
+    _fill_free_blocks(self)
+    self._unlock()
+    return 0
+
 cdef void _debug_check(CachingAllocator self, Block* block) noexcept nogil:
     """Debug mode: a block about to be handed out must still hold the fill
     byte everywhere; where it does not, something wrote after free."""
@@ -18,7 +47,7 @@ cdef void _debug_check(CachingAllocator self, Block* block) noexcept nogil:
                 offset += 1
             damage.first = block.ptr
             damage.second = block.ptr + offset
-            self.debug_damage.push_back(damage)
+            self.debug_mode.damage.push_back(damage)
             return
         offset += chunk
 
@@ -42,15 +71,16 @@ cdef void _debug_after_malloc(CachingAllocator self, uintptr_t ptr, size_t size)
     and report damage found on the way (with the site of the allocation
     that last owned the changed byte)."""
     cdef vector[pair[uintptr_t, uintptr_t]] damage
+    cdef DebugMode mode = self.debug_mode
     self._lock()
-    damage.swap(self.debug_damage)
-    self.debug_sequence += 1
-    sequence = self.debug_sequence
+    damage.swap(mode.damage)
+    mode.sequence += 1
+    sequence = mode.sequence
     self._unlock()
-    frames = self.debug_site_fn() if self.debug_site_fn is not None else []
+    frames = mode.site_fn() if mode.site_fn is not None else []
     for entry in damage:
         culprit = None
-        for start, (seq, length, site) in self.debug_sites.items():
+        for start, (seq, length, site) in mode.sites.items():
             if start <= entry.second < start + length and (culprit is None or seq > culprit[0]):
                 culprit = (seq, start, length, site)
         where = ("at " + ", called from ".join(f"{f['filename']}:{f['line']} in {f['name']}"
@@ -60,9 +90,9 @@ cdef void _debug_after_malloc(CachingAllocator self, uintptr_t ptr, size_t size)
                    f"{entry.second - entry.first} of the block handed out at {entry.first:#x}) "
                    f"changed after it was freed; that memory was last allocated "
                    + (f"at {culprit[1]:#x} ({culprit[2]} bytes) " if culprit else "") + where)
-        self.debug_messages.append(message)
+        mode.messages.append(message)
         try:
             warnings.warn(WriteAfterFreeWarning(message), stacklevel=3)
         except BaseException as exc:      # warnings turned into errors: still report
             _report_unraisable(exc, "unimem debug mode")
-    self.debug_sites[ptr] = (sequence, size, frames)
+    mode.sites[ptr] = (sequence, size, frames)

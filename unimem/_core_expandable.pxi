@@ -293,9 +293,9 @@ cdef Block* _expandable_alloc(CachingAllocator self, size_t size, uintptr_t stre
     if fi == NULL:
         raise MemoryError("host memory for the allocator's bookkeeping ran out")
     cdef size_t new_bytes = 0
-    cdef Block* c = _find_expandable_block(fi, size, self.max_reserved_ratio != 0.0, &new_bytes)
+    cdef Block* c = _find_expandable_block(fi, size, self.policy.max_reserved_ratio != 0.0, &new_bytes)
     cdef Block* nxt
-    if self.max_reserved_ratio:
+    if self.policy.max_reserved_ratio:
         if c == NULL:
             new_bytes = _round_up(size, _page_of(self, is_small))
         if _unmap_to_ratio(self, size, new_bytes, c.ptr if c != NULL else 0,
@@ -305,7 +305,7 @@ cdef Block* _expandable_alloc(CachingAllocator self, size_t size, uintptr_t stre
             fi = self._pool(stream, is_small)
             if fi == NULL:
                 raise MemoryError("host memory for the allocator's bookkeeping ran out")
-            c = _find_expandable_block(fi, size, self.max_reserved_ratio != 0.0, &new_bytes)
+            c = _find_expandable_block(fi, size, self.policy.max_reserved_ratio != 0.0, &new_bytes)
     if c == NULL:
         c = _new_range(self, size, stream, is_small)
         if c == NULL:
@@ -497,7 +497,7 @@ cdef inline size_t _unmap_page(CachingAllocator self, Segment* seg) noexcept nog
     max_reserved_ratio, whose hole reclaim unmaps by the backend's page
     (so a range's mapped spans need not be whole large pages), or once a
     memory limit made _map_block map by the backend's page, that."""
-    return self.vm_granularity if self.max_reserved_ratio or seg.finely_mapped else seg.page
+    return self.vm_granularity if self.policy.max_reserved_ratio or seg.finely_mapped else seg.page
 
 
 cdef Block* _next_to_unmap(CachingAllocator self, bint has_stream, uintptr_t stream,

@@ -211,7 +211,7 @@ cdef bint _unmap_to_ratio(CachingAllocator self, size_t size, size_t new_bytes,
     cdef bint unmapped = False
     if in_use > <double>self.in_use_high_water:
         self.in_use_high_water = <size_t>in_use
-    limit = self.max_reserved_ratio * <double>self.in_use_high_water
+    limit = self.policy.max_reserved_ratio * <double>self.in_use_high_water
     while True:
         excess = <double>(self.total_allocated_memory - self.releasing_bytes + new_bytes) - limit
         if excess <= 0.0:

@@ -40,12 +40,12 @@ cdef object _set_memory_limit(CachingAllocator self, limit):
 cdef object _settings(CachingAllocator self):
     """CachingAllocator.settings."""
     return {
-        "max_split_size": -1 if self.max_split_size == SIZE_UNSET else self.max_split_size,
-        "max_non_split_rounding": self.max_non_split_rounding,
-        "roundup_power2_divisions": [self.roundup_divisions[i] for i in range(K_ROUNDUP_INTERVALS)],
-        "garbage_collection_threshold": self.gc_threshold,
-        "max_reserved_ratio": self.max_reserved_ratio or None,
+        "max_split_size": -1 if self.policy.max_split_size == SIZE_UNSET else self.policy.max_split_size,
+        "max_non_split_rounding": self.policy.max_non_split_rounding,
+        "roundup_power2_divisions": [self.policy.roundup_divisions[i] for i in range(K_ROUNDUP_INTERVALS)],
+        "garbage_collection_threshold": self.policy.gc_threshold,
+        "max_reserved_ratio": self.policy.max_reserved_ratio or None,
         "memory_fraction": self.fraction if self.set_fraction else None,
-        "exact_segments": bool(self.exact_segments),
+        "exact_segments": bool(self.policy.exact_segments),
         "expandable_segments": bool(self.expandable),
     }

@@ -120,7 +120,7 @@ cdef void _adopt_segment(CachingAllocator self, Segment* seg, Block* b, uintptr_
     self.total_allocated_memory += alloc_size
     pool_increase(&self.stats, S_SEGMENT, is_small, 1)
     pool_increase(&self.stats, S_RESERVED_BYTES, is_small, alloc_size)
-    if alloc_size >= self.max_split_size:
+    if alloc_size >= self.policy.max_split_size:
         stat_increase(&self.stats.oversize_segments, 1)
     self.stats.num_device_alloc += 1
     if self.recording:
@@ -141,7 +141,7 @@ cdef Block* _malloc_miss_nogil(CachingAllocator self, size_t orig_size, uintptr_
     of a segment it got, and the caller takes the GIL. Lock held once (and
     held again at return)."""
     cdef size_t size = self._round_size(orig_size)
-    cdef bint is_small = size <= self.small_request_max
+    cdef bint is_small = size <= self.policy.small_request_max
     cdef size_t alloc_size = _segment_size(self, size)
     cdef FreeIndex* fi
     cdef Segment* seg
@@ -151,7 +151,7 @@ cdef Block* _malloc_miss_nogil(CachingAllocator self, size_t orig_size, uintptr_
     cdef int rc
     cdef int64_t took_ns
     cdef uint64_t call
-    if (not self._has_raw or self.expandable or self._gc_enabled() or self.max_reserved_ratio
+    if (not self._has_raw or self.expandable or self._gc_enabled() or self.policy.max_reserved_ratio
             or self.lock_depth != 1 or self.streams_added or not self.dropped_streams.empty()):
         return NULL
     if ((self.capacity and alloc_size > self.capacity) or (self.max_allocation and alloc_size > self.max_allocation)
@@ -274,7 +274,7 @@ cdef inline size_t _held_or_asked(CachingAllocator self) noexcept nogil:
 cdef inline size_t _segment_size(CachingAllocator self, size_t size) noexcept nogil:
     """The segment a miss of ``size`` rounded bytes asks the backend for
     (PyTorch's get_allocation_size, or the request itself under CuPy's policy)."""
-    if self.exact_segments:
+    if self.policy.exact_segments:
         return size
     if size <= K_SMALL_SIZE:
         return K_SMALL_BUFFER
@@ -291,7 +291,7 @@ cdef Block* _malloc_slow(CachingAllocator self, size_t orig_size, uintptr_t stre
     ``pool``: a private pool's request (NULL: the device's own pools);
     ``uncached``: the cache is off, the segment is the rounded request."""
     cdef size_t size = self._round_size(orig_size)
-    cdef bint is_small = size <= (self.small_request_max if pool == NULL else K_SMALL_SIZE)
+    cdef bint is_small = size <= (self.policy.small_request_max if pool == NULL else K_SMALL_SIZE)
     cdef bint expandable = self.expandable and pool == NULL   # a private pool's segments are plain
     cdef size_t alloc_size = (_round_up(size, _page_of(self, is_small)) if expandable
                               else size if uncached else _segment_size(self, size))
@@ -315,7 +315,7 @@ cdef Block* _malloc_slow(CachingAllocator self, size_t orig_size, uintptr_t stre
         return NULL
     if self._gc_enabled():
         _garbage_collect(self)
-    if self.max_reserved_ratio:
+    if self.policy.max_reserved_ratio:
         _release_to_reserved_ratio(self, size, alloc_size)
     if expandable:
         # PyTorch's order: grow; free everything cached (unmapping free

@@ -78,7 +78,7 @@ cdef void _detach_segment(CachingAllocator self, Segment* seg) noexcept nogil:
     self.total_allocated_memory -= seg.size
     pool_decrease(&self.stats, S_SEGMENT, seg.is_small, 1)
     pool_decrease(&self.stats, S_RESERVED_BYTES, seg.is_small, seg.size)
-    if seg.size >= self.max_split_size:
+    if seg.size >= self.policy.max_split_size:
         stat_decrease(&self.stats.oversize_segments, 1)
     if self.recording:
         self._trace(T_SEGMENT_FREE, seg.base, seg.size, seg.stream)
@@ -120,16 +120,16 @@ cdef bint _release_available_cached_blocks(CachingAllocator self, size_t size, u
     free the smallest cached oversize block of the stream (and of the
     request's pool) that is big enough, or else the stream's oversize
     blocks, largest first, until as much as was asked has been released."""
-    if self.max_split_size == SIZE_UNSET:
+    if self.policy.max_split_size == SIZE_UNSET:
         return False
-    cdef size_t key = size if size >= self.max_split_size else self.max_split_size
+    cdef size_t key = size if size >= self.policy.max_split_size else self.policy.max_split_size
     cdef Segment* seg = self.segments
     cdef Segment* best = NULL
     cdef vector[Segment*] victims
     cdef vector[RankedSegment] candidates       # (size, base), taken from the last
     while seg != NULL:
         if (not seg.is_small and seg.stream == stream and seg.pool == pool and _segment_is_free(self, seg)
-                and seg.size >= self.max_split_size):
+                and seg.size >= self.policy.max_split_size):
             candidates.push_back(RankedSegment(pair[int64_t, uintptr_t](<int64_t>seg.size, seg.base),
                                                <uintptr_t>seg))
             if seg.size >= key and (best == NULL or seg.size < best.size
@@ -157,7 +157,7 @@ cdef int _garbage_collect(CachingAllocator self) except -1:
     """Free cached large blocks that have waited longest (PyTorch's
     garbage_collect_cached_blocks), until reserved memory is back under
     garbage_collection_threshold × the allowed maximum."""
-    cdef size_t gc_threshold = <size_t>(self.gc_threshold * <double>self.allowed_memory_maximum)
+    cdef size_t gc_threshold = <size_t>(self.policy.gc_threshold * <double>self.allowed_memory_maximum)
     if self.total_allocated_memory <= gc_threshold:
         return 0
     cdef size_t target = self.total_allocated_memory - gc_threshold
@@ -205,7 +205,7 @@ cdef int _release_to_reserved_ratio(CachingAllocator self, size_t size, size_t a
     if self.expandable:
         return 0
     cdef double in_use = <double>(pool_current(&self.stats, S_ALLOCATED_BYTES) + size)
-    cdef double limit = self.max_reserved_ratio * in_use
+    cdef double limit = self.policy.max_reserved_ratio * in_use
     cdef double reserved = <double>(self.total_allocated_memory + alloc_size)
     if reserved <= limit:
         return 0

@@ -71,7 +71,7 @@ cdef list _stat_values(CachingAllocator self):
     values[n + 2] = st.num_sync_all_streams
     values[n + 3] = st.num_device_alloc
     values[n + 4] = st.num_device_free
-    values[n + 5] = -1 if self.max_split_size == SIZE_UNSET else <int64_t>self.max_split_size
+    values[n + 5] = -1 if self.policy.max_split_size == SIZE_UNSET else <int64_t>self.policy.max_split_size
     n += 6
     for k in range(12):      # the "allocated.*" alias of "allocation.*"
         values[n + k] = values[k]

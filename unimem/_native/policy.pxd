@@ -33,6 +33,20 @@ cdef extern from *:
     const size_t MAX_RESERVED
 
 
+cdef struct Policy:
+    # One allocator's settings of PyTorch's policy (PYTORCH_CUDA_ALLOC_CONF),
+    # fixed at its creation: read by the hot path (round_size, should_split)
+    # and the miss path. Embedded in the core, so reading one costs what a
+    # field of its own did.
+    size_t max_split_size
+    size_t max_non_split_rounding
+    size_t roundup_divisions[K_ROUNDUP_INTERVALS]
+    double gc_threshold                   # garbage_collection_threshold; 0: off
+    double max_reserved_ratio             # 0: off (PyTorch's policy)
+    size_t small_request_max              # the largest request of the small pool (_core_holes.pxi)
+    bint exact_segments                   # CuPy's policy: a segment is the rounded request
+
+
 cdef inline size_t roundup_power2_next_division(size_t size, size_t divisions) noexcept nogil:
     """PyTorch's roundup_power2_next_division: ``size`` rounded up to the next
     of ``divisions`` equal steps between two powers of two."""
