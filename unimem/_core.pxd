@@ -133,7 +133,8 @@ cdef class CachingAllocator:
     cdef object _vm_unmap_idle              # unmap_idle_pages, or None
     cdef size_t releasing_bytes             # mapped bytes of holes waiting to be unmapped
     cdef UMStreamEvents stream_events       # each stream's events waited for, in order (_core_event_queue.pxi)
-    # Segments being asked of the backend with the lock let go (_alloc_block):
+    # Segments being asked of the backend with the lock let go (_alloc_block),
+    # and expandable segments' virtual memory calls (_call_out: a map's bytes):
     # counted against the limits meanwhile, so that two misses cannot pass
     # them together.
     cdef size_t in_flight_bytes

@@ -101,6 +101,7 @@ include "_core_reclaim.pxi"
 include "_core_event_queue.pxi"
 include "_core_streams.pxi"
 include "_core_expandable.pxi"
+include "_core_expandable_unmap.pxi"
 include "_core_holes.pxi"
 include "_core_pools.pxi"
 include "_core_miss.pxi"
@@ -280,7 +281,8 @@ cdef class CachingAllocator:
     #      frees its block in one go, without giving the GIL up half-way).
     # Backend calls that may block run outside the lock: returning memory,
     # asking for a segment of the device's own pools (_alloc_block: its
-    # bytes count against the limits meanwhile), and every stream event call
+    # bytes count against the limits meanwhile), expandable segments'
+    # virtual memory calls (_core_expandable.pxi), and every stream event call
     # (record, ask, wait: _core_streams.pxi copies the queue heads out under
     # the lock and commits the answers under it again). The history hook runs
     # outside it too, though one thread's delivery waits for another's (each
@@ -288,7 +290,7 @@ cdef class CachingAllocator:
     # this thread's own call still holds the lock (a finalizer run by a
     # backend call made under it) goes to the inbox, deferred_frees, done
     # before that operation returns (_drain_inbox). Calls still made under
-    # the lock (virtual memory, release_stream, private pools' allocators)
+    # the lock (sleep's, release_stream, private pools' allocators)
     # are listed in tests/core/threads/test_backend_calls_outside_the_lock.py.
     # ------------------------------------------------------------------
     cdef inline void _lock(self) noexcept:

@@ -6,18 +6,50 @@
 # the whole range: mapped blocks (allocated or free, free ones in the free
 # index as usual) and unmapped spans (``Block.unmapped``, indexed by address
 # in their pool's ``FreeIndex.unmapped``). A miss maps pages at an unmapped
-# span that, with the free block before it, holds the request; ``empty_cache``
-# unmaps every whole free page, in the
-# middle of a segment too; ``empty_virt_addr_cache`` releases ranges with no
-# page mapped (where a miss goes and which holes are unmapped first:
-# _core_holes.pxi). Statistics as PyTorch keeps them for expandable segments:
-# ``reserved_bytes`` counts mapped bytes, ``segment`` does not count ranges,
-# ``num_device_alloc``/``num_device_free`` count map/unmap calls, and
-# ``inactive_split`` leaves expandable blocks out.
+# span that, with the free block before it, holds the request (this file);
+# ``empty_cache`` unmaps every whole free page, in the middle of a segment
+# too, and ``empty_virt_addr_cache`` releases ranges with no page mapped
+# (_core_expandable_unmap.pxi); where a miss goes and which holes are
+# unmapped first: _core_holes.pxi. Statistics as PyTorch keeps them for
+# expandable segments: ``reserved_bytes`` counts mapped bytes, ``segment``
+# does not count ranges, ``num_device_alloc``/``num_device_free`` count
+# map/unmap calls, and ``inactive_split`` leaves expandable blocks out.
 #
-# All of this is on the miss path or in empty_cache (the backend's Python
-# methods are called with the GIL and the lock held, as a Python malloc is);
-# the hot path only asks ``self.expandable`` where PyTorch's policy differs.
+# The backend's virtual-memory calls (reserve_address_range, map_pages,
+# unmap_pages, unmap_idle_pages, release_address_range: Python methods) are
+# made with the core's lock let go, as _alloc_block asks for a plain
+# segment: decided under the lock, called outside it, committed or undone
+# under it again. Meanwhile other threads' cache hits, frees and misses go
+# on, and a free the call's own Python makes (a finalizer) is an ordinary
+# one. What a call is about is marked so that no path (another thread's, or
+# that Python's) hands it out, merges it, maps, unmaps or releases it; this
+# is the one "call in flight" state:
+#   * a span being mapped is an unmapped span marked allocated (undone by
+#     _unmark_span): placements pass it over (_allocatable), it merges with
+#     no unmapped neighbour (_merge_unmapped), and its range is not empty
+#     (_range_is_empty);
+#   * pages being unmapped are held as _split_pages holds them (releasing,
+#     event_count 1): off the free index, never merged (block_mergeable), and
+#     in no event queue meanwhile (_take_back_held takes back only pages
+#     still waiting for their stream's event);
+#   * a range being reserved or released is in no table at all: a new one is
+#     linked once reserved, an empty one unlinked before it goes.
+# The range of a span in flight holds its stream's pools (n_segments), so
+# the span's free index outlives the call. A map's bytes count against the
+# limits while it is in flight (in_flight_bytes), so that two misses cannot
+# pass a memory fraction together; every call here is noted as in flight
+# (_call_out), and a miss refused meanwhile, or one that would reserve a
+# range while another thread's call may make room, waits for them and looks
+# again (_wait_for_calls_in_flight), as it would have had it waited for the
+# lock. After a call, what may have changed is read again: the blocks beside
+# the span (freed, merged away, taken), and a sleep() that came in (the new
+# pages go back and the request is refused, as _alloc_block does). A call
+# made while this thread holds the lock more than once (re-entered from a
+# backend call still made under the lock) keeps it held: the marks then
+# guard against that call's Python alone, whose frees take the (recursive)
+# lock again, or go to the inbox where they need stream events recorded.
+#
+# The hot path only asks ``self.expandable`` where PyTorch's policy differs.
 
 # PyTorch sizes each range at 1 1/8 of the device's memory, so that a segment
 # can grow to the whole device even when some of its pages had to be
@@ -34,6 +66,11 @@ cdef size_t DEFAULT_RANGE_SIZE = <size_t>64 << 30
 # map calls on the random-frees trace, 212 with 2 MiB); holes are still
 # unmapped by the backend's page (_core_holes.pxi).
 cdef size_t LARGE_PAGE = <size_t>2 << 20
+
+
+cdef inline size_t _default_range_size(CachingAllocator self) noexcept nogil:
+    """The size of a new range, unless a request needs more."""
+    return self.capacity + self.capacity // 8 if self.capacity else DEFAULT_RANGE_SIZE
 
 
 cdef int _setup_expandable(CachingAllocator self, object backend, int device, str name) except -1:
@@ -133,20 +170,17 @@ cdef Block* _prefer_unexpandable(FreeIndex* fi, Block* b, SizeClass** found) noe
 
 cdef Block* _new_range(CachingAllocator self, size_t size, uintptr_t stream, bint is_small) except? NULL:
     """Reserve a new range for (stream, pool), big enough for ``size``:
-    its one block, unmapped. NULL when the backend has no address space left."""
+    its one block, unmapped. NULL when the backend has no address space left.
+    Reserved with the lock let go: the range joins the allocator (and the
+    stream's pools, which may have been dropped meanwhile, are looked up)
+    only after."""
     cdef size_t page = _page_of(self, is_small)
     cdef size_t range_size = _default_range_size(self)
     if range_size < size:
         range_size = size
     range_size = _round_up(range_size, page)
-    cdef Segment* seg = <Segment*>calloc(1, sizeof(Segment))
-    cdef Block* b = block_new(&self.slab)
-    if seg == NULL or b == NULL:
-        sys_free(seg)
-        if b != NULL:
-            block_delete(&self.slab, b)
-        raise MemoryError("host memory for the allocator's bookkeeping ran out")
     cdef uintptr_t base = 0
+    cdef uint64_t call = _call_out(self, 0)
     try:
         try:
             address = self._vm_reserve(range_size, self.device)
@@ -154,23 +188,26 @@ cdef Block* _new_range(CachingAllocator self, size_t size, uintptr_t stream, bin
             address = None
         if address is not None:
             base = as_integer(address, "reserve_address_range()")
-            if base == 0 or base % self.vm_granularity:
-                raise RuntimeError(f"the {self.device_name} backend reserved {base:#x}, which is not "
-                                   f"aligned to its granularity ({self.vm_granularity} bytes): a backend error")
-            _check_new_segment(self, base, range_size)
-    except BaseException:
-        sys_free(seg)
-        block_delete(&self.slab, b)
-        raise
-    if base == 0:
-        sys_free(seg)
-        block_delete(&self.slab, b)
+    finally:
+        _call_back(self, call, 0)
+    if address is None:
         return NULL
-    cdef StreamPools* sp = self._stream_pools(stream)
+    if base == 0 or base % self.vm_granularity:
+        raise RuntimeError(f"the {self.device_name} backend reserved {base:#x}, which is not "
+                           f"aligned to its granularity ({self.vm_granularity} bytes): a backend error")
+    _check_new_segment(self, base, range_size)
+    cdef Segment* seg = <Segment*>calloc(1, sizeof(Segment))
+    cdef Block* b = block_new(&self.slab)
+    cdef StreamPools* sp = self._stream_pools(stream) if seg != NULL and b != NULL else NULL
     if sp == NULL or _span_put((sp.small if is_small else sp.large).unmapped, base, b) != 0:
         sys_free(seg)
-        block_delete(&self.slab, b)
-        self._vm_release(base, range_size, self.device)
+        if b != NULL:
+            block_delete(&self.slab, b)
+        call = _call_out(self, 0)
+        try:
+            self._vm_release(base, range_size, self.device)
+        finally:
+            _call_back(self, call, 0)
         raise MemoryError("host memory for the allocator's bookkeeping ran out")
     seg.base = base
     seg.size = range_size
@@ -192,6 +229,25 @@ cdef Block* _new_range(CachingAllocator self, size_t size, uintptr_t stream, bin
     return b
 
 
+cdef uint64_t _call_out(CachingAllocator self, size_t mapped_bytes) noexcept:
+    """Let the lock go for a backend call that maps ``mapped_bytes`` (0: one
+    that maps nothing): they count against the limits until _call_back, and
+    misses refused meanwhile wait for the call (_wait_for_calls_in_flight).
+    Its number, for _call_back. What the call is about is marked first."""
+    cdef uint64_t number = _note_call_in_flight(self, mapped_bytes)
+    self._unlock()
+    return number
+
+
+cdef void _call_back(CachingAllocator self, uint64_t number, size_t mapped_bytes) noexcept:
+    """Take the lock again after the call ``number``: its bytes are no
+    longer in flight (what it mapped is counted by its commit)."""
+    self._lock()
+    # (never below 0: a fork in the call's own Python zeroed it in the child)
+    self.in_flight_bytes = self.in_flight_bytes - mapped_bytes if self.in_flight_bytes > mapped_bytes else 0
+    _forget_call_in_flight(self, number)
+
+
 cdef inline void _splice_after(Block* b, Block* rest) noexcept nogil:
     rest.prev = b
     rest.next = b.next
@@ -203,16 +259,21 @@ cdef inline void _splice_after(Block* b, Block* rest) noexcept nogil:
 cdef int _map_block(CachingAllocator self, Block* b, size_t size) except -1:
     """Map the pages covering the first ``size`` bytes of the unmapped span
     ``b``, which then becomes a free block merged with its free neighbours
-    (PyTorch's map_block). 1: done; 0: the device is full (nothing changed)."""
+    (PyTorch's map_block). 1: done; 0: the device is full (nothing changed).
+    The span is marked allocated while the backend maps it with the lock let
+    go (see above), its bytes counted against the limits."""
     cdef Segment* seg = b.segment
     cdef size_t n = _round_up(size, seg.page)
     cdef FreeIndex* fi = b.index
     if n > b.size:        # a span left in a hole is whole backend pages only
         n = b.size
     cdef Block* rest = NULL
-    cdef int64_t t0
+    cdef int64_t took = 0
     cdef bint fine = False
-    if self.set_fraction and self.total_allocated_memory + n > self.allowed_memory_maximum:
+    cdef uint64_t call
+    # A call made before this one let the lock go: a sleep() may have come in.
+    _refuse_if_asleep(self, NULL)
+    if self.set_fraction and _held_or_asked(self) + n > self.allowed_memory_maximum:
         # Under CuPy's byte limit a request that fits is not refused for the
         # large page the range maps by (as its segment would be just the
         # request): map by the backend's page (4 KiB host pages) and unmap by
@@ -220,24 +281,24 @@ cdef int _map_block(CachingAllocator self, Block* b, size_t size) except -1:
         if not self.limit_in_bytes:
             return 0
         n = min(_round_up(size, self.vm_granularity), b.size)
-        if self.total_allocated_memory + n > self.allowed_memory_maximum:
+        if _held_or_asked(self) + n > self.allowed_memory_maximum:
             return 0
         fine = True
-    if self.total_allocated_memory + n > MAX_RESERVED:
+    if _held_or_asked(self) + n > MAX_RESERVED:
         return 0
-    if um_reserve(&fi.by_size, fi.by_size.count + 1) != 0:
-        raise MemoryError("host memory for the allocator's bookkeeping ran out")
     if n < b.size:
         rest = block_new(&self.slab)
         if rest == NULL:
             raise MemoryError("host memory for the allocator's bookkeeping ran out")
-    # The backend's map may run Python that re-enters the allocator: the span
-    # is marked as handed out meanwhile, so that a re-entered miss neither
-    # maps it too nor counts it as room (see _unmap_block).
-    b.allocated = True
-    t0 = um_now_ns()
+    b.allocated = True                  # being mapped: a call in flight
+    call = _call_out(self, n)
     try:
-        self._vm_map(b.ptr, n, self.device)
+        try:
+            took = um_now_ns()
+            self._vm_map(b.ptr, n, self.device)
+            took = um_now_ns() - took
+        finally:
+            _call_back(self, call, n)
     except MemoryError:
         _unmark_span(self, b)
         if rest != NULL:
@@ -248,25 +309,24 @@ cdef int _map_block(CachingAllocator self, Block* b, size_t size) except -1:
         if rest != NULL:
             block_delete(&self.slab, rest)
         raise
-    b.allocated = False
-    duration_add(&self.stats.device_alloc_time, (um_now_ns() - t0) // 1000)
+    if self.sleeping or um_reserve(&fi.by_size, fi.by_size.count + 1) != 0:
+        # A whole-device sleep came in meanwhile (it leaves no page mapped),
+        # or no host memory is left for the free block's size class: the
+        # pages go back, and the request is refused.
+        _unmap_unkept(self, b, n, rest)
+        _refuse_if_asleep(self, NULL)
+        raise MemoryError("host memory for the allocator's bookkeeping ran out")
+    duration_add(&self.stats.device_alloc_time, took // 1000)
     if fine:                       # only once it is mapped: a refused map changes nothing
         seg.finely_mapped = True
+    b.allocated = False
     _unindex_span(b)
     if rest != NULL:
-        rest.ptr = b.ptr + n
-        rest.size = b.size - n
-        rest.stream = b.stream
-        rest.segment = seg
-        rest.index = fi
-        rest.is_small = b.is_small
-        rest.unmapped = True
-        _splice_after(b, rest)
-        _index_span(rest)
-        b.size = n
+        _split_span(self, b, n, rest)
     b.unmapped = False
     if self.debug_on:
         memset(<void*>b.ptr, DEBUG_FILL, n)
+    # Its neighbours as they are now: freed, taken or merged away meanwhile.
     self._try_merge(b, b.prev, fi)
     self._try_merge(b, b.next, fi)
     fi_insert(fi, b)          # its size class was reserved above
@@ -277,6 +337,51 @@ cdef int _map_block(CachingAllocator self, Block* b, size_t size) except -1:
     if self.recording:
         self._trace(T_SEGMENT_MAP, b.ptr, n, b.stream)
     return 1
+
+
+cdef void _split_span(CachingAllocator self, Block* b, size_t n, Block* rest) noexcept nogil:
+    """The span ``b`` (out of the span index) keeps its first ``n`` bytes;
+    ``rest`` becomes the unmapped span of the others, after it, merged with
+    an unmapped span after that (one an unmap committed beside ``b`` while
+    it was being mapped, which could not merge with it), and indexed."""
+    rest.ptr = b.ptr + n
+    rest.size = b.size - n
+    rest.stream = b.stream
+    rest.segment = b.segment
+    rest.index = b.index
+    rest.is_small = b.is_small
+    rest.unmapped = True
+    _splice_after(b, rest)
+    _merge_unmapped(self, rest, rest.next)
+    _index_span(rest)
+    b.size = n
+
+
+cdef int _unmap_unkept(CachingAllocator self, Block* b, size_t n, Block* rest) except -1:
+    """The ``n`` bytes just mapped at the start of the span ``b`` (still
+    marked, never counted) cannot be kept: they are unmapped again with the
+    lock let go, and ``b`` is an unmapped span as before. An unmap that
+    raises loses them (they may still be mapped: never mapped, counted or
+    released again; in lost_segments), and its error is raised."""
+    cdef uint64_t call = _call_out(self, 0)
+    try:
+        try:
+            self._vm_unmap(b.ptr, n, self.device)
+        finally:
+            _call_back(self, call, 0)
+    except BaseException:
+        b.allocated = False
+        _unindex_span(b)
+        if rest != NULL:
+            _split_span(self, b, n, rest)
+        b.lost = True
+        self.lost_segment_count += 1
+        self.lost_segment_bytes += n
+        raise
+    if rest != NULL:
+        block_delete(&self.slab, rest)
+    _unmark_span(self, b)
+    return 0
 
 
 cdef Block* _expandable_alloc(CachingAllocator self, size_t size, uintptr_t stream, bint is_small,
@@ -292,20 +397,33 @@ cdef Block* _expandable_alloc(CachingAllocator self, size_t size, uintptr_t stre
     cdef FreeIndex* fi = self._pool(stream, is_small)
     if fi == NULL:
         raise MemoryError("host memory for the allocator's bookkeeping ran out")
+    cdef bint fewest = self.policy.max_reserved_ratio != 0.0
     cdef size_t new_bytes = 0
-    cdef Block* c = _find_expandable_block(fi, size, self.policy.max_reserved_ratio != 0.0, &new_bytes)
+    cdef Block* c = _find_expandable_block(fi, size, fewest, &new_bytes)
     cdef Block* nxt
     if self.policy.max_reserved_ratio:
         if c == NULL:
             new_bytes = _round_up(size, _page_of(self, is_small))
         if _unmap_to_ratio(self, size, new_bytes, c.ptr if c != NULL else 0,
                            c.ptr + size if c != NULL else 0):
-            # The unmap ran Python, which may have changed the blocks (even
-            # dropped and remade the stream's pools): look again.
+            # The unmaps let the lock go: the blocks may have changed (even
+            # the stream's pools been dropped and made again): look again.
             fi = self._pool(stream, is_small)
             if fi == NULL:
                 raise MemoryError("host memory for the allocator's bookkeeping ran out")
-            c = _find_expandable_block(fi, size, self.policy.max_reserved_ratio != 0.0, &new_bytes)
+            c = _find_expandable_block(fi, size, fewest, &new_bytes)
+    if c == NULL and _wait_for_calls_in_flight(self):
+        # No room, while other threads' calls were in flight: a span they
+        # map was passed over, and what they map may hold the request. Once
+        # they are done it looks again, as it would have had it waited for
+        # the lock, before reserving a range of its own.
+        c = _take_cached_again(self, size, stream, is_small)
+        if c != NULL:
+            return c
+        fi = self._pool(stream, is_small)
+        if fi == NULL:
+            raise MemoryError("host memory for the allocator's bookkeeping ran out")
+        c = _find_expandable_block(fi, size, fewest, &new_bytes)
     if c == NULL:
         c = _new_range(self, size, stream, is_small)
         if c == NULL:
@@ -314,8 +432,8 @@ cdef Block* _expandable_alloc(CachingAllocator self, size_t size, uintptr_t stre
         return NULL
     while c.size < size:
         # c is free and mapped, followed by unmapped space: map some of it,
-        # which merges c into it. A map runs the backend (Python), which may
-        # re-enter the allocator (a finalizer) and take c, so that what
+        # which merges c into it. The map lets the lock go: another thread
+        # (or a finalizer the call runs) may take c meanwhile, so that what
         # follows the newly mapped block is no longer unmapped: then the
         # request looks for its place again (the pages mapped stay cached).
         nxt = c.next
@@ -329,10 +447,10 @@ cdef Block* _expandable_alloc(CachingAllocator self, size_t size, uintptr_t stre
 
 
 cdef void _unmark_span(CachingAllocator self, Block* b) noexcept nogil:
-    """The unmapped span ``b`` was not mapped after all: no longer handed
-    out, it joins the unmapped neighbours a call re-entered from the map
-    made meanwhile (a free block unmapped to stay under the ratio, which
-    could not merge with a span marked handed out)."""
+    """The unmapped span ``b`` was not mapped after all (or its pages went
+    back): no longer marked, it joins the unmapped neighbours made while the
+    map was in flight (a free block unmapped by empty_cache or to stay under
+    the ratio, which could not merge with a span being mapped)."""
     b.allocated = False
     if ((b.prev != NULL and b.prev.unmapped and not b.prev.lost and not b.prev.allocated)
             or (b.next != NULL and b.next.unmapped and not b.next.lost and not b.next.allocated)):
@@ -345,7 +463,7 @@ cdef void _unmark_span(CachingAllocator self, Block* b) noexcept nogil:
 cdef void _merge_unmapped(CachingAllocator self, Block* dst, Block* src) noexcept nogil:
     """Merge the unmapped span ``src`` into its neighbour ``dst`` (not yet
     indexed). A span being mapped (marked allocated by _map_block while the
-    backend's map runs Python, which may re-enter) is left where it is."""
+    backend maps it with the lock let go) is left where it is."""
     if src == NULL or not src.unmapped or src.lost or src.allocated:
         return
     _unindex_span(src)
@@ -364,301 +482,3 @@ cdef void _merge_unmapped(CachingAllocator self, Block* dst, Block* src) noexcep
     block_delete(&self.slab, src)
 
 
-cdef Block* _free_piece(CachingAllocator self, Block* like, uintptr_t ptr, size_t size) noexcept nogil:
-    """A Block from the slab for a free mapped piece of ``like``'s segment."""
-    cdef Block* piece = block_new(&self.slab)
-    if piece == NULL:
-        return NULL
-    piece.ptr = ptr
-    piece.size = size
-    piece.stream = like.stream
-    piece.segment = like.segment
-    piece.index = like.index
-    piece.is_small = like.is_small
-    return piece
-
-
-cdef inline size_t _whole_pages(Block* b, size_t page) noexcept nogil:
-    """Bytes of the whole ``page``-sized pages inside ``b``."""
-    cdef Segment* seg = b.segment
-    cdef size_t begin = _round_up(b.ptr - seg.base, page)
-    cdef size_t end = (b.ptr + b.size - seg.base) // page * page
-    return end - begin if end > begin else 0
-
-
-cdef Block* _split_pages(CachingAllocator self, Block* b, size_t page) except? NULL:
-    """Take the whole ``page``-sized pages inside the free block ``b`` off
-    the free index, held (``releasing``, event_count 1) so that no path
-    hands them out, merges them or unmaps them meanwhile: ``b`` itself,
-    shrunk to them. What is left before and after them stays a free block
-    (merged with whatever is beside it). NULL when ``b`` holds no whole page."""
-    cdef Segment* seg = b.segment
-    cdef FreeIndex* fi = b.index
-    cdef uintptr_t begin = seg.base + _round_up(b.ptr - seg.base, page)
-    cdef uintptr_t end = seg.base + (b.ptr + b.size - seg.base) // page * page
-    cdef Block* before = NULL
-    cdef Block* after = NULL
-    if begin >= end:
-        return NULL
-    if um_reserve(&fi.by_size, fi.by_size.count + 2) != 0:
-        raise MemoryError("host memory for the allocator's bookkeeping ran out")
-    if begin > b.ptr:
-        before = _free_piece(self, b, b.ptr, begin - b.ptr)
-    if end < b.ptr + b.size:
-        after = _free_piece(self, b, end, b.ptr + b.size - end)
-    if (begin > b.ptr and before == NULL) or (end < b.ptr + b.size and after == NULL):
-        if before != NULL:
-            block_delete(&self.slab, before)
-        if after != NULL:
-            block_delete(&self.slab, after)
-        raise MemoryError("host memory for the allocator's bookkeeping ran out")
-    fi_remove(fi, b)
-    b.releasing = True
-    b.event_count = 1
-    # The pieces go back to the free index (room for their size classes was
-    # reserved above).
-    if before != NULL:
-        before.prev = b.prev
-        before.next = b
-        if b.prev != NULL:
-            b.prev.next = before
-        else:
-            seg.head = before
-        b.prev = before
-        self._try_merge(before, before.prev, fi)
-        fi_insert(fi, before)
-    if after != NULL:
-        _splice_after(b, after)
-        self._try_merge(after, after.next, fi)
-        fi_insert(fi, after)
-    b.ptr = begin
-    b.size = end - begin
-    self.releasing_bytes += b.size
-    return b
-
-
-cdef int _unmap_held(CachingAllocator self, Block* b, object unmap) except -1:
-    """Unmap the pages _split_pages held in ``b`` with ``unmap`` (the
-    backend's unmap_pages, or unmap_idle_pages once the work queued before
-    the split has completed); ``b`` becomes an unmapped span.
-    An unmap that raises may or may not have given the memory back: the
-    span is then lost (never mapped or reserved again), counted in
-    lost_segments, and the error raised once the state is consistent.
-
-    The backend's unmap may run Python with the lock held (this thread's
-    lock is recursive): a finalizer run by garbage collection may free a
-    neighbouring block, which merges with its free neighbours, or allocate.
-    ``b`` stays held meanwhile (neither merged away nor handed out)."""
-    cdef Segment* seg = b.segment
-    cdef size_t n = b.size
-    cdef int64_t t0
-    error = None
-    t0 = um_now_ns()
-    try:
-        unmap(b.ptr, n, self.device)
-    except BaseException as exc:
-        error = exc
-    duration_add(&self.stats.device_free_time, (um_now_ns() - t0) // 1000)
-    self.releasing_bytes -= n
-    b.releasing = False
-    b.event_count = 0
-    b.unmapped = True
-    seg.mapped -= n
-    self.total_allocated_memory -= n
-    pool_decrease(&self.stats, S_RESERVED_BYTES, seg.is_small, n)
-    self.stats.num_device_free += 1
-    if self.recording:
-        self._trace(T_SEGMENT_UNMAP, b.ptr, n, b.stream)
-    if error is not None:
-        b.lost = True
-        self.lost_segment_count += 1
-        self.lost_segment_bytes += n
-        raise error
-    _merge_unmapped(self, b, b.prev)
-    _merge_unmapped(self, b, b.next)
-    _index_span(b)
-    return 0
-
-
-cdef int _unmap_block(CachingAllocator self, Block* b, size_t page) except -1:
-    """Unmap the whole ``page``-sized pages inside the free block ``b``
-    (PyTorch's unmap_block, by the segment's page; the hole reclaim unmaps
-    by the backend's granularity) with the backend's unmap_pages, which
-    waits for the device where it must: what is left before and after them
-    stays a free block."""
-    cdef Block* held = _split_pages(self, b, page)
-    if held != NULL:
-        _unmap_held(self, held, self._vm_unmap)
-    return 0
-
-
-cdef inline size_t _unmap_page(CachingAllocator self, Segment* seg) noexcept nogil:
-    """What empty_cache unmaps by: the segment's page, as PyTorch; with a
-    max_reserved_ratio, whose hole reclaim unmaps by the backend's page
-    (so a range's mapped spans need not be whole large pages), or once a
-    memory limit made _map_block map by the backend's page, that."""
-    return self.vm_granularity if self.policy.max_reserved_ratio or seg.finely_mapped else seg.page
-
-
-cdef Block* _next_to_unmap(CachingAllocator self, bint has_stream, uintptr_t stream,
-                           vector[uintptr_t]* refused) noexcept nogil:
-    """A mapped free block holding a whole page (of ``stream``'s segments,
-    when given) whose unmap was not refused for want of host memory, or NULL."""
-    cdef Segment* seg = self.segments
-    cdef Block* b
-    cdef size_t i
-    while seg != NULL:
-        if seg.expandable and not (has_stream and seg.stream != stream):
-            b = seg.head
-            while b != NULL:
-                if not b.unmapped and _allocatable(b) and _whole_pages(b, _unmap_page(self, seg)):
-                    for i in range(refused.size()):
-                        if refused[0][i] == b.ptr:
-                            break
-                    else:
-                        return b
-                b = b.next
-        seg = seg.next_seg
-    return NULL
-
-
-cdef int _unmap_free_pages(CachingAllocator self, bint has_stream, uintptr_t stream) except -1:
-    """Unmap every whole free page of the expandable segments (of ``stream``
-    only, when given): PyTorch's release_blocks for expandable segments.
-    The first backend error is raised after the other blocks were tried.
-    The blocks are looked up afresh after each unmap: a free re-entered from
-    the backend's unmap may have merged a block found before it away."""
-    cdef vector[uintptr_t] refused
-    cdef Block* b
-    if not has_stream:
-        # The whole cache is emptied: max_reserved_ratio's high-water mark
-        # starts again from what is in use now (_core_holes.pxi).
-        self.in_use_high_water = <size_t>pool_current(&self.stats, S_ALLOCATED_BYTES)
-    b = _next_to_unmap(self, has_stream, stream, &refused)
-    first_error = None
-    while b != NULL:
-        try:
-            _unmap_block(self, b, _unmap_page(self, b.segment))
-        except MemoryError as exc:
-            # b is either left as it was (no host memory for the pieces) or
-            # lost and unmapped (the backend raised): never tried twice.
-            if not b.unmapped:
-                refused.push_back(b.ptr)
-            if first_error is None:
-                first_error = exc
-        except BaseException as exc:
-            if first_error is None:
-                first_error = exc
-        b = _next_to_unmap(self, has_stream, stream, &refused)
-    if first_error is not None:
-        raise first_error
-    return 0
-
-
-cdef inline bint _range_is_empty(Segment* seg) noexcept nogil:
-    """A range with no page mapped, and none being mapped (_map_block marks
-    the span it maps allocated while the backend's map runs)."""
-    return (seg.expandable and seg.head.next == NULL and seg.head.unmapped and not seg.head.lost
-            and not seg.head.allocated)
-
-
-cdef inline size_t _default_range_size(CachingAllocator self) noexcept nogil:
-    """The size of a new range, unless a request needs more."""
-    return self.capacity + self.capacity // 8 if self.capacity else DEFAULT_RANGE_SIZE
-
-
-cdef int _release_empty_ranges(CachingAllocator self, bint has_stream, uintptr_t stream,
-                               size_t larger_than=0) except -1:
-    """Give back the ranges that hold no mapped page (of ``stream`` only,
-    when given; larger than ``larger_than`` bytes only). They leave the
-    allocator under the lock and go back to the backend outside it, as
-    segments do; a release that raises forgets the range (its address space
-    may be gone) and is raised after the others."""
-    cdef vector[Segment*] empty
-    cdef Segment* seg = self.segments
-    cdef StreamPools* sp
-    cdef size_t i
-    while seg != NULL:
-        if (_range_is_empty(seg) and not (has_stream and seg.stream != stream)
-                and seg.size > larger_than):
-            empty.push_back(seg)
-        seg = seg.next_seg
-    if empty.empty():
-        return 0
-    for i in range(empty.size()):
-        seg = empty[i]
-        _unindex_span(seg.head)
-        self._unlink_segment(seg)
-        sp = self._stream_pools(seg.stream)
-        if sp != NULL:
-            sp.n_segments -= 1
-            self._drop_stream_if_unused(sp)
-    cdef bint outside = self.lock_depth == 1
-    first_error = None
-    if outside:
-        self._unlock()
-    try:
-        for i in range(empty.size()):
-            try:
-                self._vm_release(empty[i].base, empty[i].size, self.device)
-            except BaseException as exc:
-                if first_error is None:
-                    first_error = exc
-    finally:
-        if outside:
-            self._lock()
-        for i in range(empty.size()):
-            block_delete(&self.slab, empty[i].head)
-            sys_free(empty[i])
-    if first_error is not None:
-        raise first_error
-    return 0
-
-
-cdef bint _expandable_teardown(CachingAllocator self, Segment* seg):
-    """At the allocator's death: unmap and release a range none of whose
-    blocks is in use. Whether it went (False: it stays, with its blocks)."""
-    cdef Block* b = seg.head
-    while b != NULL:
-        if b.allocated or b.event_count > 0 or b.stream_uses != NULL or b.lost:
-            return False
-        b = b.next
-    try:
-        b = seg.head
-        while b != NULL:
-            if not b.unmapped:
-                self._vm_unmap(b.ptr, b.size, self.device)
-            b = b.next
-        self._vm_release(seg.base, seg.size, self.device)
-    except BaseException as exc:
-        _report_unraisable(exc, "unimem allocator teardown")
-    return True
-
-
-cdef object _empty_virt_addr_cache(CachingAllocator self):
-    """CachingAllocator.empty_virt_addr_cache."""
-    self._check_usable()
-    self._lock()
-    try:
-        if self.expandable:
-            _release_empty_ranges(self, False, 0)
-            self._drop_unused_streams()
-    finally:
-        self._unlock()
-    _tell_backend_dropped_streams(self)
-    self._flush_trace()
-
-
-cdef object _reserved_address_space(CachingAllocator self):
-    """CachingAllocator.reserved_address_space."""
-    cdef Segment* seg
-    ranges = size = 0
-    self._lock()
-    seg = self.segments
-    while seg != NULL:
-        if seg.expandable:
-            ranges += 1
-            size += seg.size
-        seg = seg.next_seg
-    self._unlock()
-    return {"ranges": ranges, "bytes": size}

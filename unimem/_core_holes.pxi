@@ -29,7 +29,9 @@
 # peak requested), with fewer map and unmap calls in all (random mix alone
 # unmaps more: 36 -> 45 calls, and maps 75 -> 70).
 #
-# All of this runs on the miss path, with the lock held.
+# All of this runs on the miss path, with the lock held; the backend calls it
+# makes (unmapping holes, recording and asking about their events) let it go
+# (_core_expandable.pxi).
 #
 # A backend whose unmap_pages waits for the device (CUDA: cuMemUnmap does not
 # wait for kernels still using the pages, so it synchronizes first) would
@@ -103,9 +105,9 @@ cdef Block* _find_expandable_block(FreeIndex* fi, size_t size, bint fewest,
     does this without a max_reserved_ratio. With one (``fewest``), the one
     that needs the fewest bytes mapped, the lowest address among equals: no
     new page is mapped at the end of a range while a free block can be
-    extended or a hole holds the request with fewer. A span being mapped or
-    unmapped by a call that re-entered the allocator is passed over
-    (``_allocatable``)."""
+    extended or a hole holds the request with fewer. A span being mapped,
+    or pages being unmapped, by a call in flight (_core_expandable.pxi) are
+    passed over (``_allocatable``)."""
     cdef cmap[uintptr_t, Block*].iterator it = fi.unmapped.begin()
     cdef Block* b
     cdef Block* c
@@ -203,7 +205,8 @@ cdef bint _unmap_to_ratio(CachingAllocator self, size_t size, size_t new_bytes,
     high-water mark of memory in use (the request included), unmap the free
     whole pages (by the backend's page) of the hole that best covers the
     excess. Whether anything was unmapped. Each hole is looked up afresh
-    after an unmap, which can run Python (see _unmap_block)."""
+    after an unmap, which lets the lock go (see _unmap_held). Maps other
+    threads have in flight count as mapped."""
     cdef double in_use = <double>(pool_current(&self.stats, S_ALLOCATED_BYTES) + size)
     cdef double limit
     cdef double excess
@@ -213,7 +216,7 @@ cdef bint _unmap_to_ratio(CachingAllocator self, size_t size, size_t new_bytes,
         self.in_use_high_water = <size_t>in_use
     limit = self.policy.max_reserved_ratio * <double>self.in_use_high_water
     while True:
-        excess = <double>(self.total_allocated_memory - self.releasing_bytes + new_bytes) - limit
+        excess = <double>(_held_or_asked(self) - self.releasing_bytes + new_bytes) - limit
         if excess <= 0.0:
             break
         b = _hole_to_unmap(self, <size_t>excess, lo, hi)
@@ -230,36 +233,48 @@ cdef bint _unmap_to_ratio(CachingAllocator self, size_t size, size_t new_bytes,
 cdef int _release_hole(CachingAllocator self, Block* b) except -1:
     """Unmap the free whole pages of the hole ``b`` stream-ordered: at
     once when the work queued on its stream has completed, else once it has
-    (see above). Recording or asking about the event runs Python. Should it
-    fail, the pages are unmapped with unmap_pages, which waits for the
-    device, and the error is reported as unraisable: the allocation needs
-    no event, and one that can never be recorded must not refuse every
-    allocation that follows. A Ctrl-C gives the pages back to the free
-    index and reaches the caller."""
+    (see above). Recording and asking about the event are backend calls,
+    made with the lock let go, the pages held meanwhile. Should they fail,
+    the pages are unmapped with unmap_pages, which waits for the device, and
+    the error is reported as unraisable: the allocation needs no event, and
+    one that can never be recorded must not refuse every allocation that
+    follows. A Ctrl-C gives the pages back to the free index and reaches
+    the caller."""
     cdef Block* held = _split_pages(self, b, self.vm_granularity)
     if held == NULL:
         return 0
+    cdef bint done = False
+    cdef uint64_t call = _call_out(self, 0)
     event = None
+    error = None
     try:
-        event = self.backend.record_event(held.stream, self.device)
-        done = _event_done(self, event)
-    except Exception as exc:
-        _report_unraisable(exc, "unimem: recording a stream event to unmap a hole without waiting "
-                                "(unmapped after waiting for the device instead)")
         try:
-            if event is not None:
-                _release_events(self, [event])
-        finally:
-            _unmap_held(self, held, self._vm_unmap)
+            event = self.backend.record_event(held.stream, self.device)
+            done = _event_done(self, event)
+        except BaseException as exc:
+            error = exc
+    finally:
+        _call_back(self, call, 0)
+    if error is None and done:
+        return _unmap_held(self, held, self._vm_unmap_idle)
+    if error is None:
+        _add_pending(self, event, held, held.stream)
         return 0
-    except BaseException:
-        _unsplit(self, held)
+    call = _call_out(self, 0)
+    try:
+        if isinstance(error, Exception):
+            _report_unraisable(error, "unimem: recording a stream event to unmap a hole without waiting "
+                                      "(unmapped after waiting for the device instead)")
         if event is not None:
             _release_events(self, [event])
-        raise
-    if done:
-        return _unmap_held(self, held, self._vm_unmap_idle)
-    _add_pending(self, event, held, held.stream)
+    finally:
+        _call_back(self, call, 0)
+        if isinstance(error, Exception):
+            _unmap_held(self, held, self._vm_unmap)
+        else:
+            _unsplit(self, held)
+    if not isinstance(error, Exception):
+        raise error
     return 0
 
 
@@ -356,7 +371,11 @@ cdef int _unmap_held_now(CachingAllocator self) except -1:
     _release_events(self, events)
     del events
     _drop_released_events(self)
-    return _unmap_each(self, held, self._vm_unmap)
+    self._lock()                  # which _unmap_held lets go around each call
+    try:
+        return _unmap_each(self, held, self._vm_unmap)
+    finally:
+        self._unlock()
 
 
 cdef inline bint _is_held(uintptr_t address) noexcept nogil:

@@ -325,6 +325,13 @@ cdef Block* _malloc_slow(CachingAllocator self, size_t orig_size, uintptr_t stre
         b = _take_back_held(self, fi, size) if self.releasing_bytes else NULL
         if b == NULL:
             b = _expandable_alloc(self, size, stream, is_small, False)
+        if b == NULL and _wait_for_calls_in_flight(self):
+            # Refused for what other threads' calls map (or give back) with
+            # the lock let go, perhaps: once they are done, as for a plain
+            # segment below.
+            b = _take_cached_again(self, size, stream, is_small)
+            if b == NULL:
+                b = _expandable_alloc(self, size, stream, is_small, False)
         if b == NULL and self.releasing_bytes:
             # Pages of holes held until their stream's work is done still
             # count against the device (or a limit): wait for those alone

@@ -143,8 +143,10 @@ class Backend(Protocol):
     # -- virtual memory (expandable segments) -------------------------------
     # Used by ``expandable_segments:True`` only, called by the core on a miss
     # and by ``empty_cache``/``empty_virt_addr_cache`` (with the GIL, never
-    # through the provider ABI). A backend offers all of them or none: the
-    # core reads the granularity first and calls the rest only when it is not 0.
+    # through the provider ABI), without its lock: calls about different spans
+    # and ranges, on several threads, may run at once, so they must be
+    # thread-safe. A backend offers all of them or none: the core reads the
+    # granularity first and calls the rest only when it is not 0.
     def virtual_memory_granularity(self, device: int) -> int:
         """Bytes by which memory is mapped and unmapped in a reserved range
         (a power of two); 0 when the backend cannot reserve address space and

@@ -156,8 +156,9 @@ class MissOnAnotherThread:
     flight, so it cannot finish then); ``result`` is the address or the
     OutOfMemoryError it got."""
 
-    def __init__(self, size):
+    def __init__(self, size, stream=0):
         self.size = size
+        self.stream = stream
         self.results = []
         self.finished_inside = None
         self.thread = None
@@ -165,7 +166,7 @@ class MissOnAnotherThread:
     def __call__(self, allocator):
         def request():
             try:
-                self.results.append(allocator.malloc(self.size))
+                self.results.append(allocator.malloc(self.size, self.stream))
             except _core.OutOfMemoryError as exc:
                 self.results.append(exc)
         self.thread = threading.Thread(target=request, daemon=True)
@@ -217,10 +218,22 @@ class ProbingGPU(SimulatedGPU):
         self._probed("unmap_pages")
         return super().unmap_pages(address, size, device)
 
+    def unmap_idle_pages(self, address, size, device):
+        self._probed("unmap_idle_pages")
+        return super().unmap_idle_pages(address, size, device)
 
-def expandable_allocator_with_a_cached_small_block(probe):
+    def release_address_range(self, address, size, device):
+        self._probed("release_address_range")
+        return super().release_address_range(address, size, device)
+
+    def record_event(self, stream, device):
+        self._probed("record_event")
+        return super().record_event(stream, device)
+
+
+def expandable_allocator_with_a_cached_small_block(probe, **options):
     gpu = ProbingGPU(probe, capacity=8 * GiB)
-    allocator = _core.CachingAllocator(gpu, 0, expandable_segments=True)
+    allocator = _core.CachingAllocator(gpu, 0, expandable_segments=True, **options)
     allocator.set_capacity(8 * GiB)
     allocator.free(allocator.malloc(512))
     probe.allocator = allocator
@@ -230,7 +243,6 @@ def expandable_allocator_with_a_cached_small_block(probe):
 STILL_UNDER_THE_LOCK = pytest.mark.xfail(strict=True, reason="still called with the core's lock held")
 
 
-@STILL_UNDER_THE_LOCK
 @pytest.mark.parametrize("callback", ["reserve_address_range", "map_pages"])
 def test_a_cache_hit_on_another_thread_is_served_while_expandable_segments_grow(callback):
     probe = Probe()
@@ -242,9 +254,44 @@ def test_a_cache_hit_on_another_thread_is_served_while_expandable_segments_grow(
     assert probe.outcomes == [True]
 
 
+@pytest.mark.parametrize("callback", ["record_event", "unmap_idle_pages"])
+def test_a_cache_hit_on_another_thread_is_served_while_a_miss_unmaps_a_hole(callback):
+    """With max_reserved_ratio a miss unmaps the free pages of a hole first,
+    stream-ordered: an event on the hole's stream (idle here: done at once),
+    then unmap_idle_pages. The hit is on stream 9, whose cached page is the
+    free end of its range, never a hole."""
+    probe = Probe(lambda: probe.on_another_thread(lambda: allocator.free(allocator.malloc(512, 9))))
+    allocator, gpu = expandable_allocator_with_a_cached_small_block(probe, max_reserved_ratio=1.0)
+    allocator.free(allocator.malloc(512, 9))
+    first, hole, last = (allocator.malloc(n * MiB) for n in (2, 8, 2))
+    allocator.free(hole)
+    gpu.probe_in = {callback}
+    probe.armed = True
+    p = allocator.malloc(10 * MiB)              # 8 MiB past the ratio: the hole goes
+    finish(allocator, probe)
+    assert probe.outcomes == [True]
+    assert not any(hole <= page < hole + 8 * MiB for page in gpu.mapped_pages[0])
+    for ptr in (first, last, p):
+        allocator.free(ptr)
+    _core._check_invariants(allocator)
+
+
+def test_a_cache_hit_on_another_thread_is_served_while_empty_virt_addr_cache_releases_a_range():
+    probe = Probe()
+    allocator, gpu = expandable_allocator_with_a_cached_small_block(probe)
+    allocator.free(allocator.malloc(64 * MiB, 3))
+    allocator.empty_cache(3)                    # stream 3's range: no page mapped
+    gpu.probe_in = {"release_address_range"}
+    probe.armed = True
+    allocator.empty_virt_addr_cache()
+    finish(allocator, probe)
+    assert probe.outcomes == [True]
+    assert allocator.reserved_address_space()["ranges"] == 1       # the small pool's
+
+
 @pytest.mark.parametrize("callback, expandable, size, stream", [
     pytest.param("free", False, 30 * MiB, 0, id="free"),
-    pytest.param("unmap_pages", True, 64 * MiB, 0, id="unmap_pages", marks=STILL_UNDER_THE_LOCK),
+    pytest.param("unmap_pages", True, 64 * MiB, 0, id="unmap_pages"),
     # stream 9 keeps nothing after empty_cache: the backend is told it is dropped
     pytest.param("release_stream", False, 4096, 9, id="release_stream", marks=STILL_UNDER_THE_LOCK),
 ])
@@ -343,6 +390,104 @@ def test_a_free_made_by_the_backends_python_during_its_malloc_is_an_ordinary_fre
     stats = allocator.memory_stats()
     assert stats["allocation.all.current"] == 1
     assert stats["active_bytes.small_pool.current"] == 0
+    allocator.free(p)
+    _core._check_invariants(allocator)
+
+
+def test_a_miss_refused_for_pages_being_mapped_waits_for_them_and_takes_their_free_end():
+    """Expandable segments, as the plain segment above: [L][hole][L2][end of
+    the range]. The first miss maps 4 MiB at the end for 2.5 MiB; a second
+    miss meanwhile, on another thread, would map the hole and pass the
+    fraction with the pages in flight: it waits for the map and takes the
+    1.5 MiB left free at its end. No out-of-memory error, no retry (which
+    would have mapped the hole again and been refused)."""
+    second = MissOnAnotherThread(5 * MiB // 4)
+    probe = Probe(lambda: second(probe.allocator))
+    allocator, gpu = expandable_allocator_with_a_cached_small_block(probe)
+    low, hole, high = (allocator.malloc(2 * MiB) for _ in range(3))
+    allocator.free(hole)
+    allocator.empty_cache()                     # the hole's page (and the small one) unmapped: 4 MiB mapped
+    allocator.set_memory_fraction((4 * MiB + 4 * MiB + 1 * MiB) / (8 * GiB))
+    gpu.probe_in = {"map_pages"}
+    probe.armed = True
+    p = allocator.malloc(5 * MiB // 2)
+    got = second.result()
+    assert second.finished_inside is False
+    assert got == p + 5 * MiB // 2, got
+    stats = allocator.memory_stats()
+    assert stats["num_ooms"] == 0 and stats["num_alloc_retries"] == 0
+    assert stats["reserved_bytes.all.current"] == 8 * MiB
+    for ptr in (low, high, p, got):
+        allocator.free(ptr)
+    _core._check_invariants(allocator)
+
+
+def test_two_misses_cannot_pass_the_memory_fraction_together_with_a_map_in_flight():
+    """Expandable segments: the first miss's pages count against the fraction
+    while map_pages runs with the lock let go. A second miss on another
+    thread (stream 5, whose range has room) would pass it with them: it is
+    refused, waits for the map, is refused again, and runs out of memory
+    once, the fraction never passed."""
+    second = MissOnAnotherThread(2 * MiB, stream=5)
+    probe = Probe(lambda: second(probe.allocator))
+    gpu = ProbingGPU(probe, capacity=8 * GiB)
+    allocator = probe.allocator = _core.CachingAllocator(gpu, 0, expandable_segments=True)
+    allocator.set_capacity(8 * GiB)
+    allocator.free(allocator.malloc(2 * MiB, 5))
+    allocator.empty_cache()                     # stream 5: a range, no page mapped
+    allocator.set_memory_fraction(5 * MiB / (8 * GiB))
+    gpu.probe_in = {"map_pages"}
+    probe.armed = True
+    p = allocator.malloc(5 * MiB // 2)          # maps 4 MiB in a new range of stream 0
+    got = second.result()
+    assert second.finished_inside is False
+    assert isinstance(got, _core.OutOfMemoryError), got
+    stats = allocator.memory_stats()
+    assert stats["num_ooms"] == 1
+    assert stats["reserved_bytes.all.current"] == stats["reserved_bytes.all.peak"] == 4 * MiB
+    allocator.free(p)
+    _core._check_invariants(allocator)
+
+
+def test_a_miss_waits_for_the_span_being_mapped_rather_than_reserving_a_range():
+    """The only span of stream 0's large pool is being mapped (a new range)
+    when a second miss of that pool comes on another thread: it waits for
+    the map and takes its block from the pages mapped, as it would have had
+    it waited for the lock, and reserves no range of its own."""
+    second = MissOnAnotherThread(5 * MiB // 4)
+    probe = Probe(lambda: second(probe.allocator))
+    allocator, gpu = expandable_allocator_with_a_cached_small_block(probe)
+    gpu.probe_in = {"map_pages"}
+    probe.armed = True
+    p = allocator.malloc(5 * MiB // 2)          # 4 MiB mapped: 1.5 MiB left free after it
+    got = second.result()
+    assert second.finished_inside is False
+    assert got == p + 5 * MiB // 2
+    assert allocator.reserved_address_space()["ranges"] == 2       # the small pool's and this one
+    stats = allocator.memory_stats()
+    assert stats["reserved_bytes.all.current"] == 6 * MiB
+    assert stats["num_ooms"] == 0 and stats["num_alloc_retries"] == 0
+    allocator.free(p)
+    allocator.free(got)
+    _core._check_invariants(allocator)
+
+
+def test_a_free_made_by_the_backends_python_during_map_pages_meets_the_new_pages():
+    """[A live][unmapped]: a request maps the span after A, and the map's
+    Python (a finalizer) frees A with the lock let go. The commit looks at
+    the span's neighbours as they are then: the new pages merge with A, and
+    the request's best fit starts at A."""
+    held = []
+    probe = Probe(lambda: probe.allocator.free(held.pop()))
+    allocator, gpu = expandable_allocator_with_a_cached_small_block(probe)
+    a = allocator.malloc(2 * MiB, 3)
+    held.append(a)
+    gpu.probe_in = {"map_pages"}
+    probe.armed = True
+    p = allocator.malloc(4 * MiB, 3)
+    assert not held and p == a
+    stats = allocator.memory_stats()
+    assert stats["allocation.all.current"] == 1 and stats["reserved_bytes.large_pool.current"] == 6 * MiB
     allocator.free(p)
     _core._check_invariants(allocator)
 

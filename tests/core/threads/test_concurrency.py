@@ -9,7 +9,7 @@ from benchmarks._timing import time_hot_path
 from unimem import _core
 from unimem._runtime import devices as _devices
 from unimem.backends._host import PageAlignedBackend
-from unimem.backends.simulated import SimulatedBackend
+from unimem.backends.simulated import SimulatedBackend, SimulatedGPU
 
 THREADS = 8
 SIZES = [512, 1000, 4096, 65536, 1 << 20, 3 << 20, 12 << 20]
@@ -149,3 +149,66 @@ def test_threads_contending_for_the_lock_without_the_gil():
     assert stats["allocation.all.allocated"] - before["allocation.all.allocated"] == expected
     assert stats["allocation.all.freed"] - before["allocation.all.freed"] == expected
     assert stats["segment.all.current"] == before["segment.all.current"]   # all hits: nothing new reserved
+
+
+class YieldingVM(SimulatedGPU):
+    """A simulated device whose virtual-memory calls give the GIL up half-way,
+    so that other threads run while the core has a call in flight (it makes
+    them with its lock let go)."""
+
+    def _after_yielding(self, call, *args):
+        time.sleep(0)
+        return getattr(super(), call)(*args)
+
+    def map_pages(self, *args):
+        return self._after_yielding("map_pages", *args)
+
+    def unmap_pages(self, *args):
+        return self._after_yielding("unmap_pages", *args)
+
+    def unmap_idle_pages(self, *args):
+        return self._after_yielding("unmap_idle_pages", *args)
+
+    def release_address_range(self, *args):
+        return self._after_yielding("release_address_range", *args)
+
+
+def expandable(backend, **options):
+    def make():
+        allocator = _core.CachingAllocator(backend(), 0, expandable_segments=True, **options)
+        allocator.set_capacity(64 << 30)
+        return allocator
+    return make
+
+
+@pytest.mark.parametrize("make", [
+    pytest.param(expandable(lambda: YieldingVM(capacity=64 << 30)), id="simulated"),
+    pytest.param(expandable(lambda: YieldingVM(capacity=64 << 30), max_reserved_ratio=1.0), id="holes"),
+    pytest.param(expandable(lambda: PageAlignedBackend("CPU")), id="host"),
+])
+def test_eight_threads_on_expandable_segments(make):
+    """Maps, unmaps (empty_cache, and with a ratio every miss's holes) and
+    range releases of eight threads overlap, with a ninth releasing empty
+    ranges all along."""
+    allocator = make()
+    deadline = time.monotonic() + 4.0
+    stop = threading.Event()
+    errors = []
+
+    def release_ranges():
+        try:
+            while not stop.is_set():
+                allocator.empty_virt_addr_cache()
+                time.sleep(0.001)
+        except BaseException as exc:
+            errors.append(exc)
+    releaser = threading.Thread(target=release_ranges)
+    releaser.start()
+    try:
+        assert run_threads(allocator, lambda done: time.monotonic() < deadline, maintenance=True) > 1000
+    finally:
+        stop.set()
+        releaser.join(timeout=60)
+    assert not errors, errors
+    allocator.empty_virt_addr_cache()
+    assert allocator.reserved_address_space() == {"ranges": 0, "bytes": 0}

@@ -2,10 +2,11 @@
 
 With expandable segments the core calls the backend's ``map_pages``,
 ``unmap_pages``, ``reserve_address_range`` and ``release_address_range``,
-Python methods, with its lock held (the lock is recursive: the same thread may
-take it again). A garbage collection inside one of them runs finalizers, which
-free other blocks of the same allocator; each such free merges its block with
-free neighbours. SECURITY.md promises that a free re-entered from a backend
+Python methods (with its lock held when these tests were written, the lock
+recursive; now with it let go, what the call is about marked meanwhile:
+_core_expandable.pxi). A garbage collection inside one of them runs
+finalizers, which free other blocks of the same allocator; each such free
+merges its block with free neighbours. SECURITY.md promises that a free re-entered from a backend
 callback is handled safely. The reported crash: ``empty_cache()`` unmapping
 the pages of a free block while the collector freed the block before it,
 which merged the free block away; ``_unmap_block`` went on using it (SIGSEGV).
