@@ -285,13 +285,14 @@ cdef class CachingAllocator:
     # virtual memory calls (_core_expandable.pxi), and every stream event call
     # (record, ask, wait: _core_streams.pxi copies the queue heads out under
     # the lock and commits the answers under it again). The history hook runs
-    # outside it too, though one thread's delivery waits for another's (each
-    # thread's hook takes its own Python frames). A free that arrives while
+    # outside it too, and no thread waits for another's (_core_history.pxi:
+    # commits in the order the batches were taken). A free that arrives while
     # this thread's own call still holds the lock (a finalizer run by a
     # backend call made under it) goes to the inbox, deferred_frees, done
     # before that operation returns (_drain_inbox). Calls still made under
-    # the lock (sleep's, release_stream, private pools' allocators)
-    # are listed in tests/core/threads/test_backend_calls_outside_the_lock.py.
+    # the lock (sleep's, check_stream, release_stream, private pools'
+    # allocators) are the strict xfails of
+    # tests/core/threads/test_no_call_under_the_lock.py.
     # ------------------------------------------------------------------
     cdef inline void _lock(self) noexcept:
         """Take the lock for anything but the pair of one size: a merge put
