@@ -40,6 +40,18 @@ _TraceEvent = Tuple[str, int, int, int, int, Optional[str]]
 _OOMObserver = Callable[[int, int, int, int, Optional[int]], Any]
 
 @final
+class HistoryDelivery:
+    """The history hook and the batches prepared for it (_core_history.pxi)."""
+    @property
+    def hook(self) -> Callable[[List[_TraceEvent]], Optional[Callable[[], Any]]]: ...
+    def __new__(cls, hook: Callable[[List[_TraceEvent]], Optional[Callable[[], Any]]]) -> HistoryDelivery: ...
+
+@final
+class DebugMode:
+    """Debug mode's sites and reports (_core_debug.pxi)."""
+    def __new__(cls, site_fn: Optional[Callable[[], List[Dict[str, Any]]]]) -> DebugMode: ...
+
+@final
 class CachingAllocator:
     backend: Any
     device: int
