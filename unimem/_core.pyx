@@ -447,6 +447,7 @@ cdef class CachingAllocator:
             remaining.unmapped = False
             remaining.lost = False
             remaining.releasing = False
+            remaining.client = CLIENT_NONE    # the slab's Block may be an old block's
             remaining.prev = block
             remaining.next = block.next
             if block.next != NULL:
@@ -620,6 +621,7 @@ cdef class CachingAllocator:
             net_blocks -= 1
             net_bytes -= <int64_t>subsumed
         b.requested_size = 0
+        b.client = CLIENT_NONE       # a free block has no client
         fi_insert(fi, b)   # the block's size class was reserved or exists
         if b.prev != NULL or b.next != NULL:
             net_blocks += 1

@@ -77,6 +77,9 @@ def _check_invariants(CachingAllocator self):
                 assert b.ptr == cursor, "blocks must tile their segment"
                 assert b.segment == seg and b.is_small == seg.is_small and b.stream == seg.stream
                 assert b.size > 0 and b.size % K_MIN_BLOCK == 0
+                assert b.client < N_CLIENTS, "a block's client is one of CLIENTS"
+                assert b.allocated or b.event_count > 0 or b.unmapped or b.client == CLIENT_NONE, \
+                    "a free block has no client"
                 if b.next != NULL:
                     assert b.next.prev == b
                 cursor += b.size

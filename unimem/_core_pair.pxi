@@ -86,4 +86,5 @@ cdef void _merge_deferred(CachingAllocator self) noexcept nogil:
     self.unmerged = NULL
     self.last_split = NULL
     self._try_merge(b, b.next, b.index)
+    b.client = CLIENT_NONE           # (as _free_block's)
     fi_insert(b.index, b)

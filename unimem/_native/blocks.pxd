@@ -52,8 +52,8 @@ cdef struct Block:
     # (event_count 1) until the work queued on their stream before the split
     # has completed: then unmapped without waiting (_core_holes.pxi).
     unsigned char releasing
-    # Who asked for it (a Client below), set when it is handed out and left
-    # as it was at the free: a free block's client means nothing.
+    # Who asked for it (a Client below), set when it is handed out, kept
+    # while its free waits on a stream, CLIENT_NONE once it is free.
     unsigned char client
 
 # The framework whose entry point a block was handed out through

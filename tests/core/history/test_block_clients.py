@@ -7,6 +7,7 @@ client."""
 import pytest
 
 from unimem import _core
+from unimem.backends._host import PageAlignedBackend
 from unimem.backends.simulated import SimulatedBackend
 
 MiB = 1 << 20
@@ -126,3 +127,33 @@ def test_a_client_unimem_does_not_know_is_refused_and_changes_nothing(client, er
     stats = a.memory_stats()
     assert stats["allocation.all.allocated"] == 0 and stats["num_device_alloc"] == 0
     assert a.snapshot() == [] and a.memory_allocated_by_client() == {}
+
+
+class ReleaseRefused(PageAlignedBackend):
+    """release_pages raises with the memory left as it was, so that the free
+    blocks a sleep holds stay in the snapshot."""
+
+    def release_pages(self, address, size, device=0):
+        raise OSError("refused")
+
+
+def test_a_free_block_a_sleep_holds_has_no_client():
+    """A split's free rest is a Block the slab kept from an earlier block
+    (here a merged "numba" one): its client byte must be cleared, or the
+    snapshot names a client that never held it (or, for a byte past the
+    names, reads past the table)."""
+    a = _core.CachingAllocator(ReleaseRefused(), 0)
+    first, second = a.allocate(1000, 0, "numba"), a.allocate(1000, 0, "numba")
+    first.release()
+    second.release()                  # the merge gives one Block back to the slab
+    held = a.allocate(3000, 0, "c")   # the split's rest takes it
+    freed = a.allocate(1000, 0, "cupy")
+    freed.release()                   # a block freed before the sleep: no client either
+    a._check_invariants()
+    with pytest.raises(OSError):
+        a.sleep()
+    blocks = blocks_of(a)
+    assert blocks[held.ptr]["client"] == "c"
+    assert {b["client"] for p, b in blocks.items() if p != held.ptr} == {None}
+    a.wake_up()
+    a._check_invariants()
