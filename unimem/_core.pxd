@@ -14,6 +14,7 @@ from unimem._native.policy cimport K_ROUNDUP_INTERVALS, Policy
 from unimem._native.provider cimport RawAllocatorAPI
 from unimem._native.stats cimport DeviceStats, TraceEvent
 from unimem._native.stream_events cimport UMStreamEvents
+from unimem._native.stream_notices cimport UMStreamNotices
 
 cdef extern from "csupport.hpp" nogil:
     cppclass UMLock:
@@ -72,8 +73,6 @@ cdef class CachingAllocator:
     cdef U64Map active                    # address -> allocated Block
     cdef StreamTable streams              # stream handle -> its free indexes
     cdef StreamPools* last_pools          # the last stream used (most calls use one)
-    cdef vector[uintptr_t] dropped_streams  # streams whose pools went, for the backend
-    cdef bint streams_added               # a stream came in: ask which others are abandoned
     cdef Segment* segments                # doubly linked list of all segments
     cdef cmap[uintptr_t, Segment*] segments_by_base   # to refuse overlapping memory
     cdef bint expandable                  # expandable_segments:True (_core_expandable.pxi)
@@ -140,6 +139,8 @@ cdef class CachingAllocator:
     cdef size_t in_flight_bytes
     cdef vector[pair[unsigned long, uint64_t]] in_flight_calls   # (thread, number) of each call
     cdef uint64_t in_flight_numbered        # calls numbered so far
+    # What the backend is told about streams, with the lock let go (_core_stream_notices.pxi)
+    cdef UMStreamNotices stream_notices
     cdef object __weakref__
 
     cdef inline void _lock(self) noexcept

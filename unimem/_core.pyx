@@ -42,7 +42,7 @@ cdef extern from "Python.h":
     void PyErr_SetInterrupt()
 from cpython.pycapsule cimport PyCapsule_IsValid, PyCapsule_GetPointer
 from cpython.ref cimport PyObject, Py_INCREF, Py_DECREF, Py_XDECREF
-from libc.stdint cimport uint64_t, int64_t, uintptr_t, INT64_MAX
+from libc.stdint cimport uint8_t, uint64_t, int64_t, uintptr_t, INT64_MAX
 from libc.stdlib cimport malloc as sys_malloc, free as sys_free, calloc
 from libc.string cimport memset, memcmp, memcpy, strlen
 from libcpp.vector cimport vector
@@ -59,6 +59,7 @@ from unimem._native.provider cimport (RawAllocatorAPI, RAW_OK, RAW_OUT_OF_MEMORY
                                       UM_PROVIDER_CAPSULE, UM_PROVIDER_VERSION, um_now_ns)
 from unimem._native.stats cimport *
 from unimem._native.stream_events cimport *
+from unimem._native.stream_notices cimport *
 
 import atexit
 import collections
@@ -100,6 +101,7 @@ include "_core_provider.pxi"
 include "_core_reclaim.pxi"
 include "_core_event_queue.pxi"
 include "_core_streams.pxi"
+include "_core_stream_notices.pxi"
 include "_core_expandable.pxi"
 include "_core_expandable_unmap.pxi"
 include "_core_holes.pxi"
@@ -286,12 +288,13 @@ cdef class CachingAllocator:
     # (record, ask, wait: _core_streams.pxi copies the queue heads out under
     # the lock and commits the answers under it again). The history hook runs
     # outside it too, and no thread waits for another's (_core_history.pxi:
-    # commits in the order the batches were taken). A free that arrives while
+    # commits in the order the batches were taken), and so do check_stream
+    # and release_stream (_core_stream_notices.pxi: one teller per stream
+    # settles what the backend holds with the table). A free that arrives while
     # this thread's own call still holds the lock (a finalizer run by a
     # backend call made under it) goes to the inbox, deferred_frees, done
     # before that operation returns (_drain_inbox). Calls still made under
-    # the lock (sleep's, check_stream, release_stream, private pools'
-    # allocators) are the strict xfails of
+    # the lock (sleep's, private pools' allocators) are the strict xfails of
     # tests/core/threads/test_no_call_under_the_lock.py.
     # ------------------------------------------------------------------
     cdef inline void _lock(self) noexcept:
@@ -367,7 +370,7 @@ cdef class CachingAllocator:
             self.streams[stream] = sp
             # a new stream (a new SYCL queue): at this call's miss, ask the
             # backend whether older streams were abandoned (_core_provider.pxi)
-            self.streams_added = stream != 0
+            self.stream_notices.added = stream != 0
         self.last_pools = sp
         return sp
 
@@ -380,7 +383,7 @@ cdef class CachingAllocator:
         self.streams.erase(sp.stream)
         if self.last_pools == sp:
             self.last_pools = NULL
-        self.dropped_streams.push_back(sp.stream)
+        um_notices_drop(self.stream_notices, sp.stream)   # no memory: the backend keeps its hold
         stream_pools_delete(sp)
 
     cdef void _drop_unused_streams(self) noexcept nogil:
@@ -779,7 +782,7 @@ cdef class CachingAllocator:
                 _drain_inbox(self)      # frees a finalizer made while the events were recorded
         else:
             self._unlock()
-        if not from_finalizer and (self.recording or not self.dropped_streams.empty()):
+        if not from_finalizer and (self.recording or not self.stream_notices.dropped.empty()):
             self._after_free()
         if self.cache_off and rc == 0 and not from_finalizer:
             _give_back_segment_at(self, ptr)
@@ -801,7 +804,7 @@ cdef class CachingAllocator:
         free: what raises here (a Ctrl-C) comes after the block went back."""
         if self.recording:
             self._flush_trace()
-        if not self.dropped_streams.empty():
+        if not self.stream_notices.dropped.empty():
             _tell_backend_dropped_streams(self)
         return 0
 

@@ -40,7 +40,20 @@ cdef object _reset_after_fork(CachingAllocator self):
     # A sleep() or wake_up() another thread had under way stops where it
     # was: its state stays, and wake_up() in the child ends it.
     self.sleep_busy = False
+    _forget_tellers_after_fork(self)        # another thread was telling the backend about streams
     _untake_after_fork(self)                # another thread was asking about events, or recording them
     _forget_other_threads_routes(self)
     self.trace_buffer.clear()
     _forget_deliveries_after_fork(self)
+
+
+cdef int _forget_tellers_after_fork(CachingAllocator self) except -1:
+    """The streams another thread was telling the backend about have no
+    teller in the child: each is told again at the next release told, what
+    the table says of it then (a release if it has no entry)."""
+    cdef cmap[uintptr_t, uint8_t].iterator it = self.stream_notices.telling.begin()
+    while it != self.stream_notices.telling.end():
+        self.stream_notices.dropped.push_back(deref(it).first)
+        inc(it)
+    self.stream_notices.telling.clear()
+    return 0

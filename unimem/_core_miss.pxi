@@ -152,7 +152,7 @@ cdef Block* _malloc_miss_nogil(CachingAllocator self, size_t orig_size, uintptr_
     cdef int64_t took_ns
     cdef uint64_t call
     if (not self._has_raw or self.expandable or self._gc_enabled() or self.policy.max_reserved_ratio
-            or self.lock_depth != 1 or self.streams_added or not self.dropped_streams.empty()):
+            or self.lock_depth != 1 or self.stream_notices.added or not self.stream_notices.dropped.empty()):
         return NULL
     if ((self.capacity and alloc_size > self.capacity) or (self.max_allocation and alloc_size > self.max_allocation)
             or (self.set_fraction and _held_or_asked(self) + alloc_size > self.allowed_memory_maximum)
@@ -438,7 +438,7 @@ cdef uintptr_t _malloc_miss(CachingAllocator self, size_t size, uintptr_t stream
         _drain_inbox(self)
         raise
     if oom:
-        if not self.dropped_streams.empty():
+        if not self.stream_notices.dropped.empty():
             _tell_backend_dropped_streams(self)
         if self.recording:
             self._flush_trace()
@@ -446,8 +446,8 @@ cdef uintptr_t _malloc_miss(CachingAllocator self, size_t size, uintptr_t stream
         raise self._out_of_memory(size, tried)
     # lock_depth is the allocator's, not this thread's: while any thread
     # holds the lock (a re-entered call, a finalizer elsewhere) the
-    # question waits for a later miss, as streams_added stays set
-    if self.streams_added and self.lock_depth == 0:
+    # question waits for a later miss, as stream_notices.added stays set
+    if self.stream_notices.added and self.lock_depth == 0:
         try:
             _release_abandoned_streams(self, stream)
         except BaseException:       # a Ctrl-C: the caller never saw the block
@@ -476,7 +476,7 @@ cdef int _after_malloc(CachingAllocator self, uintptr_t ptr, size_t size, bint b
     history hook gives the new block back before it reaches the caller,
     who never saw the address."""
     try:
-        if not self.dropped_streams.empty():
+        if not self.stream_notices.dropped.empty():
             _tell_backend_dropped_streams(self)
         if self.recording:
             self._flush_trace()

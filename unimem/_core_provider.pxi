@@ -67,42 +67,6 @@ cdef int _backend_free(CachingAllocator self, uintptr_t ptr, size_t size, uintpt
     return 0
 
 
-cdef int _tell_backend_dropped_streams(CachingAllocator self) except -1:
-    """Tell the backend (``release_stream(stream, device)``, optional) of
-    the streams this allocator no longer keeps anything for, then let it
-    let go of what it held for them (``sweep_released_streams()``, optional).
-
-    The release is told with the lock held, in the order of the allocator's
-    own changes, and only for a stream that is still out of its table: a
-    stream dropped, then named again (record_stream, an allocation on it)
-    before the release was told, must keep what the backend holds for it
-    (a SYCL queue, whose handle would otherwise go to another queue while
-    blocks wait for the first one's work). Letting go, which may wait for
-    the device, comes after the lock."""
-    cdef vector[uintptr_t] dropped
-    cdef vector[uintptr_t] still_out
-    cdef size_t i
-    if self.dropped_streams.empty():
-        return 0
-    release = getattr(self.backend, "release_stream", None)
-    self._lock()
-    try:
-        dropped.swap(self.dropped_streams)
-        for i in range(dropped.size()):
-            if self.streams.find(dropped[i]) == self.streams.end():
-                still_out.push_back(dropped[i])
-        if release is not None and not still_out.empty():
-            _tell_each(release, [(stream, self.device) for stream in still_out],
-                       "unimem: a backend's release_stream")
-    finally:
-        self._unlock()
-    sweep = getattr(self.backend, "sweep_released_streams", None)
-    if sweep is not None and not still_out.empty():
-        _tell_each(sweep, [()], "unimem: a backend's sweep_released_streams")
-    _drain_inbox(self)      # frees a finalizer made during release_stream
-    return 0
-
-
 def backend_memory_info(backend, int device):
     """``backend.memory_info(device)`` as ``(free, total)`` ints, checked:
     ``NotImplementedError`` when the backend has no ``memory_info`` (it is

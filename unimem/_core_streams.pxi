@@ -14,6 +14,17 @@ cdef extern from *:
     int _push_address "um_push_address"(vector[uintptr_t]& v, uintptr_t p) nogil
 
 
+cdef extern from *:
+    """
+    #include <new>
+    static inline std::vector<uintptr_t>* um_new_stream_uses() {
+        return new (std::nothrow) std::vector<uintptr_t>();
+    }
+    """
+    # NULL when host memory ran out
+    vector[uintptr_t]* _new_stream_uses "um_new_stream_uses"() nogil
+
+
 cdef int _defer_free(CachingAllocator self, uintptr_t ptr) noexcept nogil:
     """Keep the free of ``ptr`` (its low bit set for an Allocation's block:
     blocks are aligned to 512 bytes), a live block used on other streams (with
@@ -396,7 +407,7 @@ cdef int _release_abandoned_streams(CachingAllocator self, uintptr_t serving) ex
     PyTorch and CuPy keep a dead stream's cache until then; the check runs
     once per new stream, not per allocation. A backend error is reported as
     unraisable (the caller's allocation succeeded); a Ctrl-C is raised."""
-    self.streams_added = False
+    self.stream_notices.added = False
     abandoned_streams = getattr(self.backend, "abandoned_streams", None)
     if abandoned_streams is None:
         return 0
@@ -449,43 +460,3 @@ cdef int _release_abandoned_streams(CachingAllocator self, uintptr_t serving) ex
     except Exception as exc:
         _report_unraisable(exc, "unimem: giving back the cache of abandoned streams")
     return 0
-
-
-cdef object _record_stream(CachingAllocator self, ptr, stream):
-    """CachingAllocator.record_stream."""
-    cdef uintptr_t p = check_pointer(ptr)
-    cdef uintptr_t s = check_stream(stream)
-    cdef Block* b
-    cdef StreamPools* sp
-    check = getattr(self.backend, "check_stream", None)
-    self._lock()
-    try:
-        b = <Block*>um_find(&self.active, p)
-        if b == NULL:
-            raise InvalidPointerError(f"pointer {p:#x} is not a live allocation of this allocator")
-        if s == b.stream:
-            return
-        if b.stream_uses != NULL:
-            for i in range(b.stream_uses.size()):
-                if b.stream_uses[0][i] == s:
-                    return
-        # Asked with the lock held, once the record will happen: the
-        # backend's hold on the stream begins in the order of the table's
-        # changes (see _tell_backend_dropped_streams), and a refused call
-        # leaves no hold behind. check_stream does not wait.
-        if check is not None:
-            check(s, self.device)
-            b = <Block*>um_find(&self.active, p)     # it ran Python: a finalizer may have freed it
-            if b == NULL:
-                raise ValueError(f"pointer {p:#x} is not a live allocation of this allocator")
-        # The stream's table entry counts its uses, so that it is not
-        # dropped (nor the backend told) while a block may need an event on it.
-        sp = self._stream_pools(s)
-        if sp == NULL:
-            raise MemoryError("host memory for the allocator's bookkeeping ran out")
-        if b.stream_uses == NULL:
-            b.stream_uses = new vector[uintptr_t]()
-        b.stream_uses.push_back(s)
-        sp.n_stream_uses += 1
-    finally:
-        self._unlock()

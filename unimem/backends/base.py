@@ -90,16 +90,22 @@ class Backend(Protocol):
     # Without asynchronous work, memory is reusable at once: the defaults.
     def check_stream(self, stream: int, device: int) -> None:
         """Raise ``ValueError`` if ``stream`` names no stream of ``device``.
-        Called by ``record_stream`` (with the allocator's lock held: it must
-        not wait), so that a bad handle is refused there and not at the free,
-        which could then never happen; absent: every handle is taken."""
+        Called by ``record_stream`` before the record, so that a bad handle
+        is refused there and not at the free, which could then never happen;
+        a backend may begin holding what it keeps for the stream here, until
+        :meth:`release_stream`. Called without the allocator's lock, and
+        again for a stream that is still in use after a release told at the
+        same time (so it must be idempotent, and must not wait); absent:
+        every handle is taken."""
 
     def release_stream(self, stream: int, device: int) -> None:
         """The allocator keeps nothing for ``stream`` any more (no segment, no
         pending event): the backend may let go of what it holds for it.
-        Called by the core with its lock held, in the order of its own
-        changes (so it must not wait: let go in
-        :meth:`sweep_released_streams`); absent: nothing to do."""
+        Called without the allocator's lock; a stream named again while its
+        release is told is named once more (:meth:`check_stream`) after it,
+        so that what the backend holds ends as the allocator's table says.
+        It must not wait: let go in :meth:`sweep_released_streams`; absent:
+        nothing to do."""
 
     def abandoned_streams(self, streams: List[int], device: int) -> List[int]:
         """Of ``streams`` (those the allocator keeps cached memory for), the

@@ -257,7 +257,7 @@ class _SyclRuntime:
         """The core keeps nothing for stream ``handle`` any more: let go of
         its queue once no allocation is left on it and nothing but this table
         refers to it (so no caller is about to allocate on it). Without
-        ``sweep`` it is only noted (the core's lock is held): :meth:`sweep`."""
+        ``sweep`` it is only noted (the core's call must not wait): :meth:`sweep`."""
         if handle <= 0 or self._is_default_queue_own_handle(handle):
             return
         self.released.add(handle)
@@ -503,7 +503,7 @@ class XPUBackend(Backend):
     def release_stream(self, stream: int, device: int) -> None:
         """The core keeps nothing for ``stream`` any more on ``device``: its
         queue may be let go of (see :meth:`_SyclRuntime.release`), at
-        :meth:`sweep_released_streams` (the core's lock is held here)."""
+        :meth:`sweep_released_streams`."""
         self._named_streams.discard(stream)
         self.runtime.release(stream, sweep=False)
 

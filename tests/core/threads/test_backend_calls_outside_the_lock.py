@@ -1,8 +1,7 @@
 """The core's rule: nothing that can run Python or wait runs while its lock is
 held. The probe: while a backend call (or a hook) runs, another thread asks
 the same allocator for a block its cache already holds; it must get it before
-the call returns. A call still made under the lock is an xfail(strict) here,
-so that moving it out flips the test. Waits too: empty_cache waits for an
+the call returns. Waits too: empty_cache waits for an
 XPU queue's events without the lock, which a dpctl host task queued before
 them needs (in a subprocess: a hang fails the test, not the suite)."""
 import threading
@@ -80,6 +79,10 @@ class ProbingBackend(SimulatedBackend):
             self.probe()
         return super().event_synchronize(event)
 
+    def check_stream(self, stream, device):
+        if "check_stream" in self.probe_in:
+            self.probe()
+
     def release_stream(self, stream, device):
         if "release_stream" in self.probe_in:
             self.probe()
@@ -98,6 +101,18 @@ def finish(allocator, probe):
     for t in probe.blocked:
         t.join(WAIT_S)
     _core._check_invariants(allocator)
+
+
+def test_a_cache_hit_on_another_thread_is_served_while_record_stream_checks_the_stream():
+    probe = Probe()
+    allocator, backend = allocator_with_a_cached_small_block(probe)
+    p = allocator.malloc(30 * MiB)
+    backend.probe_in = {"check_stream"}
+    probe.armed = True
+    allocator.record_stream(p, 9)
+    allocator.free(p)
+    finish(allocator, probe)
+    assert probe.outcomes == [True]
 
 
 def test_a_cache_hit_on_another_thread_is_served_while_the_backend_allocates():
@@ -240,9 +255,6 @@ def expandable_allocator_with_a_cached_small_block(probe, **options):
     return allocator, gpu
 
 
-STILL_UNDER_THE_LOCK = pytest.mark.xfail(strict=True, reason="still called with the core's lock held")
-
-
 @pytest.mark.parametrize("callback", ["reserve_address_range", "map_pages"])
 def test_a_cache_hit_on_another_thread_is_served_while_expandable_segments_grow(callback):
     probe = Probe()
@@ -293,7 +305,7 @@ def test_a_cache_hit_on_another_thread_is_served_while_empty_virt_addr_cache_rel
     pytest.param("free", False, 30 * MiB, 0, id="free"),
     pytest.param("unmap_pages", True, 64 * MiB, 0, id="unmap_pages"),
     # stream 9 keeps nothing after empty_cache: the backend is told it is dropped
-    pytest.param("release_stream", False, 4096, 9, id="release_stream", marks=STILL_UNDER_THE_LOCK),
+    pytest.param("release_stream", False, 4096, 9, id="release_stream"),
 ])
 def test_a_cache_hit_on_another_thread_is_served_while_empty_cache_calls_the_backend(
         callback, expandable, size, stream):

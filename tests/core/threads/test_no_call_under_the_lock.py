@@ -205,9 +205,8 @@ def still_under_the_lock(*calls):
 
 SCENARIOS = [
     pytest.param(plain_segments, id="plain segments"),
-    pytest.param(stream_events, id="stream events",
-                 marks=still_under_the_lock("check_stream", "release_stream")),
-    pytest.param(expandable_segments, id="expandable segments", marks=still_under_the_lock("release_stream")),
+    pytest.param(stream_events, id="stream events"),
+    pytest.param(expandable_segments, id="expandable segments"),
     pytest.param(expandable_holes, id="expandable holes"),
     pytest.param(sleep_and_wake_up, id="sleep",
                  marks=still_under_the_lock("release_pages", "restore_pages", "copy_to_host", "copy_from_host")),
