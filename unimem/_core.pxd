@@ -120,7 +120,7 @@ cdef class CachingAllocator:
 
     # sleep mode (_core_sleep.pxi)
     cdef bint sleeping                      # the whole device asleep: allocation refused
-    cdef bint sleep_busy                    # sleep() or wake_up() under way
+    cdef unsigned long sleep_busy           # the thread whose sleep() or wake_up() is under way, or 0
     cdef cmap[uintptr_t, uintptr_t] sleep_marks   # sleeping Segment* -> its sleep
     cdef vector[Block*] sleep_held          # their blocks that were free, off the free index
     cdef vector[Block*] sleep_freed         # their blocks freed since, back at wake_up

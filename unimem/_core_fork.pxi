@@ -39,7 +39,7 @@ cdef object _reset_after_fork(CachingAllocator self):
     self.in_flight_calls.clear()
     # A sleep() or wake_up() another thread had under way stops where it
     # was: its state stays, and wake_up() in the child ends it.
-    self.sleep_busy = False
+    self.sleep_busy = 0
     _forget_tellers_after_fork(self)        # another thread was telling the backend about streams
     _untake_after_fork(self)                # another thread was asking about events, or recording them
     _forget_other_threads_routes(self)

@@ -48,7 +48,16 @@
 # back too. A restore (or copy back) that raises stops wake_up() there: what
 # was woken stays woken, the rest stays asleep, the allocator is still
 # asleep (nothing can be handed out twice) and wake_up() again goes on.
-# sleep() and wake_up() re-entered from a backend call are refused.
+#
+# The lock. Deciding (marking, holding, listing the spans) and committing
+# (the statistics of each span given back or backed again, ending the sleep)
+# happen under the lock; every call out (the segment filter, the copies,
+# release_pages/restore_pages, the virtual memory calls) is made with it let
+# go. Meanwhile the marks keep every other path away from the sleeping
+# segments, and sleep_busy names the thread whose sleep or wake is under
+# way: another thread's sleep() or wake_up() waits for it to end, one
+# called from within those calls is refused, and a pool's memory backed again counts against
+# the memory limit while the call is in flight (_note_call_in_flight).
 
 from bisect import bisect_right
 
@@ -117,11 +126,9 @@ cdef inline bint _hold_if_asleep(CachingAllocator self, Block* b) noexcept nogil
     return True
 
 
-cdef int _refuse_reentry(CachingAllocator self) except -1:
-    if self.sleep_busy:
-        raise RuntimeError(f"sleep() or wake_up() is already under way on the {self.device_name} allocator "
-                           f"of device {self.device} (called again from within a backend call)")
-    return 0
+cdef object _busy_error(CachingAllocator self):
+    return RuntimeError(f"sleep() or wake_up() is already under way on the {self.device_name} allocator "
+                        f"of device {self.device} (called again from within a backend call)")
 
 
 cdef int _refuse_asleep(CachingAllocator self) except -1:
@@ -156,26 +163,41 @@ cdef str _check_can_sleep(CachingAllocator self, bint device_segments):
     return reason or ""
 
 
-cdef int _mark(CachingAllocator self, object state, object select, str reason, dict reasons) except -1:
-    """Mark the segments that sleep (``select(address, size, stream)`` says
-    which, all when None), hold their free blocks and list their spans.
-    NotImplementedError, before anything is marked, when one of them is a
-    segment from malloc that the backend cannot give back (``reason``), or
-    a segment of a pool whose own allocator cannot (``reasons``)."""
-    cdef Segment* seg = self.segments
+cdef list _sleep_candidates(CachingAllocator self, object select):
+    """``(address, size, stream)`` of the segments that may sleep, those
+    ``select(address, size, stream)`` takes (all when None). Copied under
+    the lock; the tuples are made and ``select`` runs with it let go, so
+    _mark looks each segment up again."""
+    cdef vector[uintptr_t] found       # base, size, stream of each
+    cdef Segment* seg
+    cdef size_t i
+    self._lock()
+    seg = self.segments
+    while seg != NULL:
+        if self.sleep_marks.count(<uintptr_t>seg) == 0 and (not seg.expandable or seg.mapped > 0):
+            if (_push_address(found, seg.base) != 0 or _push_address(found, seg.size) != 0
+                    or _push_address(found, seg.stream) != 0):
+                self._unlock()
+                raise MemoryError("host memory for the allocator's bookkeeping ran out")
+        seg = seg.next_seg
+    self._unlock()
+    candidates = [(found[i], found[i + 1], found[i + 2]) for i in range(0, found.size(), 3)]
+    if select is not None:
+        candidates = [c for c in candidates if select(*c)]
+    return candidates
+
+
+cdef int _mark(CachingAllocator self, object state, list candidates, str reason, dict reasons) except -1:
+    """Mark the segments of ``candidates`` (_sleep_candidates), hold their
+    free blocks and list their spans. NotImplementedError, before anything
+    is marked, when one of them is a segment from malloc that the backend
+    cannot give back (``reason``), or a segment of a pool whose own
+    allocator cannot (``reasons``). Lock held."""
+    cdef Segment* seg
     cdef Block* b
     cdef Block* start
     cdef uintptr_t key = <uintptr_t>id(state)
     cdef cmap[uintptr_t, Segment*].iterator it
-    candidates = []
-    while seg != NULL:
-        if self.sleep_marks.count(<uintptr_t>seg) == 0 and (not seg.expandable or seg.mapped > 0):
-            candidates.append((seg.base, seg.size, seg.stream))
-        seg = seg.next_seg
-    if select is not None:
-        # Python code: it may free (or allocate) re-entrantly, so each
-        # segment is looked up again below.
-        candidates = [c for c in candidates if select(*c)]
     for base, size, _ in candidates:
         it = self.segments_by_base.find(base)
         if it != self.segments_by_base.end() and deref(it).second.pool != NULL \
@@ -241,12 +263,13 @@ cdef object _span_of(CachingAllocator self, object state, Block* first, Block* s
 
 
 cdef int _offload(CachingAllocator self, object state) except -1:
-    """Copy the live blocks' bytes to one host mapping."""
+    """Copy the live blocks' bytes to one host mapping, with the lock let
+    go. A block freed since it was marked is held by the sleep (nobody
+    else can have its memory): copying it anyway is harmless."""
     cdef size_t total = 0
     cdef size_t length
     cdef void* p
     cdef uintptr_t staging
-    cdef Block* b
     for span in state.spans:
         for copy in span.copies:
             copy[3] = total
@@ -269,11 +292,8 @@ cdef int _offload(CachingAllocator self, object state) except -1:
         if not direct and copy_to_host is None:
             raise NotImplementedError(_no_copy_message(self, span, "copy_to_host"))
         for copy in span.copies:
-            b = <Block*><uintptr_t>copy[0]
-            if not b.allocated:          # freed meanwhile (from a backend call): nothing to keep
-                continue
             if direct:
-                memcpy(<void*>(staging + <size_t>copy[3]), <void*>b.ptr, b.size)
+                memcpy(<void*>(staging + <size_t>copy[3]), <void*><uintptr_t>copy[1], <size_t>copy[2])
             else:
                 try:
                     copy_to_host(staging + copy[3], copy[1], copy[2], self.device)
@@ -289,26 +309,31 @@ cdef str _no_copy_message(CachingAllocator self, object span, str call):
 
 
 cdef object _release_spans(CachingAllocator self, object state):
-    """Give back each span's memory; the first error, or None."""
+    """Give back each span's memory, with the lock let go, and count each
+    under it; the first error, or None."""
     cdef int64_t t0
+    cdef size_t size
     first_error = None
     for span in state.spans:
         t0 = um_now_ns()
+        size = span.size
         try:
             if span.expandable:
-                self._vm_unmap(span.address, span.size, self.device)
+                self._vm_unmap(span.address, size, self.device)
             else:
-                _owner_of(self, span).release_pages(span.address, span.size, self.device)
+                _owner_of(self, span).release_pages(span.address, size, self.device)
         except BaseException as exc:     # the memory is as it was: the backend's contract
             if first_error is None:
                 first_error = exc
             continue
+        self._lock()
         duration_add(&self.stats.device_free_time, (um_now_ns() - t0) // 1000)
         span.released = True
-        self.total_allocated_memory -= <size_t>span.size
-        pool_decrease(&self.stats, S_RESERVED_BYTES, span.is_small, span.size)
+        self.total_allocated_memory -= size
+        pool_decrease(&self.stats, S_RESERVED_BYTES, span.is_small, size)
         self.stats.num_device_free += 1
         _trace_span(self, T_SEGMENT_UNMAP, span)
+        self._unlock()
     return first_error
 
 
@@ -329,21 +354,36 @@ cdef int _restore_span(CachingAllocator self, object span, bint within_limit=Tru
     allocations meanwhile (not ``within_limit``: a whole-device sleep, and
     blocks of a dead pool still in use, which nobody could wake later)."""
     cdef int64_t t0
-    if within_limit and self.set_fraction and _held_or_asked(self) + <size_t>span.size > self.allowed_memory_maximum:
+    cdef size_t size = span.size
+    cdef size_t reserved = 0
+    cdef size_t allowed = 0
+    cdef uint64_t call = 0
+    # The limit is checked, and the span's bytes count against it while the
+    # call is in flight, in one hold of the lock: two wakes (or a wake and a
+    # miss) cannot pass it together.
+    self._lock()
+    if within_limit and self.set_fraction and _held_or_asked(self) + size > self.allowed_memory_maximum:
+        reserved, allowed = _held_or_asked(self) + size, self.allowed_memory_maximum
+    else:
+        call = _note_call_in_flight(self, size)
+    self._unlock()
+    if call == 0:
         raise OutOfMemoryError(
             f"wake_up: backing [{span.address:#x}, {span.address + span.size:#x}) with memory again "
-            f"would pass the memory limit ({self.total_allocated_memory + <size_t>span.size} bytes "
-            f"reserved, {self.allowed_memory_maximum} allowed); the pool stays asleep with the "
-            f"memory not yet woken: free the device's memory (and empty_cache()) or raise the "
-            f"limit, and call wake_up() again",
+            f"would pass the memory limit ({reserved} bytes reserved, {allowed} allowed); the pool "
+            f"stays asleep with the memory not yet woken: free the device's memory (and empty_cache()) "
+            f"or raise the limit, and call wake_up() again",
             device=self.device, requested=span.size)
     t0 = um_now_ns()
     try:
         if span.expandable:
-            self._vm_map(span.address, span.size, self.device)
+            self._vm_map(span.address, size, self.device)
         else:
-            _owner_of(self, span).restore_pages(span.address, span.size, self.device)
+            _owner_of(self, span).restore_pages(span.address, size, self.device)
     except BaseException as exc:
+        self._lock()
+        _end_call_in_flight(self, call, size)
+        self._unlock()
         message = (f"wake_up: {_owner_words(self, span)} could not back [{span.address:#x}, "
                    f"{span.address + span.size:#x}) with memory again ({type(exc).__name__}: {exc}); "
                    f"the allocator stays asleep with the memory not yet woken: call wake_up() again")
@@ -352,19 +392,34 @@ cdef int _restore_span(CachingAllocator self, object span, bint within_limit=Tru
         if isinstance(exc, Exception):
             raise RuntimeError(message) from exc
         raise                        # a KeyboardInterrupt stays one
+    self._lock()
+    _end_call_in_flight(self, call, size)
     duration_add(&self.stats.device_alloc_time, (um_now_ns() - t0) // 1000)
     span.released = False
-    self.total_allocated_memory += <size_t>span.size
-    pool_increase(&self.stats, S_RESERVED_BYTES, span.is_small, span.size)
+    self.total_allocated_memory += size
+    pool_increase(&self.stats, S_RESERVED_BYTES, span.is_small, size)
     self.stats.num_device_alloc += 1
     _trace_span(self, T_SEGMENT_MAP, span)
+    self._unlock()
     return 0
 
 
+cdef void _end_call_in_flight(CachingAllocator self, uint64_t call, size_t size) noexcept nogil:
+    """A span's restore is no longer in flight (lock held)."""
+    _forget_call_in_flight(self, call)
+    self.in_flight_bytes = self.in_flight_bytes - size if self.in_flight_bytes > size else 0
+
+
 cdef int _copy_back(CachingAllocator self, object state, object span) except -1:
-    """Copy the live blocks' bytes back into a span that has memory again;
-    each copy leaves the list once done (a failure leaves the rest)."""
+    """Copy the live blocks' bytes back into a span that has memory again,
+    with the lock let go; each copy leaves the list once done (a failure
+    leaves the rest). Which blocks are still live is read under the lock:
+    one freed since is held by the sleep until it ends, so a copy into it
+    is harmless."""
     cdef Block* b
+    cdef vector[char] live
+    cdef char is_live
+    cdef size_t i
     owner = _owner_of(self, span)
     direct = bool(getattr(owner, "host_accessible", False))
     copy_from_host = None if direct else getattr(owner, "copy_from_host", None)
@@ -377,13 +432,23 @@ cdef int _copy_back(CachingAllocator self, object state, object span) except -1:
     cdef bint advise = bool(span.copies) and direct and span.owner is None and _thp_mode() == "madvise"
     if advise:
         madvise(<void*><uintptr_t>span.address, <size_t>span.size, MADV_HUGEPAGE)
+    copies = list(span.copies)
+    live.reserve(len(copies))
+    self._lock()
+    for block, address, _, _ in copies:     # no Python object made: the items exist
+        b = <Block*><uintptr_t>block
+        is_live = b.allocated and b.ptr == <uintptr_t>address
+        live.push_back(is_live)        # room reserved
+    self._unlock()
     try:
-        while span.copies:
-            block, address, size, offset = span.copies[len(span.copies) - 1]
-            b = <Block*><uintptr_t>block
-            if b.allocated and b.ptr == <uintptr_t>address:     # not freed while asleep
+        i = live.size()
+        while i > 0:
+            i -= 1
+            block, address, size, offset = copies[i]
+            if live[i]:                     # not freed while asleep
                 if direct:
-                    memcpy(<void*>b.ptr, <void*>(<uintptr_t>state.staging + <size_t>offset), b.size)
+                    memcpy(<void*><uintptr_t>address, <void*>(<uintptr_t>state.staging + <size_t>offset),
+                           <size_t>size)
                 else:
                     copy_from_host(address, state.staging + offset, size, self.device)
             span.copies.pop()
@@ -489,14 +554,11 @@ cdef int _sleep(CachingAllocator self, bint offload, object select, object tag,
     if synchronize is not None:
         synchronize(self.device)           # work still using the memory completes first
     state = _SleepState(offload, select is None)
-    self._lock()
+    if not _begin_transition(self, tag, True):
+        return 0                           # asleep already (another thread put it to sleep)
     try:
-        # Under the lock: another thread may have put ``tag`` to sleep (or
-        # be doing so) since this call began.
-        _refuse_reentry(self)
-        if tag in self.sleep_states:
-            return 0                       # asleep already
-        self.sleep_busy = True
+        candidates = _sleep_candidates(self, select)
+        self._lock()
         try:
             _synchronize_and_free_events(self)
             self.sleep_states[tag] = state
@@ -504,19 +566,60 @@ cdef int _sleep(CachingAllocator self, bint offload, object select, object tag,
                 self.sleeping = True
                 self._update_unusual()
             try:
-                _mark(self, state, select, reason, reasons)
-                _offload(self, state)
+                _mark(self, state, candidates, reason, reasons)
             except BaseException:
-                _end_sleep(self, state, tag)   # nothing was given back: as before
+                _end_sleep(self, state, tag)   # nothing marked: as before
                 raise
-            error = _release_spans(self, state)
         finally:
-            self.sleep_busy = False
+            self._unlock()
+        try:
+            _offload(self, state)
+        except BaseException:
+            self._lock()
+            try:
+                _end_sleep(self, state, tag)   # nothing was given back: as before
+            finally:
+                self._unlock()
+            raise
+        error = _release_spans(self, state)
     finally:
-        self._unlock()
+        _end_transition(self)
     self._flush_trace()
     if error is not None:
         raise error
+    return 0
+
+
+cdef bint _begin_transition(CachingAllocator self, object tag, bint to_sleep) except -1:
+    """Mark a sleep or wake as begun (sleep_busy: this thread), once any
+    other thread's is over (waited for with the lock let go, without the
+    GIL, as a thread waiting for the lock did before). RuntimeError for one
+    re-entered from a call this thread's makes (or from a finalizer while
+    the lock is held more than once). False when there is nothing
+    to do: ``tag`` asleep already (``to_sleep``), or awake."""
+    cdef unsigned long thread = PyThread_get_thread_ident()
+    self._lock()
+    # Held more than once (called from a finalizer inside another call),
+    # letting go would not let the other thread commit: refused then.
+    while self.sleep_busy != 0 and self.sleep_busy != thread and self.lock_depth == 1:
+        self._unlock()
+        with nogil:
+            usleep(100)
+        self._lock()
+    if self.sleep_busy != 0:
+        self._unlock()
+        raise _busy_error(self)
+    done = (tag in self.sleep_states) == to_sleep
+    if not done:
+        self.sleep_busy = thread
+    self._unlock()
+    return not done
+
+
+cdef int _end_transition(CachingAllocator self) except -1:
+    self._lock()
+    self.sleep_busy = 0
+    self._unlock()
     return 0
 
 
@@ -553,17 +656,18 @@ cdef int _wake_up(CachingAllocator self, object tag) except -1:
     as a whole before any of it is backed again."""
     cdef size_t excess = 0
     cdef size_t reserved = 0
-    self._lock()
+    if not _begin_transition(self, tag, False):
+        return 0                       # awake already (or woken by another thread meanwhile)
     try:
-        _refuse_reentry(self)
-        state = self.sleep_states.get(tag)
-        if state is not None:          # else awake already (or woken by another thread meanwhile)
-            excess = _wake_excess(self, state)
-            reserved = self.total_allocated_memory
-            if excess == 0:
-                _wake_spans(self, state, tag)
-    finally:
+        self._lock()
+        state = self.sleep_states[tag]
+        excess = _wake_excess(self, state)
+        reserved = self.total_allocated_memory
         self._unlock()
+        if excess == 0:
+            _wake_spans(self, state, tag)
+    finally:
+        _end_transition(self)
         self._flush_trace()        # what was woken before a refused span too
     if excess:                     # raised outside the lock: the observers run Python
         raise _wake_refused(self, excess, reserved, self.allowed_memory_maximum)
@@ -571,19 +675,19 @@ cdef int _wake_up(CachingAllocator self, object tag) except -1:
 
 
 cdef int _wake_spans(CachingAllocator self, object state, object tag) except -1:
-    """Back the sleep's spans with memory again, copy their bytes back and
-    end the sleep. Lock held."""
-    self.sleep_busy = True
+    """Back the sleep's spans with memory again and copy their bytes back,
+    with the lock let go, then end the sleep under it."""
+    for span in state.spans:
+        if span.released:
+            # checked as a whole (_wake_excess); span by span again, as
+            # another thread (or the Python a backend call runs) may allocate
+            _restore_span(self, span, not state.whole_device)
+        _copy_back(self, state, span)
+    self._lock()
     try:
-        for span in state.spans:
-            if span.released:
-                # checked as a whole (_wake_excess); span by span again, as
-                # the Python a backend call runs may allocate
-                _restore_span(self, span, not state.whole_device)
-            _copy_back(self, state, span)
         _end_sleep(self, state, tag)
     finally:
-        self.sleep_busy = False
+        self._unlock()
     return 0
 
 

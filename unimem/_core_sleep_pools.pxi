@@ -203,7 +203,7 @@ cdef int _end_dead_sleep(CachingAllocator self, object tag) except -1:
     state = self.sleep_states[tag]
     held = {<uintptr_t>self.sleep_held[i] for i in range(self.sleep_held.size())}
     held.update(<uintptr_t>self.sleep_freed[i] for i in range(self.sleep_freed.size()))
-    self.sleep_busy = True
+    self.sleep_busy = PyThread_get_thread_ident()
     try:
         for span in state.spans:
             if span.expandable or not _wholly_held(self, span.address, held):
@@ -226,7 +226,7 @@ cdef int _end_dead_sleep(CachingAllocator self, object tag) except -1:
         finally:
             self.debug_on = debug_on
     finally:
-        self.sleep_busy = False
+        self.sleep_busy = 0
     cdef PrivatePool* pool = _find_pool(self, tag[1])
     if pool != NULL:
         pool.sleeping = False
